@@ -1,0 +1,37 @@
+SHELL := /bin/bash
+# fusedamp — the two commands a new user needs:
+#   make demo   trains real models with fusedamp and torch.amp side by side, prints and plots
+#   make test   installs what is missing, builds, runs every C++ and Python test
+# Both install their own dependencies and are quick when everything is already built.
+PYTHON ?= python3
+BUILD  ?= build/dev
+JOBS   ?= $(shell nproc)
+CMAKE_ARGS ?=
+
+.PHONY: all deps build test test-cpp test-python clean
+
+all: build
+
+deps:
+	@PYTHON=$(PYTHON) scripts/ensure_deps.sh
+
+# Configure once, then incremental builds; the library, _C, headers and the CMake package are
+# installed into python/fusedamp, which is what `import fusedamp` (PYTHONPATH=python) loads.
+build: deps
+	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then \
+	  cmake -S . -B $(BUILD) -G Ninja -DFUSEDAMP_BUILD_TESTS=ON \
+	    -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
+	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/python/fusedamp $(CMAKE_ARGS); fi
+	cmake --build $(BUILD) -j $(JOBS) 2>&1 | tee $(BUILD)/build.log | grep -v "^ptxas info"; exit $${PIPESTATUS[0]}
+	cmake --install $(BUILD) > /dev/null
+
+test: build test-cpp test-python
+
+test-cpp:
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-python:
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
+
+clean:
+	rm -rf build python/fusedamp/lib python/fusedamp/include python/fusedamp/share python/fusedamp/_C*.so

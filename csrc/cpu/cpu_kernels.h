@@ -1,0 +1,53 @@
+#pragma once
+// The CPU hot loops. Each kernel file is compiled once per instruction set (DEFAULT, AVX2,
+// AVX512; see CMakeLists.txt) into its own namespace; kernels() picks the best one the
+// running CPU supports, honouring ATEN_CPU_CAPABILITY like torch does. Arguments have been
+// validated (op_checks.h) before any of these is called.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/sgd_math.h>
+
+#include <vector>
+
+namespace fusedamp::cpu {
+
+// Per-tensor step counts read before the update (the kernels never write them).
+struct KernelTable {
+  // grads *= inv_scale; returns true if any element was non-finite.
+  bool (*unscale_and_check)(at::TensorList grads, float inv_scale);
+  // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite.
+  // Returns true if any element was non-finite.
+  bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags);
+  void (*adam)(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,
+               const math::AdamHyper& h, float lr, float grad_mult);
+  void (*sgd)(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+              at::TensorList momentum_buffers, const float* steps_before,
+              const math::SgdHyper& h, float lr, float grad_mult);
+};
+
+#define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
+  namespace NS {                                                                             \
+  bool unscale_and_check(at::TensorList grads, float inv_scale);                             \
+  bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags);           \
+  void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,       \
+            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,  \
+            const math::AdamHyper& h, float lr, float grad_mult);                            \
+  void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,        \
+           at::TensorList momentum_buffers, const float* steps_before,                       \
+           const math::SgdHyper& h, float lr, float grad_mult);                              \
+  }
+
+FUSEDAMP_DECLARE_CPU_KERNELS(DEFAULT)
+#if defined(FUSEDAMP_HAVE_AVX2)
+FUSEDAMP_DECLARE_CPU_KERNELS(AVX2)
+#endif
+#if defined(FUSEDAMP_HAVE_AVX512)
+FUSEDAMP_DECLARE_CPU_KERNELS(AVX512)
+#endif
+
+// The table for the running CPU (chosen once).
+const KernelTable& kernels();
+
+}  // namespace fusedamp::cpu

@@ -1,0 +1,105 @@
+// CPU: unscale_and_check_ (read 1, write 1 element) and grad_stats_ (read 1), vectorised.
+// Compiled once per instruction set; see cpu_kernels.h.
+#include "../dispatch_float_types.h"
+#include <fusedamp/math/unscale_math.h>
+
+#include "chunked_for_each.h"
+#include "cpu_kernels.h"
+#include "vec_io.h"
+
+namespace fusedamp::cpu::CPU_CAPABILITY {
+namespace {
+
+bool has_nan(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  for (float x : lanes) {
+    if (math::is_nonfinite_marker(x)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+float lane_sum(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float s = 0.f;
+  for (float x : lanes) {
+    s += x;
+  }
+  return s;
+}
+
+template <typename T>
+bool unscale_range(T* p, int64_t n, float inv_scale) {
+  const Vec s(inv_scale);
+  Vec bad(0.f);
+  for (int64_t i = 0; i < n; i += kPair) {
+    Vec a, b;
+    PairIO<T>::load(p + i, n - i, a, b);
+    bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, a), b);
+    PairIO<T>::store(p + i, n - i, math::unscale(a, s), math::unscale(b, s));
+  }
+  return has_nan(bad);
+}
+
+template <typename T>
+bool stats_range(const T* p, int64_t n, float* sum_sq) {
+  Vec bad(0.f), sq0(0.f), sq1(0.f);
+  for (int64_t i = 0; i < n; i += kPair) {
+    Vec a, b;
+    PairIO<T>::load(p + i, n - i, a, b);
+    bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, a), b);
+    sq0 = math::accumulate_square(sq0, a);
+    sq1 = math::accumulate_square(sq1, b);
+  }
+  *sum_sq = lane_sum(sq0 + sq1);
+  return has_nan(bad);
+}
+
+}  // namespace
+
+bool unscale_and_check(at::TensorList grads, float inv_scale) {
+  const ChunkPlan plan(grads);
+  std::vector<char> chunk_bad(plan.total, 0);
+  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+    const at::Tensor& g = grads[i];
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
+      chunk_bad[c] = unscale_range(g.data_ptr<scalar_t>() + begin, end - begin, inv_scale);
+    });
+  });
+  return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });
+}
+
+bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags) {
+  const ChunkPlan plan(grads);
+  std::vector<char> chunk_bad(plan.total, 0);
+  std::vector<float> chunk_sq(plan.total, 0.f);
+  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+    const at::Tensor& g = grads[i];
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
+      chunk_bad[c] = stats_range(g.const_data_ptr<scalar_t>() + begin, end - begin, &chunk_sq[c]);
+    });
+  });
+  // Combined in chunk order, so the result does not depend on the number of threads.
+  double total = 0.0;
+  for (float s : chunk_sq) {
+    total += s;
+  }
+  *sum_sq += total;
+  bool any = false;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    for (int64_t c = plan.first_chunk[i]; c < plan.first_chunk[i + 1]; ++c) {
+      if (chunk_bad[c]) {
+        any = true;
+        if (flags != nullptr) {
+          (*flags)[i] = 1;
+        }
+      }
+    }
+  }
+  return any;
+}
+
+}  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -1,0 +1,11 @@
+#pragma once
+// fusedamp — mixed-precision training engine for LibTorch. The umbrella header.
+#include <fusedamp/ops.h>
+
+namespace fusedamp::detail {
+// Defined in libfusedamp. Referencing it from every translation unit that includes this
+// header keeps the library (and with it the operator registrations, which no code calls by
+// symbol) in an executable even when the linker drops unreferenced shared libraries.
+int link_anchor();
+inline const int kLinkAnchor = link_anchor();
+}  // namespace fusedamp::detail

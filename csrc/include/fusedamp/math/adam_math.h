@@ -1,0 +1,93 @@
+#pragma once
+// Adam / AdamW on FP32 state. Same operation order as torch.optim.Adam's single-tensor path:
+//   (L2)    g += wd * p                     (decoupled)  p *= 1 - lr * wd
+//   m = m + (1 - beta1) * (g - m)           v = beta2 * v + (1 - beta2) * g * g
+//   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
+// with step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+#include <fusedamp/math/lane_ops.h>
+
+namespace fusedamp::math {
+
+struct AdamHyper {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  // 1 - beta, rounded once from the double value (as torch passes them to its kernels).
+  float one_minus_beta1;
+  float one_minus_beta2;
+  bool decoupled;  // AdamW
+  bool maximize;
+};
+
+// Host-side constructor: the derived constants are computed in double.
+inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, bool decoupled, bool maximize) {
+  AdamHyper h;
+  h.lr = static_cast<float>(lr);
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.decoupled = decoupled;
+  h.maximize = maximize;
+  return h;
+}
+
+// Per-tensor coefficients, computed once per tensor (per chunk on the GPU) from the step
+// count *before* it is incremented. acc_t is double on the CPU (as torch computes them in
+// Python floats) and may be float or double on the GPU.
+struct AdamCoeffs {
+  float lr;
+  float step_size;
+  float bc2_sqrt;
+  float decay_factor;  // 1 - lr * wd for AdamW, 1 otherwise
+};
+
+template <typename acc_t>
+C10_HOST_DEVICE inline AdamCoeffs adam_coeffs(const AdamHyper& h, float lr, float step_before) {
+  const acc_t t = static_cast<acc_t>(step_before) + acc_t(1);
+#if defined(__CUDA_ARCH__)
+  const acc_t bc1 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta1), t);
+  const acc_t bc2 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta2), t);
+  const acc_t bc2_sqrt = ::sqrt(bc2);
+#else
+  const acc_t bc1 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta1), t);
+  const acc_t bc2 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta2), t);
+  const acc_t bc2_sqrt = std::sqrt(bc2);
+#endif
+  AdamCoeffs c;
+  c.lr = lr;
+  c.step_size = static_cast<float>(static_cast<acc_t>(lr) / bc1);
+  c.bc2_sqrt = static_cast<float>(bc2_sqrt);
+  c.decay_factor = h.decoupled ? static_cast<float>(acc_t(1) - static_cast<acc_t>(lr) *
+                                                                    static_cast<acc_t>(h.weight_decay))
+                                : 1.f;
+  return c;
+}
+
+// One element (or one vector of lanes). g is the raw gradient times `grad_mult`
+// (inverse loss scale and clip coefficient); p, m, v are FP32 and updated in place.
+template <typename V>
+C10_HOST_DEVICE inline void adam_update(
+    V& p, V& m, V& v, V g, const AdamHyper& h, const AdamCoeffs& c) {
+  if (h.maximize) {
+    g = V(0.f) - g;
+  }
+  if (h.weight_decay != 0.f) {
+    if (h.decoupled) {
+      p = p * V(c.decay_factor);
+    } else {
+      g = g + V(h.weight_decay) * p;
+    }
+  }
+  m = m + V(h.one_minus_beta1) * (g - m);
+  v = v * V(h.beta2) + V(h.one_minus_beta2) * g * g;
+  const V denom = LaneOps<V>::sqrt(v) / V(c.bc2_sqrt) + V(h.eps);
+  p = p - V(c.step_size) * m / denom;
+}
+
+}  // namespace fusedamp::math

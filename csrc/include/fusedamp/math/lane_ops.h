@@ -1,0 +1,22 @@
+#pragma once
+// The element formulas in this folder are templates over a "lane" type V: plain `float` on the
+// GPU and in scalar tails, `at::vec::Vectorized<float>` in the CPU kernels. Arithmetic
+// operators are shared by both; the few functions that are spelled differently (sqrt) go
+// through LaneOps, which the CPU kernels specialise for Vectorized<float>.
+#include <c10/macros/Macros.h>
+#include <cmath>
+
+namespace fusedamp::math {
+
+template <typename V>
+struct LaneOps {
+  static C10_HOST_DEVICE inline V sqrt(V x) {
+#if defined(__CUDA_ARCH__)
+    return ::sqrtf(x);
+#else
+    return std::sqrt(x);
+#endif
+  }
+};
+
+}  // namespace fusedamp::math

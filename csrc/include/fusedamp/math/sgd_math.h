@@ -1,0 +1,67 @@
+#pragma once
+// SGD with momentum, dampening, Nesterov and (L2) weight decay; same order as torch.optim.SGD:
+//   g += wd * p
+//   first step: buf = g            later: buf = momentum * buf + (1 - dampening) * g
+//   nesterov:   g = g + momentum * buf         else g = buf
+//   p -= lr * g
+#include <fusedamp/math/lane_ops.h>
+
+namespace fusedamp::math {
+
+struct SgdHyper {
+  float lr;
+  float momentum;
+  float dampening;
+  float weight_decay;
+  float one_minus_dampening;  // rounded once from the double value
+  bool nesterov;
+  bool maximize;
+};
+
+inline SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay,
+                               bool nesterov, bool maximize) {
+  SgdHyper h;
+  h.lr = static_cast<float>(lr);
+  h.momentum = static_cast<float>(momentum);
+  h.dampening = static_cast<float>(dampening);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  h.nesterov = nesterov;
+  h.maximize = maximize;
+  return h;
+}
+
+// first_step is uniform per tensor (read from its step count), so it is a branch on a scalar.
+template <typename V>
+C10_HOST_DEVICE inline void sgd_update(
+    V& p, V& buf, V g, const SgdHyper& h, float lr, bool first_step) {
+  if (h.maximize) {
+    g = V(0.f) - g;
+  }
+  if (h.weight_decay != 0.f) {
+    g = g + V(h.weight_decay) * p;
+  }
+  if (h.momentum != 0.f) {
+    if (first_step) {
+      buf = g;
+    } else {
+      buf = V(h.momentum) * buf + V(h.one_minus_dampening) * g;
+    }
+    g = h.nesterov ? g + V(h.momentum) * buf : buf;
+  }
+  p = p - V(lr) * g;
+}
+
+// Same without a momentum buffer (momentum == 0): nothing to read or write for it.
+template <typename V>
+C10_HOST_DEVICE inline void sgd_update_no_momentum(V& p, V g, const SgdHyper& h, float lr) {
+  if (h.maximize) {
+    g = V(0.f) - g;
+  }
+  if (h.weight_decay != 0.f) {
+    g = g + V(h.weight_decay) * p;
+  }
+  p = p - V(lr) * g;
+}
+
+}  // namespace fusedamp::math

@@ -1,0 +1,66 @@
+#pragma once
+// Typed C++ entry points for the fusedamp operators. Each call goes through the dispatcher,
+// so CPU, CUDA and Meta tensors reach their own kernel, exactly as from Python
+// (torch.ops.fusedamp.*). Semantics are documented with the schemas (csrc/schemas.cpp) and
+// in README.md.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <optional>
+
+namespace fusedamp::ops {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale);
+
+void grad_stats_(
+    TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+    const OptTensor& tensor_flags = std::nullopt);
+
+void update_scale_(
+    const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
+    const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
+    int64_t hysteresis = 1, std::optional<double> min_scale = std::nullopt,
+    std::optional<double> max_scale = std::nullopt);
+
+// The device-side scalars a fused step reads. All optional; each is a 1-element FP32 tensor on
+// the parameters' device.
+struct StepScalars {
+  OptTensor lr_tensor;    // overrides the numeric lr
+  OptTensor inv_scale;    // 1 / loss scale
+  OptTensor found_inf;    // skip the whole step when != 0
+  OptTensor grad_sum_sq;  // from grad_stats_, for clipping
+  std::optional<double> max_grad_norm;
+};
+
+struct AdamArgs {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled_weight_decay = true;
+  bool maximize = false;
+};
+
+void adam_step_(
+    TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
+    TensorList exp_avg_sqs, TensorList steps, const AdamArgs& args,
+    const StepScalars& scalars = {});
+
+struct SgdArgs {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+};
+
+void sgd_step_(
+    TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
+    TensorList steps, const SgdArgs& args, const StepScalars& scalars = {});
+
+}  // namespace fusedamp::ops

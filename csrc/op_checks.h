@@ -1,0 +1,39 @@
+#pragma once
+// Argument validation shared by every backend (CPU, CUDA, Meta). Each check runs before a
+// kernel touches memory, so a rejected call modifies nothing. Messages name the op and the
+// argument so that the user can find the mistake.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <optional>
+
+namespace fusedamp::checks {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+void unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
+                       const Tensor& inv_scale);
+
+void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+                const OptTensor& tensor_flags);
+
+void update_scale(const char* op, const Tensor& scale, const Tensor& growth_tracker,
+                  const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                  std::optional<double> min_scale, std::optional<double> max_scale);
+
+// The optional device scalars of a fused step.
+void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,
+                  const OptTensor& inv_scale, const OptTensor& found_inf,
+                  const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm);
+
+void adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
+               double beta1, double beta2, double eps, double weight_decay);
+
+void sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+              TensorList momentum_buffers, TensorList steps, double lr, double momentum,
+              double dampening, double weight_decay, bool nesterov);
+
+}  // namespace fusedamp::checks

@@ -1,0 +1,78 @@
+// fusedamp::ops::* — typed calls into the dispatcher (see include/fusedamp/ops.h).
+#include <fusedamp/ops.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace fusedamp::ops {
+
+void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedamp::unscale_and_check_", "")
+                             .typed<void(TensorList, const Tensor&, const Tensor&)>();
+  op.call(grads, found_inf, inv_scale);
+}
+
+void grad_stats_(
+    TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+    const OptTensor& tensor_flags) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusedamp::grad_stats_", "")
+          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&)>();
+  op.call(grads, found_inf, sum_sq, tensor_flags);
+}
+
+void update_scale_(
+    const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
+    const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
+    int64_t hysteresis, std::optional<double> min_scale, std::optional<double> max_scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusedamp::update_scale_", "")
+          .typed<void(
+              const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
+              int64_t, int64_t, std::optional<double>, std::optional<double>)>();
+  op.call(
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale);
+}
+
+void adam_step_(
+    TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
+    TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusedamp::adam_step_", "")
+          .typed<void(
+              TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
+              double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
+              const OptTensor&, const OptTensor&, std::optional<double>)>();
+  op.call(
+      params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
+      a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
+      s.found_inf, s.grad_sum_sq, s.max_grad_norm);
+}
+
+void sgd_step_(
+    TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
+    TensorList steps, const SgdArgs& a, const StepScalars& s) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusedamp::sgd_step_", "")
+          .typed<void(
+              TensorList, TensorList, TensorList, TensorList, TensorList, double, double, double,
+              double, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
+              const OptTensor&, std::optional<double>)>();
+  op.call(
+      params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
+      a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
+      s.grad_sum_sq, s.max_grad_norm);
+}
+
+}  // namespace fusedamp::ops
+
+namespace fusedamp::detail {
+int link_anchor() {
+  return 1;
+}
+}  // namespace fusedamp::detail

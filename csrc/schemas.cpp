@@ -1,0 +1,42 @@
+// The one place where fusedamp's operators are *defined*. Backends only implement them
+// (cpu/register_cpu.cpp, meta/register_meta.cpp, ../cuda/register_cuda.cu).
+// Every mutated list or tensor is annotated (a!) and every op returns (): the ops update
+// gradients, optimizer state and the loss-scale state in place, on the device they live on.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fusedamp, m) {
+  // grads *= inv_scale; found_inf = 1 if any element of any grad is inf/NaN (never reset to 0).
+  // Same contract as torch._amp_foreach_non_finite_check_and_unscale_.
+  m.def("unscale_and_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+
+  // Read-only pass over the grads: found_inf |= any non-finite; sum_sq += sum of squares of all
+  // elements (FP32 accumulation); tensor_flags[i] = 1 where grads[i] holds a non-finite value.
+  m.def(
+      "grad_stats_(Tensor[] grads, Tensor(a!) found_inf, Tensor(b!) sum_sq, "
+      "Tensor(c!)? tensor_flags=None) -> ()");
+
+  // Loss-scale state machine (growth, backoff, hysteresis, bounds) on device tensors.
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "int hysteresis=1, float? min_scale=None, float? max_scale=None) -> ()");
+
+  // Adam/AdamW step over lists, FP32 state, optional FP32 master weights. grads are multiplied
+  // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if
+  // found_inf is set nothing is modified (steps included). lr_tensor, when given, overrides lr.
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor[] grads, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
+      "bool maximize=False, Tensor? lr_tensor=None, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None) -> ()");
+
+  // SGD (momentum, dampening, Nesterov, weight decay) with the same contract.
+  // momentum_buffers is empty when momentum == 0.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor[] grads, "
+      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, float momentum, "
+      "float dampening, float weight_decay, bool nesterov, bool maximize=False, "
+      "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
+      "Tensor? grad_sum_sq=None, float? max_grad_norm=None) -> ()");
+}

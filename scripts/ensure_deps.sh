@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what the build and the tests need, once: Debian's catch2 (C++ tests) and the PyPI
+# packages of requirements-dev.txt. Quick (a few imports) when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ ! -f /usr/include/catch2/catch.hpp ]; then
+  echo "ensure_deps: installing Debian package catch2 (Catch2 v2)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq catch2 cmake g++ >/dev/null
+fi
+
+stamp=build/.deps-$(sha1sum requirements-dev.txt | cut -c1-12)
+if [ ! -f "$stamp" ] || ! "$PY" -c "import torch, numpy, pytest" 2>/dev/null; then
+  echo "ensure_deps: pip install -r requirements-dev.txt"
+  "$PY" -m pip install -q -r requirements-dev.txt
+  mkdir -p build && touch "$stamp"
+fi

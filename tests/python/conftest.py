@@ -1,0 +1,40 @@
+"""Shared test setup: the devices every test body runs on, and a numerics report.
+
+Every op/engine test is parametrised over DEVICES: the CPU always, CUDA when a GPU is
+present. The largest differences from each torch reference are recorded with
+``record_diff`` and printed in the terminal summary, so every run states them.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+import fusedamp  # noqa: E402,F401  (registers torch.ops.fusedamp)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+_DIFFS = {}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture
+def record_diff():
+    def record(name, value):
+        value = float(value)
+        _DIFFS[name] = max(_DIFFS.get(name, 0.0), value)
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _DIFFS:
+        return
+    terminalreporter.section("fusedamp numerics: largest difference from each reference")
+    for name in sorted(_DIFFS):
+        terminalreporter.write_line(f"{name:<60s} {_DIFFS[name]:.3e}")

@@ -1,0 +1,121 @@
+"""Inputs and reference implementations shared by the op tests."""
+import math
+
+import numpy as np
+import torch
+
+ops = torch.ops.fusedamp
+
+# Odd sizes, an empty tensor, and sizes that span several CPU chunks / vector tails.
+SIZES = [(0,), (1,), (7,), (33, 3), (1000,), (257, 129), (40001,)]
+LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def scalar(value, device, dtype=torch.float32):
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def randn_list(device, dtype=torch.float32, sizes=SIZES, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype).to(device) for s in sizes]
+
+
+def snapshot(*lists):
+    return [[t.detach().clone() for t in lst] if isinstance(lst, (list, tuple)) else lst.detach().clone() for lst in lists]
+
+
+def _bits(t):
+    t = t.to_dense() if t.is_sparse else t
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def assert_bitwise_equal(before, after):
+    for a, b in zip(before, after):
+        if isinstance(a, list):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert torch.equal(_bits(x), _bits(y))
+        else:
+            assert torch.equal(_bits(a), _bits(b))
+
+
+def max_abs_diff(xs, ys):
+    m = 0.0
+    for x, y in zip(xs, ys):
+        if x.numel():
+            m = max(m, (x.double().cpu() - y.double().cpu()).abs().max().item())
+    return m
+
+
+def f32(x):
+    """Round a Python float to FP32."""
+    return float(np.float32(x))
+
+
+def scale_model(found_seq, init_scale, growth, backoff, interval, hysteresis=1, min_scale=None,
+                max_scale=None):
+    """Plain-Python model of update_scale_: yields (scale, growth_tracker, hysteresis_tracker)."""
+    scale, gt, ht = f32(init_scale), 0, hysteresis
+    for found in found_seq:
+        if found:
+            gt = 0
+            ht = max(ht - 1, 0)
+            if ht <= 0:
+                s = f32(scale * backoff)
+                if min_scale is not None and s < min_scale:
+                    s = f32(min_scale)
+                scale = s
+        else:
+            ht = hysteresis
+            if gt + 1 == interval:
+                s = f32(scale * growth)
+                if max_scale is not None and s > max_scale:
+                    s = f32(max_scale)
+                if math.isfinite(s):
+                    scale = s
+                gt = 0
+            else:
+                gt += 1
+        yield scale, gt, ht
+
+
+def adam_reference_fp64(p, m, v, g, step, lr, beta1, beta2, eps, wd, decoupled, maximize=False):
+    """One Adam/AdamW step in float64 (tensors updated in place); step is the new count."""
+    if maximize:
+        g = -g
+    if wd:
+        if decoupled:
+            p.mul_(1 - lr * wd)
+        else:
+            g = g + wd * p
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+
+
+def sgd_reference_fp64(p, buf, g, first, lr, momentum, dampening, wd, nesterov, maximize=False):
+    if maximize:
+        g = -g
+    if wd:
+        g = g + wd * p
+    if momentum:
+        if first:
+            buf.copy_(g)
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        g = g + momentum * buf if nesterov else buf
+    p.add_(g, alpha=-lr)
+
+
+
+def max_rel_error(xs, refs):
+    """Largest ||x - ref|| / ||ref|| over the tensors of a list (norms in float64)."""
+    worst = 0.0
+    for x, r in zip(xs, refs):
+        if x.numel():
+            r = r.double().cpu()
+            worst = max(worst, ((x.double().cpu() - r).norm() / r.norm()).item())
+    return worst

@@ -1,0 +1,148 @@
+"""Bad input: every case raises a clear RuntimeError and leaves every tensor unchanged."""
+import re
+
+import pytest
+import torch
+
+from op_helpers import assert_bitwise_equal, ops, randn_list, scalar, snapshot
+
+
+def _adam_setup(device, n=3, dtype=torch.float16):
+    master = randn_list(device, sizes=[(10,), (4, 5), (7,)][:n], seed=20)
+    params = [p.to(dtype) for p in master]
+    grads = [torch.randn_like(p) for p in params]
+    m = [torch.zeros_like(p) for p in master]
+    v = [torch.zeros_like(p) for p in master]
+    steps = [torch.zeros((), device=device) for _ in params]
+    return params, master, grads, m, v, steps
+
+
+ADAM_KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+               decoupled_weight_decay=True)
+
+
+def _adam_cases(device):
+    """(name, mutator of (args, kwargs), expected message fragment)."""
+    def replace(i, j, fn):
+        def mutate(args, kw):
+            args[i][j] = fn(args[i][j])
+        return mutate
+
+    def kw(**changes):
+        def mutate(args, kwargs):
+            kwargs.update(changes)
+        return mutate
+
+    return [
+        ("grads list too short", lambda a, k: a[2].pop(), "grads has 2 tensors"),
+        ("master list wrong length", lambda a, k: a[1].pop(), "master_params has 2"),
+        ("float64 params", replace(0, 0, lambda t: t.double()), "params have dtype"),
+        ("mixed params dtypes", replace(0, 1, lambda t: t.float()), "one call takes one params dtype"),
+        ("bfloat16 grads for fp16 params", lambda a, k: a.__setitem__(2, [g.bfloat16() for g in a[2]]),
+         "grads must have the params' dtype or float32"),
+        ("fp16 master weights", replace(1, 0, lambda t: t.half()), "master_params[0] must be float32"),
+        ("non-dense grad", replace(2, 1, lambda t: torch.randn(4, 10, device=t.device).half()[:, ::2]),
+         "non-overlapping and dense"),
+        ("shape mismatch", replace(3, 2, lambda t: torch.zeros(8, device=t.device)), "has shape"),
+        ("sparse grad", replace(2, 0, lambda t: t.float().to_sparse().half()), "sparse"),
+        ("grad on another device", replace(2, 0, lambda t: t.to("meta")), "share one device"),
+        ("master aliases params", lambda a, k: a[1].__setitem__(0, a[3][0]), "share memory"),
+        ("int step", replace(5, 0, lambda t: t.int()), "must be Float"),
+        ("negative lr", kw(lr=-1.0), "invalid lr"),
+        ("beta1 = 1", kw(beta1=1.0), "invalid beta1"),
+        ("beta2 < 0", kw(beta2=-0.1), "invalid beta2"),
+        ("negative eps", kw(eps=-1e-8), "invalid eps"),
+        ("nan weight decay", kw(weight_decay=float("nan")), "invalid weight_decay"),
+        ("max_grad_norm without sum", kw(max_grad_norm=1.0), "needs grad_sum_sq"),
+        ("zero max_grad_norm", kw(max_grad_norm=0.0, grad_sum_sq=scalar(1.0, device)),
+         "max_grad_norm must be finite and > 0"),
+        ("found_inf of two elements", kw(found_inf=torch.zeros(2, device=device)),
+         "exactly one element"),
+        ("int inv_scale", kw(inv_scale=torch.ones(1, dtype=torch.int32, device=device)),
+         "inv_scale must be Float"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(21))
+def test_adam_step_bad_input(device, case):
+    name, mutate, message = _adam_cases(device)[case]
+    params, master, grads, m, v, steps = _adam_setup(device)
+    args = [list(params), list(master), list(grads), list(m), list(v), list(steps)]
+    kwargs = dict(ADAM_KW)
+    mutate(args, kwargs)
+    before = snapshot(params, master, grads, m, v, steps)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.adam_step_(*args, **kwargs)
+    assert_bitwise_equal(before, snapshot(params, master, grads, m, v, steps))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(lr=-0.1), "invalid lr"),
+    (dict(momentum=-0.5), "invalid momentum"),
+    (dict(nesterov=True, momentum=0.9, dampening=0.1), "Nesterov momentum requires"),
+    (dict(nesterov=True, momentum=0.0), "Nesterov momentum requires"),
+    (dict(momentum=0.0, bufs=True), "momentum_buffers must be empty"),
+    (dict(momentum=0.9, bufs=False), "momentum_buffers has 0 tensors"),
+])
+def test_sgd_step_bad_input(device, kwargs, message):
+    params, master, grads, _, _, steps = _adam_setup(device)
+    bufs = [torch.zeros_like(p) for p in master]
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
+    use_bufs = kwargs.pop("bufs", True)
+    kw.update(kwargs)
+    before = snapshot(params, master, grads, bufs, steps)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.sgd_step_(params, master, grads, bufs if use_bufs else [], steps, **kw)
+    assert_bitwise_equal(before, snapshot(params, master, grads, bufs, steps))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(growth_factor=1.0), "growth_factor must be > 1"),
+    (dict(backoff_factor=1.0), "backoff_factor must be in"),
+    (dict(backoff_factor=0.0), "backoff_factor must be in"),
+    (dict(growth_interval=0), "growth_interval must be a positive"),
+    (dict(hysteresis=0), "hysteresis must be a positive"),
+    (dict(min_scale=-1.0), "min_scale must be finite and > 0"),
+    (dict(min_scale=8.0, max_scale=4.0), "must not exceed max_scale"),
+    (dict(tracker_dtype=torch.int64), "growth_tracker must be Int"),
+    (dict(scale_shape=(2,)), "scale must have exactly one element"),
+])
+def test_update_scale_bad_input(device, kwargs, message):
+    scale = torch.full(kwargs.pop("scale_shape", (1,)), 1024.0, device=device)
+    gt = torch.zeros(1, dtype=kwargs.pop("tracker_dtype", torch.int32), device=device)
+    ht = torch.ones(1, dtype=torch.int32, device=device)
+    found = scalar(1.0, device)
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=10, hysteresis=1)
+    kw.update(kwargs)
+    before = snapshot(scale, gt, ht, found)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.update_scale_(scale, gt, ht, found, kw.pop("growth_factor"), kw.pop("backoff_factor"),
+                          kw.pop("growth_interval"), **kw)
+    assert_bitwise_equal(before, snapshot(scale, gt, ht, found))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("double grad", "supported are float32, float16 and bfloat16"),
+    ("flags too short", "tensor_flags has 1 elements"),
+    ("int found_inf", "found_inf must be Float"),
+    ("sparse grad", "sparse"),
+])
+def test_grad_stats_and_unscale_bad_input(device, case, message):
+    grads = randn_list(device, sizes=[(10,), (3,)], seed=21)
+    found, sq = scalar(0.0, device), scalar(0.0, device)
+    flags = torch.zeros(2, device=device)
+    if case == "double grad":
+        grads[1] = grads[1].double()
+    elif case == "flags too short":
+        flags = torch.zeros(1, device=device)
+    elif case == "int found_inf":
+        found = torch.zeros(1, dtype=torch.int32, device=device)
+    elif case == "sparse grad":
+        grads[0] = grads[0].to_sparse()
+    before = snapshot(grads, found, sq, flags)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.grad_stats_(grads, found, sq, flags)
+    if case != "flags too short":
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.unscale_and_check_(grads, found, scalar(0.5, device))
+    assert_bitwise_equal(before, snapshot(grads, found, sq, flags))

@@ -1,0 +1,364 @@
+"""Operator parity with torch references (CPU always, CUDA when present)."""
+import math
+
+import pytest
+import torch
+
+from op_helpers import (LOW, adam_reference_fp64, assert_bitwise_equal, max_abs_diff,
+                        max_rel_error, ops, randn_list, scale_model, scalar, sgd_reference_fp64,
+                        snapshot)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _tag(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- unscale_and_check_
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("poison", [None, "inf", "nan", "-inf"])
+def test_unscale_and_check_matches_torch(device, dtype, poison, record_diff):
+    grads = randn_list(device, dtype, scale=100.0, seed=1)
+    if poison:
+        grads[4][517] = float(poison)
+    ref = [g.clone() for g in grads]
+    inv = scalar(1 / 1024.0 * 3, device)  # not a power of two: exercises rounding
+    found, found_ref = scalar(0.0, device), scalar(0.0, device)
+    ops.unscale_and_check_(grads, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, found_ref, inv)
+    assert found.item() == found_ref.item() == (1.0 if poison else 0.0)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
+    record_diff(f"unscale_and_check_ vs torch ({_tag(dtype)})", max_abs_diff(
+        [g.nan_to_num() for g in grads], [r.nan_to_num() for r in ref]))
+
+
+def test_unscale_never_resets_found_inf(device):
+    grads = randn_list(device, sizes=[(100,)])
+    found = scalar(1.0, device)
+    ops.unscale_and_check_(grads, found, scalar(0.5, device))
+    assert found.item() == 1.0
+
+
+def test_unscale_mixed_dtypes_and_empty_list(device):
+    grads = [torch.randn(300, device=device, dtype=d) for d in DTYPES]
+    ref = [g.float() * 0.25 for g in grads]
+    found = scalar(0.0, device)
+    ops.unscale_and_check_(grads, found, scalar(0.25, device))
+    for g, r in zip(grads, ref):
+        assert torch.equal(g.float(), r)
+    ops.unscale_and_check_([], found, scalar(0.25, device))
+    assert found.item() == 0.0
+
+
+# ---------------------------------------------------------------- grad_stats_
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_stats_sum_of_squares(device, dtype, record_diff):
+    grads = randn_list(device, dtype, scale=3.0, seed=2)
+    found, sq = scalar(0.0, device), scalar(5.0, device)  # sum_sq accumulates
+    flags = torch.zeros(len(grads), device=device)
+    before = snapshot(grads)
+    ops.grad_stats_(grads, found, sq, flags)
+    assert_bitwise_equal(before, snapshot(grads))  # read-only
+    ref = 5.0 + sum((g.double() ** 2).sum().item() for g in grads)
+    rel = abs(sq.item() - ref) / ref
+    assert rel < 1e-5, rel
+    assert found.item() == 0.0 and flags.sum().item() == 0
+    record_diff(f"grad_stats_ sum_sq rel. error vs fp64 ({_tag(dtype)})", rel)
+
+
+def test_grad_stats_fp16_scaled_to_2_24(device, record_diff):
+    # FP16 grads scaled by up to 2**24 sit near the FP16 maximum; their squares (~4e9) and
+    # their sum over millions of elements must neither overflow nor lose accuracy.
+    g = torch.full((3_000_001,), 60000.0, dtype=torch.float16, device=device)
+    g[::7] = -65504.0
+    found, sq = scalar(0.0, device), scalar(0.0, device)
+    ops.grad_stats_([g], found, sq)
+    ref = (g.double() ** 2).sum().item()
+    rel = abs(sq.item() - ref) / ref
+    assert math.isfinite(sq.item()) and rel < 1e-5, rel
+    assert found.item() == 0.0
+    record_diff("grad_stats_ rel. error, fp16 near max (3M elements)", rel)
+
+
+@pytest.mark.parametrize("poison", ["inf", "nan"])
+def test_grad_stats_flags_which_tensor(device, poison):
+    grads = randn_list(device, torch.float16, seed=3)
+    grads[2][3] = float(poison)
+    grads[6][40000] = float(poison)  # the last element of the last chunk
+    found, sq = scalar(0.0, device), scalar(0.0, device)
+    flags = torch.zeros(len(grads), device=device)
+    ops.grad_stats_(grads, found, sq, flags)
+    assert found.item() == 1.0
+    assert flags.tolist() == [0, 0, 1, 0, 0, 0, 1]
+
+
+# ---------------------------------------------------------------- update_scale_
+@pytest.mark.parametrize("interval", [1, 3, 50])
+@pytest.mark.parametrize("factors", [(2.0, 0.5), (1.7, 0.3)])
+def test_update_scale_matches_torch(device, interval, factors):
+    growth, backoff = factors
+    gen = torch.Generator().manual_seed(interval)
+    found_seq = (torch.rand(3000, generator=gen) < 0.15).tolist()
+    found_seq[100:140] = [True] * 40  # a long overflow burst drives the scale down hard
+    scale, ref_scale = scalar(2.0 ** 16, device), scalar(2.0 ** 16, device)
+    gt = torch.zeros(1, dtype=torch.int32, device=device)
+    ref_gt = gt.clone()
+    ht = torch.ones(1, dtype=torch.int32, device=device)
+    for i, f in enumerate(found_seq):
+        fi = scalar(float(f), device)
+        ops.update_scale_(scale, gt, ht, fi, growth, backoff, interval)
+        torch._amp_update_scale_(ref_scale, ref_gt, fi, growth, backoff, interval)
+        assert scale.item() == ref_scale.item(), (i, scale.item(), ref_scale.item())
+        assert gt.item() == ref_gt.item()
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+@pytest.mark.parametrize("bounds", [(None, None), (1.0, 2.0 ** 18), (2.0 ** 10, None)])
+def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
+    min_scale, max_scale = bounds
+    gen = torch.Generator().manual_seed(hysteresis)
+    found_seq = (torch.rand(2000, generator=gen) < 0.3).tolist()
+    found_seq[500:560] = [True] * 60
+    found_seq[800:900] = [False] * 100
+    scale = scalar(2.0 ** 16, device)
+    gt = torch.zeros(1, dtype=torch.int32, device=device)
+    ht = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
+    model = scale_model(found_seq, 2.0 ** 16, 2.0, 0.5, 5, hysteresis, min_scale, max_scale)
+    for i, (f, (s, g, h)) in enumerate(zip(found_seq, model)):
+        ops.update_scale_(scale, gt, ht, scalar(float(f), device), 2.0, 0.5, 5, hysteresis,
+                          min_scale, max_scale)
+        assert (scale.item(), gt.item(), ht.item()) == (s, g, h), i
+        if min_scale is not None:
+            assert scale.item() >= min_scale
+        if max_scale is not None:
+            assert scale.item() <= max_scale
+
+
+def test_hysteresis_tolerates_isolated_overflows(device):
+    scale = scalar(1024.0, device)
+    gt = torch.zeros(1, dtype=torch.int32, device=device)
+    ht = torch.full((1,), 3, dtype=torch.int32, device=device)
+    for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row
+        ops.update_scale_(scale, gt, ht, scalar(float(f), device), 2.0, 0.5, 1000, 3)
+    assert scale.item() == 1024.0
+    for _ in range(3):
+        ops.update_scale_(scale, gt, ht, scalar(1.0, device), 2.0, 0.5, 1000, 3)
+    assert scale.item() == 512.0
+
+
+# ---------------------------------------------------------------- adam_step_ (FP32 vs torch)
+def _adam_state(params):
+    return ([torch.zeros_like(p, dtype=torch.float32) for p in params],
+            [torch.zeros_like(p, dtype=torch.float32) for p in params],
+            [torch.zeros((), device=p.device) for p in params])
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("wd,maximize", [(0.0, False), (0.05, False), (0.01, True)])
+def test_adam_fp32_matches_torch(device, decoupled, wd, maximize, record_diff):
+    params = randn_list(device, seed=4)
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(ref, lr=3e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=wd, maximize=maximize,
+              foreach=False)
+    m, v, steps = _adam_state(params)
+    for step in range(60):
+        grads = randn_list(device, seed=100 + step)
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        ops.adam_step_(params, [], grads, m, v, steps, lr=3e-3, beta1=0.85, beta2=0.99, eps=1e-7,
+                       weight_decay=wd, decoupled_weight_decay=decoupled, maximize=maximize)
+    diff = max_abs_diff(params, [r.detach() for r in ref])
+    record_diff(f"adam_step_ fp32 vs torch.optim.{cls.__name__}", diff)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+    for s in steps:
+        assert s.item() == 60.0
+
+
+def test_adam_lr_tensor_follows_schedule(device):
+    params = randn_list(device, seed=5, sizes=[(100,), (33,)])
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    m, v, steps = _adam_state(params)
+    lr_t = scalar(1e-2, device)
+    for step in range(12):
+        grads = randn_list(device, seed=200 + step, sizes=[(100,), (33,)])
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        lr_t.fill_(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        ops.adam_step_(params, [], grads, m, v, steps, lr=123.0, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True, lr_tensor=lr_t)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sgd_step_ (FP32 vs torch)
+@pytest.mark.parametrize("momentum,dampening,nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
+                                                         (0.9, 0.1, False), (0.8, 0.0, True)])
+@pytest.mark.parametrize("wd,maximize", [(0.0, False), (1e-3, True)])
+def test_sgd_fp32_matches_torch(device, momentum, dampening, nesterov, wd, maximize, record_diff):
+    params = randn_list(device, seed=6)
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.SGD(ref, lr=0.05, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                          weight_decay=wd, maximize=maximize, foreach=False)
+    bufs = [torch.zeros_like(p) for p in params] if momentum else []
+    steps = [torch.zeros((), device=device) for _ in params]
+    for step in range(60):
+        grads = randn_list(device, seed=300 + step)
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        ops.sgd_step_(params, [], grads, bufs, steps, lr=0.05, momentum=momentum,
+                      dampening=dampening, weight_decay=wd, nesterov=nesterov, maximize=maximize)
+    diff = max_abs_diff(params, [r.detach() for r in ref])
+    record_diff("sgd_step_ fp32 vs torch.optim.SGD", diff)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- master weights vs FP64
+@pytest.mark.parametrize("low", list(LOW))
+@pytest.mark.parametrize("grad_fp32", [False, True])
+def test_adam_master_weights_track_fp64(device, low, grad_fp32, record_diff):
+    """FP16/BF16 params with FP32 master weights and loss scaling, against an FP64 run of the
+    same algorithm on the same (rounded) gradients. The tolerance is tied to what FP32 can do:
+    torch.optim.AdamW in FP32 on the same gradients, measured against the same FP64 run."""
+    dtype = LOW[low]
+    init = randn_list("cpu", torch.float32, seed=7)
+    master = [p.clone().to(device) for p in init]
+    params = [p.to(dtype).to(device) for p in init]
+    m, v, steps = _adam_state(params)
+    torch32 = [torch.nn.Parameter(p.clone()) for p in init]
+    opt32 = torch.optim.AdamW(torch32, lr=1e-3, weight_decay=0.01, foreach=False)
+    ref_p = [p.double() for p in init]
+    ref_m = [torch.zeros_like(p) for p in ref_p]
+    ref_v = [torch.zeros_like(p) for p in ref_p]
+    loss_scale = 2.0 ** 12
+    for step in range(1, 51):
+        true_grads = randn_list("cpu", torch.float64, seed=400 + step, scale=1e-3)
+        gdtype = torch.float32 if grad_fp32 else dtype
+        grads = [(g * loss_scale).to(gdtype) for g in true_grads]  # what backward produces
+        found, sq = scalar(0.0, device), scalar(0.0, device)
+        dev_grads = [g.to(device) for g in grads]
+        ops.grad_stats_(dev_grads, found, sq)
+        ops.adam_step_(params, master, dev_grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
+                       inv_scale=scalar(1 / loss_scale, device), found_inf=found)
+        for p, mm, vv, g in zip(ref_p, ref_m, ref_v, grads):
+            adam_reference_fp64(p, mm, vv, g.double() / loss_scale, step, 1e-3, 0.9, 0.999, 1e-8,
+                                0.01, True)
+        for p, g in zip(torch32, grads):
+            p.grad = g.float() / loss_scale
+        opt32.step()
+    rel = max_rel_error(master, ref_p)
+    torch_rel = max_rel_error([p.detach() for p in torch32], ref_p)
+    record_diff(f"adam_step_ master ({low} params) vs fp64, 50 steps [rel]", rel)
+    record_diff(f"  torch.optim.AdamW fp32 vs the same fp64 run [rel]", torch_rel)
+    record_diff(f"adam_step_ master ({low} params) vs fp64, 50 steps [abs]",
+                max_abs_diff(master, ref_p))
+    assert rel <= 2 * torch_rel + 1e-7, (rel, torch_rel)
+    for p, mp in zip(params, master):
+        assert torch.equal(p, mp.to(dtype))  # model weights are the rounded master weights
+
+
+@pytest.mark.parametrize("low", list(LOW))
+def test_sgd_master_weights_track_fp64(device, low, record_diff):
+    dtype = LOW[low]
+    init = randn_list("cpu", torch.float32, seed=8)
+    master = [p.clone().to(device) for p in init]
+    params = [p.to(dtype).to(device) for p in init]
+    bufs = [torch.zeros_like(p) for p in master]
+    steps = [torch.zeros((), device=device) for _ in params]
+    torch32 = [torch.nn.Parameter(p.clone()) for p in init]
+    opt32 = torch.optim.SGD(torch32, lr=1e-3, momentum=0.9, weight_decay=1e-4, nesterov=True,
+                            foreach=False)
+    ref_p = [p.double() for p in init]
+    ref_b = [torch.zeros_like(p) for p in ref_p]
+    for step in range(50):
+        grads = [g.to(dtype) for g in randn_list("cpu", torch.float32, seed=500 + step)]
+        ops.sgd_step_(params, master, [g.to(device) for g in grads], bufs, steps, lr=1e-3,
+                      momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True)
+        for p, b, g in zip(ref_p, ref_b, grads):
+            sgd_reference_fp64(p, b, g.double(), step == 0, 1e-3, 0.9, 0.0, 1e-4, True)
+        for p, g in zip(torch32, grads):
+            p.grad = g.float()
+        opt32.step()
+    rel = max_rel_error(master, ref_p)
+    torch_rel = max_rel_error([p.detach() for p in torch32], ref_p)
+    record_diff(f"sgd_step_ master ({low} params) vs fp64, 50 steps [rel]", rel)
+    record_diff(f"  torch.optim.SGD fp32 vs the same fp64 run [rel]", torch_rel)
+    assert rel <= 2 * torch_rel + 1e-7, (rel, torch_rel)
+    for p, mp in zip(params, master):
+        assert torch.equal(p, mp.to(dtype))
+
+
+# ---------------------------------------------------------------- fused clipping
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+@pytest.mark.parametrize("loss_scale", [1.0, 2.0 ** 10])
+def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_diff):
+    params = randn_list(device, seed=9)
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    m, v, steps = _adam_state(params)
+    for step in range(20):
+        grads = randn_list(device, seed=600 + step)
+        scaled = [g * loss_scale for g in grads]
+        for r, g in zip(ref, scaled):
+            r.grad = g.clone() / loss_scale
+        torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
+        opt.step()
+        found, sq = scalar(0.0, device), scalar(0.0, device)
+        ops.grad_stats_(scaled, found, sq)
+        ops.adam_step_(params, [], scaled, m, v, steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=1e-2, decoupled_weight_decay=True,
+                       inv_scale=scalar(1 / loss_scale, device), found_inf=found, grad_sum_sq=sq,
+                       max_grad_norm=max_norm)
+    diff = max_abs_diff(params, [r.detach() for r in ref])
+    record_diff("adam_step_ + fused clipping vs clip_grad_norm_ + AdamW (fp32)", diff)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=2e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------- skipped steps
+@pytest.mark.parametrize("low", list(LOW) + ["float32"])
+@pytest.mark.parametrize("poison", ["inf", "nan"])
+def test_skipped_step_is_bitwise_noop(device, low, poison):
+    dtype = LOW.get(low, torch.float32)
+    master = randn_list(device, seed=10)
+    params = [p.to(dtype, copy=True) for p in master]
+    m, v, steps = _adam_state(params)
+    bufs = [torch.randn_like(p) for p in master]
+    sgd_steps = [torch.full((), 3.0, device=device) for _ in params]
+    for s in steps:
+        s.fill_(7.0)
+    m = [torch.randn_like(x) for x in m]
+    v = [torch.rand_like(x) for x in v]
+    grads = randn_list(device, dtype, seed=11)
+    grads[5][17] = float(poison)
+    found, sq = scalar(0.0, device), scalar(0.0, device)
+    ops.grad_stats_(grads, found, sq)
+    assert found.item() == 1.0
+    before = snapshot(params, master, m, v, steps, bufs, sgd_steps, grads)
+    ops.adam_step_(params, master, grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.1, decoupled_weight_decay=True, inv_scale=scalar(0.5, device),
+                   found_inf=found, grad_sum_sq=sq, max_grad_norm=1.0)
+    ops.sgd_step_(params, master, grads, bufs, sgd_steps, lr=0.1, momentum=0.9, dampening=0.0,
+                  weight_decay=0.1, nesterov=False, inv_scale=scalar(0.5, device), found_inf=found)
+    assert_bitwise_equal(before, snapshot(params, master, m, v, steps, bufs, sgd_steps, grads))
+
+
+def test_empty_lists_are_noops(device):
+    ops.adam_step_([], [], [], [], [], [], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.0, decoupled_weight_decay=True)
+    ops.sgd_step_([], [], [], [], [], lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                  nesterov=False)
+    found, sq = scalar(0.0, device), scalar(0.0, device)
+    ops.grad_stats_([], found, sq)
+    assert found.item() == 0.0 and sq.item() == 0.0
