@@ -1,6 +1,11 @@
 #pragma once
 // fusedamp — mixed-precision training engine for LibTorch. The umbrella header.
+#include <fusedamp/convert.h>
+#include <fusedamp/grad_scaler.h>
 #include <fusedamp/ops.h>
+#include <fusedamp/optim/adam.h>
+#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/sgd.h>
 
 namespace fusedamp::detail {
 // Defined in libfusedamp. Referencing it from every translation unit that includes this

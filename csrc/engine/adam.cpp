@@ -1,0 +1,182 @@
+// fusedamp::optim::Adam / AdamW: options, validation, and the fused adam_step_ per bucket.
+#include <fusedamp/optim/adam.h>
+
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+
+namespace fusedamp::optim {
+
+AdamOptions::AdamOptions(double lr) : lr_(lr) {}
+
+AdamWOptions::AdamWOptions(double lr) : AdamOptions(lr) {
+  weight_decay(1e-2);
+  decoupled_weight_decay(true);
+}
+
+void AdamOptions::serialize(torch::serialize::OutputArchive& a) const {
+  a.write("lr", c10::IValue(lr_));
+  a.write("beta1", c10::IValue(std::get<0>(betas_)));
+  a.write("beta2", c10::IValue(std::get<1>(betas_)));
+  a.write("eps", c10::IValue(eps_));
+  a.write("weight_decay", c10::IValue(weight_decay_));
+  a.write("decoupled_weight_decay", c10::IValue(decoupled_weight_decay_));
+  a.write("maximize", c10::IValue(maximize_));
+  a.write("master_weights", c10::IValue(master_weights_));
+  a.write("skip_nonfinite", c10::IValue(skip_nonfinite_));
+  if (max_grad_norm_) {
+    a.write("max_grad_norm", c10::IValue(*max_grad_norm_));
+  }
+}
+
+void AdamOptions::serialize(torch::serialize::InputArchive& a) {
+  c10::IValue v;
+  a.read("lr", v);
+  lr_ = v.toDouble();
+  a.read("beta1", v);
+  const double b1 = v.toDouble();
+  a.read("beta2", v);
+  betas_ = std::make_tuple(b1, v.toDouble());
+  a.read("eps", v);
+  eps_ = v.toDouble();
+  a.read("weight_decay", v);
+  weight_decay_ = v.toDouble();
+  a.read("decoupled_weight_decay", v);
+  decoupled_weight_decay_ = v.toBool();
+  a.read("maximize", v);
+  maximize_ = v.toBool();
+  a.read("master_weights", v);
+  master_weights_ = v.toBool();
+  a.read("skip_nonfinite", v);
+  skip_nonfinite_ = v.toBool();
+  max_grad_norm_ = a.try_read("max_grad_norm", v) ? std::optional<double>(v.toDouble())
+                                                  : std::nullopt;
+}
+
+Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
+    : Optimizer(groups, std::make_unique<AdamOptions>(defaults)) {
+  check_all_options();
+}
+
+Adam::Adam(std::vector<at::Tensor> params, AdamOptions defaults)
+    : Adam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
+    : Adam(groups, defaults.decoupled_weight_decay(true)) {
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    group_options(i).decoupled_weight_decay(true);
+  }
+}
+
+AdamW::AdamW(std::vector<at::Tensor> params, AdamOptions defaults)
+    : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+AdamOptions& Adam::group_options(size_t group) {
+  TORCH_CHECK(group < param_groups_.size(), "fusedamp::optim::Adam: param group ", group,
+              " does not exist (", param_groups_.size(), " groups)");
+  auto* o = dynamic_cast<AdamOptions*>(&param_groups_[group].options());
+  TORCH_CHECK(o != nullptr, "fusedamp::optim::Adam: param group ", group,
+              " does not hold AdamOptions");
+  return *o;
+}
+
+const AdamOptions& Adam::group_options(size_t group) const {
+  return const_cast<Adam*>(this)->group_options(group);
+}
+
+void Adam::set_group_option(size_t group, const std::string& name, double value) {
+  auto& o = group_options(group);
+  if (name == "lr") {
+    o.lr(value);
+  } else if (name == "beta1") {
+    o.betas(std::make_tuple(value, std::get<1>(o.betas())));
+  } else if (name == "beta2") {
+    o.betas(std::make_tuple(std::get<0>(o.betas()), value));
+  } else if (name == "eps") {
+    o.eps(value);
+  } else if (name == "weight_decay") {
+    o.weight_decay(value);
+  } else if (name == "max_grad_norm") {
+    o.max_grad_norm(detail::norm_option(value));
+  } else if (name == "maximize") {
+    o.maximize(value != 0.0);
+  } else if (name == "master_weights") {
+    o.master_weights(value != 0.0);
+  } else if (name == "skip_nonfinite") {
+    o.skip_nonfinite(value != 0.0);
+  } else {
+    TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
+  }
+}
+
+double Adam::group_option(size_t group, const std::string& name) const {
+  const auto& o = group_options(group);
+  if (name == "lr") return o.lr();
+  if (name == "beta1") return std::get<0>(o.betas());
+  if (name == "beta2") return std::get<1>(o.betas());
+  if (name == "eps") return o.eps();
+  if (name == "weight_decay") return o.weight_decay();
+  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
+  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
+  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
+  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
+  TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
+}
+
+void Adam::set_group_lr_tensor(size_t group, const at::Tensor& lr) {
+  group_options(group).lr_tensor(lr);
+}
+
+EngineGroupOptions Adam::engine_options(const torch::optim::OptimizerOptions& base) const {
+  const auto& o = static_cast<const AdamOptions&>(base);
+  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
+}
+
+void Adam::check_options(const torch::optim::OptimizerOptions& base, size_t group) const {
+  const auto* o = dynamic_cast<const AdamOptions*>(&base);
+  TORCH_CHECK(o != nullptr, "fusedamp::optim::Adam: param group ", group,
+              " has options of another optimizer (expected AdamOptions)");
+  const auto b1 = std::get<0>(o->betas());
+  const auto b2 = std::get<1>(o->betas());
+  TORCH_CHECK(std::isfinite(o->lr()) && o->lr() >= 0.0, "fusedamp::optim::Adam: invalid lr ",
+              o->lr(), " in param group ", group, " (must be finite and >= 0)");
+  TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, "fusedamp::optim::Adam: invalid beta1 ", b1,
+              " in param group ", group, " (must be in [0, 1))");
+  TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, "fusedamp::optim::Adam: invalid beta2 ", b2,
+              " in param group ", group, " (must be in [0, 1))");
+  TORCH_CHECK(std::isfinite(o->eps()) && o->eps() >= 0.0, "fusedamp::optim::Adam: invalid eps ",
+              o->eps(), " in param group ", group, " (must be finite and >= 0)");
+  TORCH_CHECK(std::isfinite(o->weight_decay()) && o->weight_decay() >= 0.0,
+              "fusedamp::optim::Adam: invalid weight_decay ", o->weight_decay(),
+              " in param group ", group, " (must be finite and >= 0)");
+  detail::check_engine_options("fusedamp::optim::Adam", engine_options(*o), group);
+}
+
+std::pair<const char*, const char*> Adam::slot_names() const {
+  return {kExpAvg, kExpAvgSq};
+}
+
+int Adam::slots_needed(const torch::optim::OptimizerOptions&) const {
+  return 2;
+}
+
+void Adam::run_step(const Bucket& b, const torch::optim::OptimizerOptions& base,
+                    const ops::StepScalars& s) {
+  const auto& o = static_cast<const AdamOptions&>(base);
+  ops::AdamArgs args;
+  args.lr = o.lr();
+  args.beta1 = std::get<0>(o.betas());
+  args.beta2 = std::get<1>(o.betas());
+  args.eps = o.eps();
+  args.weight_decay = o.weight_decay();
+  args.decoupled_weight_decay = o.decoupled_weight_decay();
+  args.maximize = o.maximize();
+  ops::adam_step_(b.params, b.masters, b.grads, b.a, b.b, b.steps, args, s);
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> Adam::make_options() const {
+  return std::make_unique<AdamOptions>();
+}
+
+}  // namespace fusedamp::optim

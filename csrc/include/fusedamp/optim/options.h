@@ -1,0 +1,19 @@
+#pragma once
+// Fields every fusedamp optimizer's options carry, on top of the algorithm's own
+// hyper-parameters (declared with TORCH_ARG, so they chain like torch::optim's options):
+//   master_weights  keep an FP32 master copy of FP16/BF16 parameters (default true)
+//   max_grad_norm   clip the global gradient norm (all groups' grads) to this value, fused
+//                   into the step (clip_grad_norm_'s formula); nullopt: no clipping
+//   skip_nonfinite  without a loss scaler, skip the step when a gradient holds inf/NaN
+//                   (with a scaler every step is checked anyway)
+//   lr_tensor       an FP32 one-element device tensor that overrides lr (CUDA-graph friendly)
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <optional>
+
+#define FUSEDAMP_ENGINE_OPTION_FIELDS                            \
+  TORCH_ARG(bool, master_weights) = true;                        \
+  TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt; \
+  TORCH_ARG(bool, skip_nonfinite) = true;                        \
+  TORCH_ARG(at::Tensor, lr_tensor)
