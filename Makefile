@@ -8,7 +8,7 @@ BUILD  ?= build/dev
 JOBS   ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps build test test-cpp test-python clean
+.PHONY: all deps build test test-cpp test-python cpp-example consumer clean
 
 all: build
 
@@ -32,6 +32,22 @@ test-cpp:
 
 test-python:
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
+
+# The C++ example and the packaging check, each a separate CMake project built against the
+# installed package (find_package(fusedamp)). PREFIX: where to install it.
+PREFIX ?= $(CURDIR)/python/fusedamp
+
+cpp-example: build
+	cmake --install $(BUILD) --prefix $(PREFIX) > /dev/null
+	cmake -S examples/cpp -B $(BUILD)/example -G Ninja -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/example -j $(JOBS)
+	$(BUILD)/example/train_mlp
+
+consumer: build
+	cmake --install $(BUILD) --prefix $(PREFIX) > /dev/null
+	cmake -S tests/consumer -B $(BUILD)/consumer -G Ninja -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/consumer -j $(JOBS)
+	$(BUILD)/consumer/consumer
 
 clean:
 	rm -rf build python/fusedamp/lib python/fusedamp/include python/fusedamp/share python/fusedamp/_C*.so
