@@ -323,6 +323,7 @@ void GradScaler::load(torch::serialize::InputArchive& a) {
                 "::load: scale and trackers must have one element each");
     TORCH_CHECK(s.is_floating_point() && !g.is_floating_point() && !h.is_floating_point(), kWho,
                 "::load: scale must be floating point and the trackers integers");
+    check_state(s.item<double>(), g.item<int64_t>(), h.item<int64_t>());
   }
   opts_ = o;
   per_optimizer_.clear();
@@ -333,13 +334,7 @@ void GradScaler::load(torch::serialize::InputArchive& a) {
 }
 
 void GradScaler::load_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
-  check_positive_finite("scale", scale);
-  TORCH_CHECK(growth_tracker >= 0 && growth_tracker <= std::numeric_limits<int32_t>::max(), kWho,
-              ": growth_tracker must be a non-negative int32, got ", growth_tracker);
-  TORCH_CHECK(hysteresis_tracker >= 0 &&
-                  hysteresis_tracker <= std::numeric_limits<int32_t>::max(),
-              kWho, ": hysteresis_tracker must be a non-negative int32, got ",
-              hysteresis_tracker);
+  check_state(scale, growth_tracker, hysteresis_tracker);
   if (!scale_.defined()) {
     // Not bound to a device yet: keep it on the CPU until the first scale()/step().
     ensure_state(c10::Device(c10::kCPU));
@@ -350,6 +345,16 @@ void GradScaler::load_state(double scale, int64_t growth_tracker, int64_t hyster
   hysteresis_tracker_.fill_(hysteresis_tracker);
   per_optimizer_.clear();
   inv_scale_fresh_ = false;
+}
+
+void GradScaler::check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
+  check_positive_finite("scale", scale);
+  TORCH_CHECK(growth_tracker >= 0 && growth_tracker <= std::numeric_limits<int32_t>::max(), kWho,
+              ": growth_tracker must be a non-negative int32, got ", growth_tracker);
+  TORCH_CHECK(hysteresis_tracker >= 0 &&
+                  hysteresis_tracker <= std::numeric_limits<int32_t>::max(),
+              kWho, ": hysteresis_tracker must be a non-negative int32, got ",
+              hysteresis_tracker);
 }
 
 }  // namespace fusedamp

@@ -169,6 +169,7 @@ bool Optimizer::prepare() {
 }
 
 void Optimizer::build_buckets() {
+  ++bucket_builds_;
   buckets_.clear();
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     const auto& o = param_groups_[gi].options();

@@ -11,6 +11,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
@@ -369,6 +370,20 @@ TEST_CASE("param groups keep their own hyper-parameters; the LR hook", "[optim][
   CHECK(max_abs_diff(a, b) < 2e-5);
 }
 
+TEST_CASE("torch::optim LR schedulers drive the fused optimizers", "[optim][groups]") {
+  auto ps = make_params(at::kHalf);
+  fo::SGD opt(ps, fo::SGDOptions(0.4).momentum(0.9));
+  torch::optim::StepLR sched(opt, /*step_size=*/2, /*gamma=*/0.5);
+  for (int i = 0; i < 4; ++i) {
+    set_grads(ps, i);
+    opt.step();
+    sched.step();
+  }
+  // torch::optim::StepLR decays at its 3rd call (step counts 0..3 seen): 0.4 -> 0.2.
+  CHECK(opt.group_lr(0) == Approx(0.2));
+  CHECK(opt.group_options(0).lr() == Approx(0.2));
+}
+
 TEST_CASE("lr_tensor overrides lr; state is exposed without copies", "[optim]") {
   auto a = make_params(at::kHalf), b = copies(a);
   fo::SGD x(a, fo::SGDOptions(0.1).momentum(0.9));
@@ -401,18 +416,23 @@ TEST_CASE("params without a grad are skipped; buckets follow the grads", "[optim
   set_grads(ps, 0);
   ps[2].mutable_grad() = Tensor();
   opt.step();
+  set_grads(ps, 0);
+  ps[2].mutable_grad() = Tensor();
+  opt.step();
+  CHECK(opt.bucket_builds() == 1);  // grouped once, not per step
   CHECK(at::equal(ps[2], p2));
   CHECK(opt.param_state(ps[2]).empty());
-  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 1.f);
+  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 2.f);
   set_grads(ps, 1);
   opt.step();
+  CHECK(opt.bucket_builds() == 2);  // ps[2] got a grad: rebuilt once
   CHECK_FALSE(at::equal(ps[2], p2));
   CHECK(opt.param_state(ps[2]).at(fo::kStep).item<float>() == 1.f);
-  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 2.f);
+  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 3.f);
   opt.zero_grad();
   CHECK_FALSE(ps[0].grad().defined());
   opt.step();  // no grads: a no-op
-  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 2.f);
+  CHECK(opt.param_state(ps[0]).at(fo::kStep).item<float>() == 3.f);
 }
 
 namespace {

@@ -109,6 +109,7 @@ class GradScaler {
   void begin_iteration(const c10::Device& fallback);
   PerOptimizer& record(const void* optimizer);
   static void validate(const GradScalerOptions& o);
+  static void check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 
   GradScalerOptions opts_;
   at::Tensor scale_, growth_tracker_, hysteresis_tracker_, found_inf_, inv_scale_;

@@ -79,6 +79,9 @@ class Optimizer : public torch::optim::Optimizer {
   // Undefined tensor: back to the numeric lr.
   virtual void set_group_lr_tensor(size_t group, const at::Tensor& lr) = 0;
   size_t num_groups() const { return param_groups_.size(); }
+  // How often the buckets were (re)built: once, plus once per change of the set of params
+  // with grads (or of their dtypes/devices, or of master_weights/momentum being on).
+  int64_t bucket_builds() const { return bucket_builds_; }
 
   // ---- per-parameter state: the tensors themselves, no copies -----------------------------
   // Empty map for a parameter that has not been stepped yet.
@@ -176,6 +179,7 @@ class Optimizer : public torch::optim::Optimizer {
   };
   std::vector<SigEntry> signature_;
   bool buckets_valid_ = false;
+  int64_t bucket_builds_ = 0;
   bool found_valid_ = false;  // found_inf holds this step's result
   bool sumsq_valid_ = false;  // sum_sq holds this step's result
   at::Tensor last_step_applied_;
