@@ -1,0 +1,157 @@
+// CUDA: fused Adam/AdamW step over lists (fusedamp::math::adam_update, shared with the CPU).
+// Memory traffic per element (P = param bytes, G = grad bytes):
+//   with FP32 master weights: read G + 12 (master, m, v), write P + 12  (FP16: 14 + 14)
+//   without:                  read G + P + 8 (m, v),      write P + 8   (FP32: 16 + 12)
+// plus, per block of kChunk elements, the device scalars and the tensor's step count.
+// If *found_inf != 0 every block returns before touching memory; the step counts are
+// advanced afterwards by advance_steps (step_count.cu), which makes the same test.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/clip_math.h>
+
+#include "../csrc/dispatch_float_types.h"
+#include "cuda_kernels.h"
+#include "multi_tensor_apply.cuh"
+
+namespace fusedamp::cuda {
+namespace {
+
+constexpr int kAdamElemsPerThread = 8;
+
+enum AdamList { kP = 0, kG = 1, kM = 2, kV = 3, kMaster = 4 };
+
+template <bool kHasMaster>
+using AdamBatch = TensorBatch<kHasMaster ? 5 : 4, 1>;  // extra[0]: the tensor's step count
+
+template <typename TP, typename TG, bool kHasMaster>
+struct AdamOp {
+  TP* p;
+  const TG* g;
+  float* m;
+  float* v;
+  float* master;
+  math::AdamHyper h;
+  math::AdamCoeffs c;
+  float mult;
+
+  template <int L>
+  struct Regs {
+    float p[L], g[L], m[L], v[L];
+  };
+  template <int L>
+  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
+    load_lanes<L>(g + i, r.g);
+    if constexpr (kHasMaster) {
+      load_lanes<L>(master + i, r.p);
+    } else {
+      load_lanes<L>(p + i, r.p);
+    }
+    load_lanes<L>(m + i, r.m);
+    load_lanes<L>(v + i, r.v);
+  }
+  template <int L>
+  __device__ __forceinline__ void apply(Regs<L>& r) const {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l] * mult, h, c);
+    }
+  }
+  template <int L>
+  __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
+    store_lanes<L>(m + i, r.m);
+    store_lanes<L>(v + i, r.v);
+    if constexpr (kHasMaster) {
+      store_lanes<L>(master + i, r.p);
+    }
+    store_lanes<L>(p + i, r.p);
+  }
+};
+
+template <typename TP, typename TG, bool kHasMaster>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(const __grid_constant__ AdamBatch<kHasMaster> b, math::AdamHyper h,
+                StepScalars s) {
+  if (s.found_inf != nullptr && *s.found_inf != 0.f) {
+    return;  // skipped step: nothing is read or written
+  }
+  const ChunkRef ch = this_chunk(b);
+  const float lr = s.lr != nullptr ? *s.lr : s.lr_host;
+  // Bias corrections in FP64 from the step count before its increment, as on the CPU; once
+  // per block, shared with the block.
+  __shared__ math::AdamCoeffs coeffs;
+  if (threadIdx.x == 0) {
+    const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
+    coeffs = math::adam_coeffs<double>(h, lr, step_before);
+  }
+  const float mult = math::grad_multiplier(s.inv_scale != nullptr ? *s.inv_scale : 1.f,
+                                           s.grad_sum_sq != nullptr ? *s.grad_sum_sq : 0.f,
+                                           s.max_grad_norm);
+  __syncthreads();
+  AdamOp<TP, TG, kHasMaster> op{
+      static_cast<TP*>(b.ptr[kP][ch.t]) + ch.offset,
+      static_cast<const TG*>(b.ptr[kG][ch.t]) + ch.offset,
+      static_cast<float*>(b.ptr[kM][ch.t]) + ch.offset,
+      static_cast<float*>(b.ptr[kV][ch.t]) + ch.offset,
+      kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? kMaster : kP][ch.t]) + ch.offset
+                 : nullptr,
+      h,
+      coeffs,
+      mult};
+  constexpr int W = vec_width_of<TP, TG, float>();
+  // 8 elements of 4-5 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
+  chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
+}
+
+template <typename TP, typename TG, bool kHasMaster>
+void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
+            const math::AdamHyper& h, const StepScalars& s) {
+  constexpr int kLists = kHasMaster ? 5 : 4;
+  std::array<at::TensorList, kLists> lists;
+  lists[kP] = params;
+  lists[kG] = grads;
+  lists[kM] = exp_avgs;
+  lists[kV] = exp_avg_sqs;
+  if constexpr (kHasMaster) {
+    lists[kMaster] = master_params;
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  constexpr int W = vec_width_of<TP, TG, float>();
+  multi_tensor_apply<kLists, 1>(
+      lists, W,
+      [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
+      [&](const AdamBatch<kHasMaster>& b, int64_t blocks) {
+        adam_kernel<TP, TG, kHasMaster>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+}
+
+}  // namespace
+
+void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
+          const math::AdamHyper& h, const StepScalars& s) {
+  if (params.empty()) {
+    return;
+  }
+  const bool fp32_grads = grads[0].scalar_type() == at::kFloat;
+  const bool master = !master_params.empty();
+  FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "fusedamp_adam_cuda", [&] {
+    using TP = scalar_t;
+    auto run = [&](auto grad_tag, auto master_tag) {
+      launch<TP, decltype(grad_tag), decltype(master_tag)::value>(
+          params, master_params, grads, exp_avgs, exp_avg_sqs, steps, h, s);
+    };
+    if (fp32_grads) {
+      master ? run(float{}, std::true_type{}) : run(float{}, std::false_type{});
+    } else {
+      master ? run(TP{}, std::true_type{}) : run(TP{}, std::false_type{});
+    }
+  });
+  advance_steps(steps, s.found_inf);
+}
+
+}  // namespace fusedamp::cuda

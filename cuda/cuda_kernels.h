@@ -1,0 +1,49 @@
+#pragma once
+// Host-side entry points of the CUDA kernels (one .cu file per kernel concept). Arguments have
+// been validated (op_checks.h) and the device guard set by register_cuda.cu before any of these
+// is called. Everything is enqueued on the current stream; nothing waits for the device.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/scale_math.h>
+#include <fusedamp/math/sgd_math.h>
+
+#include <optional>
+
+namespace fusedamp::cuda {
+
+// The optional device scalars of a fused step, as raw device pointers (nullptr: absent).
+struct StepScalars {
+  const float* lr = nullptr;           // overrides the lr argument
+  const float* inv_scale = nullptr;    // 1 if absent
+  const float* found_inf = nullptr;    // the step is skipped where *found_inf != 0
+  const float* grad_sum_sq = nullptr;  // 0 if absent
+  float max_grad_norm = 0.f;           // <= 0: no clipping
+  float lr_host = 0.f;                 // used when lr is nullptr
+};
+
+// unscale_kernels.cu
+void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale);
+void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
+                const std::optional<at::Tensor>& tensor_flags);
+
+// update_scale.cu
+void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                  const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                  const math::ScaleHyper<float>& h);
+
+// adam_kernel.cu
+void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
+          const math::AdamHyper& h, const StepScalars& s);
+
+// sgd_kernel.cu
+void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
+         at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
+         const StepScalars& s);
+
+// step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
+void advance_steps(at::TensorList steps, const float* found_inf);
+
+}  // namespace fusedamp::cuda

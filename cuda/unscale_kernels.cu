@@ -1,0 +1,207 @@
+// CUDA: the two passes over the gradients.
+//   unscale_and_check_  read 1 + write 1 element of the grad dtype (FP16: 4 bytes/element).
+//   grad_stats_         read 1 element (FP16: 2 bytes/element), plus one FP32 partial per
+//                       block of kChunk elements (negligible).
+// Lists may mix dtypes: tensors are grouped by dtype and each group is one multi-tensor apply.
+// The non-finite test and the square sum are fusedamp::math's, shared with the CPU kernels.
+//
+// grad_stats_ reduces deterministically: each block writes the FP32 sum of squares of its
+// chunk into a workspace slot, and a one-block kernel adds those partials in a fixed order
+// (FP64) into sum_sq. The same inputs give the same sum in eager mode and in a CUDA graph
+// replay. FP16 grads scaled by 2^24 reach at most 65504^2 ~ 4.3e9 per square, so the FP32
+// per-chunk sums (<= 32768 squares, ~1.4e14) are far from overflow.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <fusedamp/math/unscale_math.h>
+
+#include <vector>
+
+#include "../csrc/dispatch_float_types.h"
+#include "cuda_kernels.h"
+#include "multi_tensor_apply.cuh"
+
+namespace fusedamp::cuda {
+namespace {
+
+using UnscaleBatch = TensorBatch<1, 0>;
+using StatsBatch = TensorBatch<1, 1>;  // extra[0]: &tensor_flags[i] or nullptr
+
+template <typename T>
+struct UnscaleOp {
+  T* g;
+  float inv_scale;
+  float bad = 0.f;  // NaN once a non-finite element was seen
+
+  template <int L>
+  struct Regs {
+    float x[L];
+  };
+  template <int L>
+  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
+    load_lanes<L>(g + i, r.x);
+  }
+  template <int L>
+  __device__ __forceinline__ void apply(Regs<L>& r) {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      bad = math::accumulate_nonfinite(bad, r.x[l]);
+      r.x[l] = math::unscale(r.x[l], inv_scale);
+    }
+  }
+  template <int L>
+  __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
+    store_lanes<L>(g + i, r.x);
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    unscale_kernel(const __grid_constant__ UnscaleBatch m, float* found_inf,
+                   const float* inv_scale) {
+  const ChunkRef c = this_chunk(m);
+  UnscaleOp<T> op{static_cast<T*>(m.ptr[0][c.t]) + c.offset, *inv_scale};
+  chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
+  if (__syncthreads_or(math::is_nonfinite_marker(op.bad)) && threadIdx.x == 0) {
+    *found_inf = 1.f;  // never reset; every writer stores the same value
+  }
+}
+
+template <typename T>
+struct StatsOp {
+  const T* g;
+  float bad = 0.f;
+  float sq = 0.f;
+
+  template <int L>
+  struct Regs {
+    float x[L];
+  };
+  template <int L>
+  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
+    load_lanes<L>(g + i, r.x);
+  }
+  template <int L>
+  __device__ __forceinline__ void apply(Regs<L>& r) {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      bad = math::accumulate_nonfinite(bad, r.x[l]);
+      sq = math::accumulate_square(sq, r.x[l]);
+    }
+  }
+  template <int L>
+  __device__ __forceinline__ void store(int, const Regs<L>&) const {}
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    grad_stats_kernel(const __grid_constant__ StatsBatch m, float* found_inf, float* partials) {
+  const ChunkRef c = this_chunk(m);
+  StatsOp<T> op{static_cast<const T*>(m.ptr[0][c.t]) + c.offset};
+  chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
+  const bool bad = __syncthreads_or(math::is_nonfinite_marker(op.bad)) != 0;
+  const float sq = block_sum(op.sq);
+  if (threadIdx.x == 0) {
+    partials[m.block_base + blockIdx.x] = sq;
+    if (bad) {
+      *found_inf = 1.f;
+      if (float* flag = static_cast<float*>(m.extra[0][c.t])) {
+        *flag = 1.f;
+      }
+    }
+  }
+}
+
+// sum_sq += sum(partials[0..n)), in FP64, in an order that depends only on n.
+__global__ void __launch_bounds__(kThreads)
+    sum_partials_kernel(const float* partials, int64_t n, float* sum_sq) {
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    s += static_cast<double>(partials[i]);
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) {
+    *sum_sq += static_cast<float>(s);
+  }
+}
+
+// Tensors grouped by dtype, in list order within a group; idx holds their list positions.
+struct DtypeGroup {
+  c10::ScalarType dtype;
+  std::vector<at::Tensor> tensors;
+  std::vector<size_t> idx;
+};
+
+std::vector<DtypeGroup> group_by_dtype(at::TensorList grads) {
+  std::vector<DtypeGroup> groups;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto dt = grads[i].scalar_type();
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const DtypeGroup& g) { return g.dtype == dt; });
+    if (it == groups.end()) {
+      groups.push_back(DtypeGroup{dt, {}, {}});
+      it = groups.end() - 1;
+    }
+    it->tensors.push_back(grads[i]);
+    it->idx.push_back(i);
+  }
+  return groups;
+}
+
+auto no_extra = [](size_t, void**) {};
+
+}  // namespace
+
+void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  float* fi = found_inf.data_ptr<float>();
+  const float* is = inv_scale.const_data_ptr<float>();
+  for (const auto& grp : group_by_dtype(grads)) {
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_unscale_and_check_cuda", [&] {
+      multi_tensor_apply<1, 0>(
+          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), no_extra,
+          [&](const UnscaleBatch& b, int64_t blocks) {
+            unscale_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                b, fi, is);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+    });
+  }
+}
+
+void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
+                const std::optional<at::Tensor>& tensor_flags) {
+  const int64_t total = total_chunks(grads);
+  if (total == 0) {
+    return;  // nothing to add; found_inf and the flags keep their values
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  // Every block of every group writes its slot, so the workspace needs no initialisation.
+  at::Tensor partials = at::empty({total}, found_inf.options());
+  float* part = partials.data_ptr<float>();
+  float* fi = found_inf.data_ptr<float>();
+  float* flags = tensor_flags && tensor_flags->defined() ? tensor_flags->data_ptr<float>()
+                                                         : nullptr;
+  int64_t base = 0;
+  for (const auto& grp : group_by_dtype(grads)) {
+    auto extra = [&](size_t k, void** slots) {
+      slots[0] = flags != nullptr ? static_cast<void*>(flags + grp.idx[k]) : nullptr;
+    };
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_grad_stats_cuda", [&] {
+      multi_tensor_apply<1, 1>(
+          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
+          [&](const StatsBatch& b, int64_t blocks) {
+            grad_stats_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                b, fi, part + base);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+    });
+    base += total_chunks(grp.tensors);
+  }
+  sum_partials_kernel<<<1, kThreads, 0, stream>>>(part, total, sum_sq.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace fusedamp::cuda
