@@ -5,7 +5,7 @@
 find_package(Python3 COMPONENTS Interpreter Development.Module REQUIRED)
 execute_process(
   COMMAND "${Python3_EXECUTABLE}" -c
-    "import torch; print(';'.join([torch._C._PYBIND11_COMPILER_TYPE or '', torch._C._PYBIND11_STDLIB or '', torch._C._PYBIND11_BUILD_ABI or '']))"
+    "import torch; print(';'.join(getattr(torch._C, '_PYBIND11_' + k, None) or '' for k in ('COMPILER_TYPE', 'STDLIB', 'BUILD_ABI')))"
   OUTPUT_VARIABLE _pybind_abi OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
 Python3_add_library(fusedamp_python MODULE WITH_SOABI ${FUSEDAMP_PYTHON_SOURCES})
 set_target_properties(fusedamp_python PROPERTIES

@@ -1,7 +1,13 @@
 #include "bindings.h"
 
 namespace fusedamp::python {
+
+void bind_optim(pybind11::module_& m);
+void bind_grad_scaler(pybind11::module_& m);
+
 void bind_all(pybind11::module_& m) {
-  (void)m;  // the engine's bindings are added here as they land
+  bind_optim(m);
+  bind_grad_scaler(m);
 }
+
 }  // namespace fusedamp::python

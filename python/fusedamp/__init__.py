@@ -1,9 +1,20 @@
 """fusedamp — a fused mixed-precision training engine for PyTorch.
 
-The operators are registered as ``torch.ops.fusedamp.*``; see README.md.
+- ``fusedamp.GradScaler``: drop-in for torch.amp.GradScaler (state on the device; sync-free
+  with fusedamp optimizers; hysteresis and bounds).
+- ``fusedamp.optim.AdamW / Adam / SGD``: torch.optim optimizers with FP32 master weights,
+  fused clipping and on-device skipping.
+- ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer.
+- The operators: ``torch.ops.fusedamp.*`` (``fusedamp.ops``).
 """
-from ._library import cmake_prefix_path, library_path, _C  # noqa: F401
+import torch as _torch
+
+from ._library import _C, cmake_prefix_path, library_path  # noqa: F401
+from . import optim  # noqa: F401
+from .convert import convert_module, is_norm_layer  # noqa: F401
+from .grad_scaler import GradScaler  # noqa: F401
+from .initialize import initialize  # noqa: F401
 
 __version__ = "0.1.0"
 
-ops = __import__("torch").ops.fusedamp
+ops = _torch.ops.fusedamp

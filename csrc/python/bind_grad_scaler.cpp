@@ -1,0 +1,69 @@
+// Bindings of fusedamp::GradScaler: the state machine and the fused-optimizer path of
+// fusedamp.GradScaler (python/fusedamp/grad_scaler.py).
+#include <fusedamp/grad_scaler.h>
+#include <fusedamp/optim/optimizer.h>
+#include <torch/extension.h>
+
+#include "bindings.h"
+
+namespace fusedamp::python {
+
+namespace py = pybind11;
+
+void bind_grad_scaler(py::module_& m) {
+  py::class_<GradScaler>(m, "GradScaler")
+      .def(py::init([](const std::string& device, double init_scale, double growth_factor,
+                       double backoff_factor, int64_t growth_interval, bool enabled,
+                       int64_t hysteresis, std::optional<double> min_scale,
+                       std::optional<double> max_scale) {
+             return std::make_unique<GradScaler>(GradScalerOptions()
+                                                     .device(c10::Device(device))
+                                                     .init_scale(init_scale)
+                                                     .growth_factor(growth_factor)
+                                                     .backoff_factor(backoff_factor)
+                                                     .growth_interval(growth_interval)
+                                                     .enabled(enabled)
+                                                     .hysteresis(hysteresis)
+                                                     .min_scale(min_scale)
+                                                     .max_scale(max_scale));
+           }),
+           py::arg("device"), py::arg("init_scale"), py::arg("growth_factor"),
+           py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("enabled"),
+           py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"))
+      .def("scale", &GradScaler::scale)
+      .def("unscale_", py::overload_cast<optim::Optimizer&>(&GradScaler::unscale_))
+      .def("step", py::overload_cast<optim::Optimizer&>(&GradScaler::step),
+           py::call_guard<py::gil_scoped_release>())
+      .def("update", py::overload_cast<>(&GradScaler::update))
+      .def("update_to", py::overload_cast<double>(&GradScaler::update))
+      .def("get_scale", &GradScaler::get_scale)
+      .def("scale_tensor", [](const GradScaler& s) { return s.scale_tensor(); })
+      .def("inv_scale_tensor", [](const GradScaler& s) { return s.inv_scale_tensor(); })
+      .def("growth_tracker", [](const GradScaler& s) { return s.growth_tracker(); })
+      .def("hysteresis_tracker", [](const GradScaler& s) { return s.hysteresis_tracker(); })
+      .def("found_inf", [](const GradScaler& s) { return s.found_inf(); })
+      .def("is_enabled", &GradScaler::is_enabled)
+      .def("set_growth_factor", &GradScaler::set_growth_factor)
+      .def("set_backoff_factor", &GradScaler::set_backoff_factor)
+      .def("set_growth_interval", &GradScaler::set_growth_interval)
+      .def("load_state", &GradScaler::load_state)
+      // Options and counters for state_dict(); the counters sync with the device.
+      .def("options_growth_factor", [](const GradScaler& s) { return s.options().growth_factor(); })
+      .def("options_backoff_factor",
+           [](const GradScaler& s) { return s.options().backoff_factor(); })
+      .def("options_growth_interval",
+           [](const GradScaler& s) { return s.options().growth_interval(); })
+      .def("options_hysteresis", [](const GradScaler& s) { return s.options().hysteresis(); })
+      .def("options_min_scale", [](const GradScaler& s) { return s.options().min_scale(); })
+      .def("options_max_scale", [](const GradScaler& s) { return s.options().max_scale(); })
+      .def("growth_tracker_value",
+           [](const GradScaler& s) -> int64_t {
+             return s.growth_tracker().defined() ? s.growth_tracker().item<int32_t>() : 0;
+           })
+      .def("hysteresis_tracker_value", [](const GradScaler& s) -> int64_t {
+        return s.hysteresis_tracker().defined() ? s.hysteresis_tracker().item<int32_t>()
+                                                : s.options().hysteresis();
+      });
+}
+
+}  // namespace fusedamp::python

@@ -1,0 +1,215 @@
+"""The Python package: GradScaler, fusedamp.optim, step accounting, checkpoints."""
+import io
+
+import pytest
+import torch
+
+import fusedamp
+from op_helpers import max_abs_diff, randn_list, scale_model
+
+
+def _model_params(device, dtype=torch.float32, seed=0):
+    return [torch.nn.Parameter(t) for t in randn_list(device, dtype, sizes=[(33,), (7, 5), (129,)],
+                                                      seed=seed)]
+
+
+def _grads(device, dtype, step, scale=1.0, sizes=((33,), (7, 5), (129,))):
+    return randn_list(device, torch.float32, sizes=list(sizes), seed=1000 + step, scale=scale)
+
+
+def _overflow_pattern(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    pattern = (torch.rand(n, generator=g) < 0.1).tolist()
+    pattern[10:16] = [True] * 6
+    return pattern
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_scale_sequence_matches_torch_amp(device, fused):
+    """Same overflow pattern -> same scale sequence as torch.amp.GradScaler. fused=False drives
+    a plain torch.optim.SGD through fusedamp.GradScaler."""
+    ours_p = _model_params(device)
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    opt = fusedamp.optim.SGD(ours_p, lr=0.01) if fused else torch.optim.SGD(ours_p, lr=0.01)
+    ref_opt = torch.optim.SGD(ref_p, lr=0.01)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=3)
+    ref = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=3)
+    for i, overflow in enumerate(_overflow_pattern(200, seed=1)):
+        for ps, sc in ((ours_p, scaler), (ref_p, ref)):
+            loss = sum((p.float() ** 2).sum() for p in ps)
+            sc.scale(loss).backward()
+            if overflow:
+                ps[1].grad[0, 0] = float("inf")
+        scaler.step(opt)
+        ref.step(ref_opt)
+        scaler.update()
+        ref.update()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert scaler.get_scale() == ref.get_scale(), i
+    for p, r in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+    assert scaler.scale_history()[-1] == ref.get_scale()
+
+
+def test_hysteresis_and_bounds(device):
+    params = _model_params(device)
+    opt = fusedamp.optim.AdamW(params, lr=1e-3)
+    scaler = fusedamp.GradScaler(device, init_scale=256.0, growth_interval=2, hysteresis=2,
+                                 min_scale=64.0, max_scale=1024.0)
+    pattern = [1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    seen = []
+    for overflow in pattern:
+        loss = sum((p ** 2).sum() for p in params)
+        scaler.scale(loss).backward()
+        if overflow:
+            params[0].grad[3] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        seen.append(scaler.get_scale())
+    # One isolated overflow is tolerated; the run of four backs off three times, to the
+    # minimum; clean steps grow every two steps, up to the maximum (the plain-Python model).
+    model = [s for s, _, _ in scale_model(pattern, 256.0, 2.0, 0.5, 2, 2, 64.0, 1024.0)]
+    assert seen == model
+    assert seen[:6] == [256, 256, 256, 128, 64, 64] and seen[-1] == 1024
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adam", "SGD"])
+def test_optimizer_parity_with_torch_groups_and_scheduler(device, cls, record_diff):
+    ours = _model_params(device, seed=3)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(momentum=0.9, nesterov=True, weight_decay=1e-3) if cls == "SGD" else dict(
+        betas=(0.8, 0.95), weight_decay=0.02)
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "weight_decay": 0.0}]
+    opt = getattr(fusedamp.optim, cls)(groups(ours), lr=0.01, **kw)
+    ref_opt = getattr(torch.optim, cls)(groups(ref), lr=0.01, foreach=False, **kw)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.005], total_steps=40)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=[0.02, 0.005], total_steps=40)
+    for step in range(40):
+        for p, r, g in zip(ours, ref, _grads(device, torch.float32, step)):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    diff = max_abs_diff([p.detach() for p in ours], [r.detach() for r in ref])
+    record_diff(f"fusedamp.optim.{cls} fp32 (groups + OneCycleLR) vs torch.optim", diff)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_python_and_cpp_optimizer_identical(device):
+    """The Python class is the C++ engine plus torch.optim conventions: same bits."""
+    a = _model_params(device, torch.float16, seed=4)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt = fusedamp.optim.AdamW(a, lr=1e-3, weight_decay=0.05, max_grad_norm=0.5)
+    eng = fusedamp._C.AdamW([b])
+    for name, v in (("lr", 1e-3), ("weight_decay", 0.05), ("max_grad_norm", 0.5)):
+        eng.set_group_option(0, name, v)
+    for step in range(10):
+        for p, q, g in zip(a, b, _grads(device, torch.float16, step)):
+            p.grad, q.grad = g.half(), g.half()
+        opt.step()
+        with torch.no_grad():
+            eng.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    for p, q in zip(a, b):
+        for k, v in opt._engine.param_state(p).items():
+            assert torch.equal(v, eng.param_state(q)[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_skipped_step_is_bitwise_noop_and_counted(device, dtype):
+    params = _model_params(device, dtype, seed=5)
+    opt = fusedamp.optim.AdamW(params, lr=1e-2, max_grad_norm=1.0)
+    scaler = fusedamp.GradScaler(device, enabled=dtype == torch.float16)
+    for step in range(3):
+        for p, g in zip(params, _grads(device, dtype, step)):
+            p.grad = g.to(dtype)
+        scaler.step(opt)
+        scaler.update()
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in opt._engine.param_state(p).items()} for p in params}
+    for p, g in zip(params, _grads(device, dtype, 99)):
+        p.grad = g.to(dtype)
+    params[2].grad[5] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert opt.last_step_applied.item() == 0.0
+    assert opt.skipped_steps.item() == 1
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    for p in params:
+        for k, v in opt._engine.param_state(p).items():
+            assert torch.equal(v, state[id(p)][k]), k
+    # BF16 without loss scaling still skips (non-finite protection); FP16 backs the scale off.
+    if dtype == torch.float16:
+        assert scaler.get_scale() == 2.0 ** 15
+
+
+def _train(params, opt, scaler, steps, start, dtype):
+    one = torch.ones((), device=params[0].device)
+    for step in range(start, start + steps):
+        scale = scaler.scale(one)  # what scaling a unit loss gives: the current scale
+        for p, g in zip(params, _grads(params[0].device, dtype, step, scale=8.0)):
+            p.grad = (g * scale).to(dtype)
+        if step % 7 == 3:
+            params[0].grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_save_load_continue_is_bit_exact(device, cls):
+    dtype = torch.float16
+    kw = dict(momentum=0.9) if cls == "SGD" else {}
+
+    def make(seed):
+        ps = _model_params(device, dtype, seed=seed)
+        opt = getattr(fusedamp.optim, cls)(ps, lr=1e-2, max_grad_norm=2.0, **kw)
+        return ps, opt, fusedamp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=4)
+
+    p1, o1, s1 = make(6)
+    _train(p1, o1, s1, 20, 0, dtype)
+    p2, o2, s2 = make(6)
+    _train(p2, o2, s2, 10, 0, dtype)
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach() for p in p2], "opt": o2.state_dict(),
+                "scaler": s2.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    p3, o3, s3 = make(123)  # different initial values: everything must come from the checkpoint
+    with torch.no_grad():
+        for p, q in zip(p3, ck["model"]):
+            p.copy_(q)
+    o3.load_state_dict(ck["opt"])
+    s3.load_state_dict(ck["scaler"])
+    _train(p3, o3, s3, 10, 10, dtype)
+    for a, b in zip(p1, p3):
+        assert torch.equal(a, b)
+    for a, b in zip(p1, p3):
+        sa, sb = o1._engine.param_state(a), o3._engine.param_state(b)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+    assert s1.get_scale() == s3.get_scale()
+    assert s1.state_dict() == s3.state_dict()
+
+
+def test_bad_arguments_raise_clear_errors(device):
+    ps = _model_params(device)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        fusedamp.optim.AdamW(ps, lr=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        fusedamp.optim.Adam(ps, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="amsgrad"):
+        fusedamp.optim.Adam(ps, amsgrad=True)
+    with pytest.raises(ValueError, match="Nesterov"):
+        fusedamp.optim.SGD(ps, nesterov=True)
+    with pytest.raises(RuntimeError, match="growth_factor"):
+        fusedamp.GradScaler(device, growth_factor=1.0)
+    scaler = fusedamp.GradScaler(device)
+    with pytest.raises(RuntimeError):
+        scaler.scale(torch.ones(3, device=device))  # the loss must be a scalar
