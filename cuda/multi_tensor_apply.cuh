@@ -23,6 +23,16 @@
 // elements; otherwise the whole chunk runs element by element. Either way each thread keeps
 // kElems elements (ILP = kElems / W vectors) of every list in flight per iteration: 16 by
 // default, 8 for Adam, whose five lists would not fit the registers at 16.
+//
+// Memory traffic per element of the kernels built on this (bytes; P/G = param/grad bytes,
+// FP16 example in brackets; each kernel's file says the same):
+//   unscale_and_check_   read G, write G                                  [2 + 2]
+//   grad_stats_          read G (+ one FP32 partial per block)            [2]
+//   adam_step_ master    read G + 12, write P + 12  (master, m, v)        [14 + 14]
+//   adam_step_ no master read G + P + 8, write P + 8                      [FP32: 16 + 12]
+//   sgd_step_ master     read G + 4 (+4 momentum), write P + 4 (+4)       [10 + 10]
+//   sgd_step_ no master  read G + P (+4), write P (+4)
+// The scalars (found_inf, inv_scale, lr, sum_sq, a step count) are read once per block.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
