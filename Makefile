@@ -8,7 +8,7 @@ BUILD  ?= build/dev
 JOBS   ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps build test test-cpp test-python cpp-example consumer clean
+.PHONY: all deps build demo test test-cpp test-python cpp-example consumer clean
 
 all: build
 
@@ -25,7 +25,10 @@ build: deps
 	cmake --build $(BUILD) -j $(JOBS) 2>&1 | tee $(BUILD)/build.log | grep -v "^ptxas info"; exit $${PIPESTATUS[0]}
 	cmake --install $(BUILD) > /dev/null
 
-test: build test-cpp test-python
+demo: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) examples/python/demo.py --out demo_output
+
+test: build test-cpp test-python consumer
 
 test-cpp:
 	ctest --test-dir $(BUILD) --output-on-failure

@@ -1,7 +1,7 @@
 """Inputs and reference implementations shared by the op tests."""
 import math
+import struct
 
-import numpy as np
 import torch
 
 ops = torch.ops.fusedamp
@@ -49,8 +49,11 @@ def max_abs_diff(xs, ys):
 
 
 def f32(x):
-    """Round a Python float to FP32."""
-    return float(np.float32(x))
+    """Round a Python float to FP32 (to nearest even, overflowing to inf like a cast)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def scale_model(found_seq, init_scale, growth, backoff, interval, hysteresis=1, min_scale=None,
