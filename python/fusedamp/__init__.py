@@ -5,13 +5,17 @@
 - ``fusedamp.optim.AdamW / Adam / SGD``: torch.optim optimizers with FP32 master weights,
   fused clipping and on-device skipping.
 - ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer.
+- ``fusedamp.distributed.ShardedOptimizer``: ZeRO stage-1 master-weight optimizer over
+  torch.distributed.
 - The operators: ``torch.ops.fusedamp.*`` (``fusedamp.ops``).
 """
 import torch as _torch
 
 from ._library import _C, cmake_prefix_path, library_path  # noqa: F401
 from . import optim  # noqa: F401
+from . import distributed  # noqa: F401
 from .convert import convert_module, is_norm_layer  # noqa: F401
+from .diagnostics import History, nonfinite_grads  # noqa: F401
 from .grad_scaler import GradScaler  # noqa: F401
 from .initialize import initialize  # noqa: F401
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from ._library import _C
+from .diagnostics import History
 from .optim import FusedOptimizer
 
 __all__ = ["GradScaler"]
@@ -46,8 +47,8 @@ class GradScaler:
         self._stage = defaultdict(lambda: _READY)
         self._foreign_found = {}
         self._fused_used = False
-        self._keep_history = history
-        self._history = []  # device tensors, one per update(); read when asked
+        self._history = History() if history else None  # scale after each update()
+        self._unscaled_fused = set()
 
     # ---- the iteration -----------------------------------------------------------------
     def scale(self, outputs):
@@ -71,7 +72,11 @@ class GradScaler:
             self._fused_used = True
             optimizer._push_options()
             self._engine.unscale_(optimizer._engine)
+            self._unscaled_fused.add(id(optimizer))
             return
+        if hasattr(optimizer, "_fusedamp_step_scaled"):
+            raise RuntimeError("fusedamp.GradScaler.unscale_: this optimizer unscales inside its "
+                               "step (use its max_grad_norm for clipping)")
         stage = self._stage[id(optimizer)]
         if stage == _UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the "
@@ -108,9 +113,19 @@ class GradScaler:
             self._fused_used = True
             optimizer._push_options()
             self._engine.step(optimizer._engine)
+            if id(optimizer) not in self._unscaled_fused:  # the step's own norm pass ran
+                optimizer._record_grad_norm(self._engine.inv_scale_tensor())
             return None
         if self._stage[id(optimizer)] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if hasattr(optimizer, "_fusedamp_step_scaled"):
+            # Optimizers that unscale and skip on the device themselves
+            # (fusedamp.distributed.ShardedOptimizer): they take the inverse scale and return
+            # their found_inf, which update() then uses like a foreign optimizer's (no sync).
+            inv_scale = self._engine.scale_tensor().double().reciprocal().float()
+            self._foreign_found[id(optimizer)] = optimizer._fusedamp_step_scaled(inv_scale)
+            self._stage[id(optimizer)] = _STEPPED
+            return None
         if self._stage[id(optimizer)] == _READY:
             self.unscale_(optimizer)
         found = self._foreign_found[id(optimizer)]
@@ -147,9 +162,10 @@ class GradScaler:
             self._engine.update()
         self._stage.clear()
         self._foreign_found.clear()
+        self._unscaled_fused.clear()
         self._fused_used = False
-        if self._keep_history:
-            self._history.append(self._engine.scale_tensor().clone())
+        if self._history is not None:
+            self._history.record(self._engine.scale_tensor())
 
     # ---- reading the state (syncs only where it says so) ----------------------------------
     def get_scale(self):
@@ -161,10 +177,8 @@ class GradScaler:
         return self._engine.scale_tensor()
 
     def scale_history(self):
-        """The scale after each update(), as a list of floats (one sync)."""
-        if not self._history:
-            return []
-        return torch.cat(self._history).tolist()
+        """The scale after each update(), oldest first, as floats (one synchronisation)."""
+        return [] if self._history is None else self._history.values()
 
     def get_growth_factor(self):
         return self._engine.options_growth_factor()

@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable
 import torch
 
 from ._library import _C
+from .diagnostics import History
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer"]
 
@@ -36,6 +37,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._engine = None
         super().__init__(params, defaults)
         self._build_engine()
+        self._grad_norms = History()
 
     # ---- engine construction and hyper-parameter push ---------------------------------
     def _build_engine(self):
@@ -102,7 +104,23 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._push_options()
         self._engine.step()
+        # grad_stats_ ran in this step when clipping or non-finite protection is on: its sum
+        # of squares gives the global gradient norm, kept on the device.
+        if any(g["max_grad_norm"] or g["skip_nonfinite"] for g in self.param_groups):
+            self._record_grad_norm(None)
         return loss
+
+    def _record_grad_norm(self, inv_scale):
+        sum_sq = self._engine.grad_sum_sq()
+        if sum_sq is not None:
+            norm = sum_sq.sqrt()
+            self._grad_norms.record(norm if inv_scale is None else norm * inv_scale)
+
+    def grad_norm_history(self):
+        """Global gradient norm (unscaled, before clipping) of each recorded step, oldest
+        first (one synchronisation). Steps after an explicit scaler.unscale_() without
+        clipping are not recorded (no norm pass ran)."""
+        return self._grad_norms.values()
 
     # ---- step accounting (device tensors; reading them is the caller's choice) ---------
     @property

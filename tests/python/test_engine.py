@@ -213,3 +213,39 @@ def test_bad_arguments_raise_clear_errors(device):
     scaler = fusedamp.GradScaler(device)
     with pytest.raises(RuntimeError):
         scaler.scale(torch.ones(3, device=device))  # the loss must be a scalar
+
+
+def test_diagnostics_grad_norm_history_and_nonfinite_names(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to(device)
+    model, opt, scaler = fusedamp.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.float16, max_grad_norm=1.0)
+    if not scaler.is_enabled():  # CUDA scaler asked for on a CPU-only machine: use the CPU one
+        scaler = fusedamp.GradScaler(device)
+    expected_norms, scales = [], []
+    for step in range(6):
+        x = torch.randn(32, 8, device=device)
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        s = scaler.get_scale()
+        grads = [p.grad.float() / s for p in model.parameters()]
+        expected_norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads])).item())
+        if step == 4:
+            model[2].weight.grad[1, 3] = float("nan")
+            assert fusedamp.nonfinite_grads(model) == ["2.weight"]
+        else:
+            assert fusedamp.nonfinite_grads(model) == []
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    history = opt.grad_norm_history()
+    assert len(history) == 6
+    for i, (got, want) in enumerate(zip(history, expected_norms)):
+        if i != 4:
+            assert abs(got - want) <= 1e-3 * want, (i, got, want)
+    assert history[4] != history[4]  # the NaN step's norm is NaN: visible in the history
+    assert scaler.scale_history() == scales
+    assert opt.skipped_steps.item() == 1
