@@ -1,0 +1,250 @@
+"""Data-parallel training with fusedamp: DDP over a fusedamp.initialize'd model and the sharded
+(ZeRO-1) optimizer, on 2 and 3 processes that this module launches itself (Gloo on the CPU;
+NCCL with one rank per GPU when at least two GPUs are present). Every rank runs
+distributed_worker.py; the checks here compare the ranks with each other and with a
+single-process run of the same global batch.
+
+Numerics: with an FP32 model the sharded step equals the single-process step within FP32
+rounding (the only difference is the order of the gradient sum). With an FP16 model the
+gradients themselves are FP16 tensors computed from a different split of the batch and summed
+in FP16 (as DDP does), so the runs agree to FP16 gradient rounding, amplified by Adam where a
+gradient is near zero: the tolerances below are set from that, and every run prints the largest
+difference it saw.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distributed_worker import INF_STEP, RESUME_STEPS, STEPS, reference_run
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
+PYTHON_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of blocking CI
+
+BACKENDS = [
+    pytest.param(("gloo", "cpu"), id="gloo-cpu"),
+    pytest.param(("nccl", "cuda"), id="nccl-cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2
+        or not torch.distributed.is_nccl_available(),
+        reason="NCCL tests need at least 2 CUDA GPUs (one rank per GPU)")),
+]
+WORLDS = (2, 3)
+
+# FP16 model vs single process (see the module doc): master weights, model weights, moments.
+TOL_FP16 = {"adamw": 2e-3, "sgd": 2e-4}
+TOL_FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def _launch(world, backend, out_dir, load_path=""):
+    """Starts `world` ranks, waits for all of them (bounded) and returns their results."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+    init_file = os.path.join(out_dir, "rendezvous")
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, str(rank), str(world), init_file, backend, out_dir]
+            + ([load_path] if load_path else []), stdout=log, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        timed_out = [p for p in procs if p.poll() is None]
+        for p in timed_out:
+            p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tails = []
+        for r in failed:
+            with open(os.path.join(out_dir, f"log{r}.txt")) as f:
+                tails.append(f"--- rank {r} ---\n" + f.read()[-3000:])
+        what = "timed out" if timed_out else "failed"
+        pytest.fail(f"{world} ranks ({backend}) {what}:\n" + "\n".join(tails))
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
+    """{world: [per-rank results]}; the 3-rank run also loads the 2-rank run's gathered
+    checkpoint."""
+    backend, device = request.param
+    base = tmp_path_factory.mktemp(f"dist_{backend}")
+    out = {2: _launch(2, backend, str(base / "w2"))}
+    out[3] = _launch(3, backend, str(base / "w3"), load_path=str(base / "w2" / "ckpt_2.pt"))
+    out["device"] = "cuda:0" if device == "cuda" else "cpu"
+    out["ckpt_2"] = str(base / "w2" / "ckpt_2.pt")
+    return out
+
+
+_REFS = {}
+
+
+def _reference(kind, device, dtype=torch.float16):
+    key = (kind, device, dtype)
+    if key not in _REFS:
+        _REFS[key] = reference_run(kind, device, dtype)
+    return _REFS[key]
+
+
+def _max_diff(a, b):
+    return max((x.float().cpu() - y.float().cpu()).abs().max().item() for x, y in zip(a, b))
+
+
+def _assert_ranks_identical(results, get):
+    first = get(results[0])
+    for r, res in enumerate(results[1:], start=1):
+        for step, (a, b) in enumerate(zip(first, get(res))):
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert torch.equal(x, y), f"rank {r} differs from rank 0: step {step}, param {i}"
+
+
+def _state_diff(full, ref_state):
+    diffs = {}
+    for i, s in ref_state.items():
+        assert set(full[i]) == set(s), (i, sorted(full[i]), sorted(s))
+        for name, v in s.items():
+            d = (full[i][name].float().cpu() - v.float().cpu()).abs().max().item()
+            diffs[name] = max(diffs.get(name, 0.0), d)
+    return diffs
+
+
+# ----------------------------------------------------------------------------------- DDP
+@pytest.mark.parametrize("world", WORLDS)
+def test_ddp_matches_single_process_and_skips_together(runs, world, record_diff):
+    results = runs[world]
+    ref = _reference("ddp", runs["device"])
+    _assert_ranks_identical(results, lambda r: r["ddp"]["run"]["params"])
+    for r in results:
+        run = r["ddp"]["run"]
+        assert run["scales"] == ref["scales"]  # same scale sequence on every rank
+        assert run["applied"] == ref["applied"]
+        assert run["applied"][INF_STEP] == 0.0 and sum(run["applied"]) == STEPS - 1
+        # The skipped step changed nothing, bit for bit.
+        for a, b in zip(run["params"][INF_STEP - 1], run["params"][INF_STEP]):
+            assert torch.equal(a, b)
+    d = _max_diff(results[0]["ddp"]["run"]["params"][-1], ref["params"][-1])
+    record_diff(f"distributed: DDP FP16 {world} ranks vs 1 process (params)", d)
+    assert d <= TOL_FP16["adamw"], d
+    assert ref["scales"][INF_STEP] < ref["scales"][INF_STEP - 1]  # the reference did back off
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ddp_checkpoint_loaded_on_every_rank(runs, world, record_diff):
+    """Every rank loads rank 0's checkpoint into a fresh model and DDP wrapper: the ranks stay
+    identical, and the run continues as the uninterrupted one. Bit-exact on 2 ranks; on 3, a
+    fresh DDP's gradient buckets (before its first-iteration rebuild) split the FP16 all-reduce
+    differently from the running one, so the sum is rounded in another order."""
+    results = runs[world]
+    _assert_ranks_identical(results, lambda r: r["ddp"]["resumed"]["params"])
+    for r in results:
+        assert r["ddp"]["cont"]["scales"] == r["ddp"]["resumed"]["scales"]
+        d = _max_diff(r["ddp"]["cont"]["params"][-1], r["ddp"]["resumed"]["params"][-1])
+        record_diff(f"distributed: DDP FP16 {world} ranks resumed vs uninterrupted", d)
+        if world == 2:
+            for a, b in zip(r["ddp"]["cont"]["params"], r["ddp"]["resumed"]["params"]):
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
+        else:
+            assert d <= TOL_FP16["adamw"], d
+
+
+# ----------------------------------------------------------------------------------- sharded
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_fp16_matches_single_process(runs, world, kind, record_diff):
+    """AdamW with global-norm clipping; SGD with momentum, two param groups and an LR
+    scheduler. The inf is injected into one grad on the last rank only, in an element that
+    rank 0 owns: every rank must skip, and the scale must back off the same way everywhere."""
+    results = runs[world]
+    ref = _reference(kind, runs["device"])
+    _assert_ranks_identical(results, lambda r: r[kind]["params"])
+    for r in results:
+        assert r[kind]["scales"] == ref["scales"]
+        assert r[kind]["applied"] == ref["applied"]
+        assert r[kind]["applied"][INF_STEP] == 0.0 and r[kind]["skipped_steps"] == 1
+        for a, b in zip(r[kind]["params"][INF_STEP - 1], r[kind]["params"][INF_STEP]):
+            assert torch.equal(a, b)
+    d = _max_diff(results[0][kind]["params"][-1], ref["params"][-1])
+    record_diff(f"distributed: sharded {kind} FP16 {world} ranks vs 1 process (params)", d)
+    assert d <= TOL_FP16[kind], d
+    diffs = _state_diff(results[0][kind]["full"]["state"], ref["state"]["state"])
+    for name, v in diffs.items():
+        record_diff(f"distributed: sharded {kind} FP16 {world} ranks vs 1 process ({name})", v)
+    assert diffs["step"] == 0.0
+    assert max(diffs.values()) <= TOL_FP16[kind], diffs
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_fp32_matches_single_process_within_fp32_rounding(runs, world, record_diff):
+    results = runs[world]
+    ref = _reference("adamw", runs["device"], torch.float32)
+    r0 = results[0]["adamw_fp32"]
+    assert r0["applied"] == ref["applied"] and r0["applied"][INF_STEP] == 0.0
+    for step, (a, b) in enumerate(zip(r0["params"], ref["params"])):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, **TOL_FP32, msg=f"step {step}")
+    record_diff(f"distributed: sharded adamw FP32 {world} ranks vs 1 process (params)",
+                _max_diff(r0["params"][-1], ref["params"][-1]))
+    full, rs = r0["full"]["state"], ref["state"]["state"]
+    for i, s in rs.items():
+        for name, v in s.items():
+            torch.testing.assert_close(full[i][name].cpu(), v.cpu(), **TOL_FP32)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_checkpoint_same_world_size_is_bit_exact(runs, world):
+    for r in runs[world]:
+        a = r["adamw"]
+        assert a["cont"]["scales"] == a["resumed"]["scales"]
+        for x, y in zip(a["cont"]["params"], a["resumed"]["params"]):
+            assert all(torch.equal(p, q) for p, q in zip(x, y))
+        for i, s in a["cont_full"]["state"].items():
+            for name, v in s.items():
+                assert torch.equal(v, a["resumed_full"]["state"][i][name]), (i, name)
+
+
+def test_gathered_checkpoint_loads_on_another_world_size(runs, record_diff):
+    """The 2-rank run's consolidated checkpoint, loaded by 3 ranks: the state re-gathers
+    bit-exactly, and training continues like a single process resumed from it."""
+    ck = torch.load(runs["ckpt_2"], map_location=runs["device"])
+    ref = reference_run("adamw", runs["device"], steps=RESUME_STEPS, checkpoint=ck)
+    results = runs[3]
+    _assert_ranks_identical(results, lambda r: r["adamw"]["other_n"]["params"])
+    a = results[0]["adamw"]
+    for i, s in ck["optim"]["state"].items():
+        for name, v in s.items():
+            assert torch.equal(a["reloaded_full"]["state"][i][name].cpu(), v.cpu()), (i, name)
+    assert a["other_n"]["scales"] == ref["scales"]
+    d = _max_diff(a["other_n"]["params"][-1], ref["params"][-1])
+    record_diff("distributed: 2-rank checkpoint continued on 3 ranks vs 1 process (params)", d)
+    assert d <= TOL_FP16["adamw"], d
+    # It also moved: the continued run is not the checkpoint itself.
+    assert _max_diff(a["other_n"]["params"][-1], list(ck["model"].values())) > 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_state_bytes_per_rank_are_one_nth(runs, world):
+    unsharded = _reference("adamw", runs["device"])["state_bytes"]  # fusedamp.optim.AdamW
+    results = runs[world]
+    per_rank = [r["memory"]["all_ranks"] for r in results]
+    one = results[0]["memory"]["one_rank"]
+    assert results[0]["memory"]["one_rank_world"] == 1
+    assert one == unsharded  # one rank: the same bytes as the unsharded optimizer
+    n_params = len(results[0]["adamw"]["params"][0])
+    # FP32 master + 2 moments for 1/N of each bucket (padding < N elements per bucket), plus
+    # one 4-byte step per segment (each parameter is cut at most once per rank boundary).
+    for b in per_rank:
+        assert abs(b - unsharded / world) <= 12 * world * 2 + 4 * (n_params + world), per_rank
+    print(f"\noptimizer-state bytes per rank: 1 rank {one}, {world} ranks {per_rank}")
