@@ -111,10 +111,7 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if isinstance(optimizer, FusedOptimizer):
             self._fused_used = True
-            optimizer._push_options()
-            self._engine.step(optimizer._engine)
-            if id(optimizer) not in self._unscaled_fused:  # the step's own norm pass ran
-                optimizer._record_grad_norm(self._engine.inv_scale_tensor())
+            optimizer.step(_scaled_by=self)  # through torch's wrapper: hooks, LR schedulers
             return None
         if self._stage[id(optimizer)] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -134,6 +131,12 @@ class GradScaler:
             result = optimizer.step(*args, **kwargs)
         self._stage[id(optimizer)] = _STEPPED
         return result
+
+    def _fused_step(self, optimizer):
+        """Called by FusedOptimizer.step(_scaled_by=self): the engine's scaled step."""
+        self._engine.step(optimizer._engine)
+        if id(optimizer) not in self._unscaled_fused:  # the step's own norm pass ran
+            optimizer._record_grad_norm(self._engine.inv_scale_tensor())
 
     def update(self, new_scale=None):
         """Updates the scale from this iteration's overflow checks (or sets it)."""

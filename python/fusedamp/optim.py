@@ -97,12 +97,17 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # ---- the step --------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, _scaled_by=None):
+        """One fused step. (``_scaled_by`` is how fusedamp.GradScaler.step routes its scaled
+        step through here, so that step hooks and LR-scheduler bookkeeping see it.)"""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._push_options()
+        if _scaled_by is not None:
+            _scaled_by._fused_step(self)
+            return loss
         self._engine.step()
         # grad_stats_ ran in this step when clipping or non-finite protection is on: its sum
         # of squares gives the global gradient norm, kept on the device.

@@ -249,3 +249,26 @@ def test_diagnostics_grad_norm_history_and_nonfinite_names(device):
     assert history[4] != history[4]  # the NaN step's norm is NaN: visible in the history
     assert scaler.scale_history() == scales
     assert opt.skipped_steps.item() == 1
+
+
+def test_scaler_step_goes_through_optimizer_step(device):
+    """LR schedulers and step hooks see steps taken through scaler.step(opt)."""
+    import warnings
+
+    params = _model_params(device)
+    opt = fusedamp.optim.SGD(params, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = fusedamp.GradScaler(device)
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" fails
+        for _ in range(3):
+            loss = sum((p ** 2).sum() for p in params)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            sched.step()
+    assert len(calls) == 3
+    assert opt.param_groups[0]["lr"] == 0.1 / 8
