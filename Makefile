@@ -54,3 +54,10 @@ consumer: build
 
 clean:
 	rm -rf build python/fusedamp/lib python/fusedamp/include python/fusedamp/share python/fusedamp/_C*.so
+
+# Step benchmark against torch.amp (issue 6): benchmarks/results/step_<device>.{md,json,png}.
+# Run it on an otherwise idle machine: OpenMP timings (torch's and ours) collapse when another
+# process shares the cores. BENCH_ARGS passes options, e.g. BENCH_ARGS="--device cuda".
+.PHONY: bench-step
+bench-step: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_step.py --device cpu $(BENCH_ARGS)
