@@ -242,9 +242,12 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
   }
 }
 
-void adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
                TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
-               double beta1, double beta2, double eps, double weight_decay) {
+               double beta1, double beta2, double eps, double weight_decay,
+               const OptTensor& lr_tensor, const OptTensor& inv_scale,
+               const OptTensor& found_inf, const OptTensor& grad_sum_sq,
+               std::optional<double> max_grad_norm) {
   check_finite_nonneg(op, "lr", lr);
   check_beta(op, "beta1", beta1);
   check_beta(op, "beta2", beta2);
@@ -252,11 +255,18 @@ void adam_step(const char* op, TensorList params, TensorList master_params, Tens
   check_finite_nonneg(op, "weight_decay", weight_decay);
   check_step_lists(op, params, master_params, grads, steps,
                    {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  if (params.empty()) {
+    return false;
+  }
+  step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm);
+  return true;
 }
 
-void sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov) {
+              double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
+              const OptTensor& inv_scale, const OptTensor& found_inf,
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
   check_finite_nonneg(op, "lr", lr);
   check_finite_nonneg(op, "momentum", momentum);
   TORCH_CHECK(std::isfinite(dampening), op, ": invalid dampening ", dampening);
@@ -271,6 +281,11 @@ void sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
     check_step_lists(op, params, master_params, grads, steps,
                      {{"momentum_buffers", momentum_buffers}});
   }
+  if (params.empty()) {
+    return false;
+  }
+  step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm);
+  return true;
 }
 
 }  // namespace fusedamp::checks

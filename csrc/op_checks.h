@@ -28,12 +28,19 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
                   const OptTensor& inv_scale, const OptTensor& found_inf,
                   const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm);
 
-void adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+// The whole argument check of a fused step: lists, hyper-parameters and (when there are
+// params) the device scalars. Returns false for empty lists (a no-op).
+bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
                TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
-               double beta1, double beta2, double eps, double weight_decay);
+               double beta1, double beta2, double eps, double weight_decay,
+               const OptTensor& lr_tensor, const OptTensor& inv_scale,
+               const OptTensor& found_inf, const OptTensor& grad_sum_sq,
+               std::optional<double> max_grad_norm);
 
-void sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov);
+              double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
+              const OptTensor& inv_scale, const OptTensor& found_inf,
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm);
 
 }  // namespace fusedamp::checks

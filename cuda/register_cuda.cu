@@ -80,13 +80,11 @@ void adam_step_cuda(TensorList params, TensorList master_params, TensorList grad
                     const OptTensor& inv_scale, const OptTensor& found_inf,
                     const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
   const char* op = "fusedamp::adam_step_";
-  checks::adam_step(op, params, master_params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1,
-                    beta2, eps, weight_decay);
-  if (params.empty()) {
+  if (!checks::adam_step(op, params, master_params, grads, exp_avgs, exp_avg_sqs, steps, lr,
+                         beta1, beta2, eps, weight_decay, lr_tensor, inv_scale, found_inf,
+                         grad_sum_sq, max_grad_norm)) {
     return;
   }
-  checks::step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq,
-                       max_grad_norm);
   const c10::cuda::CUDAGuard guard(params[0].device());
   const auto h = math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay,
                                        decoupled_weight_decay, maximize);
@@ -101,13 +99,11 @@ void sgd_step_cuda(TensorList params, TensorList master_params, TensorList grads
                    const OptTensor& found_inf, const OptTensor& grad_sum_sq,
                    std::optional<double> max_grad_norm) {
   const char* op = "fusedamp::sgd_step_";
-  checks::sgd_step(op, params, master_params, grads, momentum_buffers, steps, lr, momentum,
-                   dampening, weight_decay, nesterov);
-  if (params.empty()) {
+  if (!checks::sgd_step(op, params, master_params, grads, momentum_buffers, steps, lr, momentum,
+                        dampening, weight_decay, nesterov, lr_tensor, inv_scale, found_inf,
+                        grad_sum_sq, max_grad_norm)) {
     return;
   }
-  checks::step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq,
-                       max_grad_norm);
   const c10::cuda::CUDAGuard guard(params[0].device());
   const auto h = math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize);
   sgd(params, master_params, grads, momentum_buffers, steps, h,

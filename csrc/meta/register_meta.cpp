@@ -62,11 +62,8 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
   const char* op = "fusedamp::adam_step_";
   checks::adam_step(op, params, master_params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1,
-                    beta2, eps, weight_decay);
-  if (!params.empty()) {
-    checks::step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq,
-                         max_grad_norm);
-  }
+                    beta2, eps, weight_decay, lr_tensor, inv_scale, found_inf, grad_sum_sq,
+                    max_grad_norm);
   refuse_work<mode>(op, params);
 }
 
@@ -78,11 +75,8 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
   const char* op = "fusedamp::sgd_step_";
   checks::sgd_step(op, params, master_params, grads, momentum_buffers, steps, lr, momentum,
-                   dampening, weight_decay, nesterov);
-  if (!params.empty()) {
-    checks::step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq,
-                         max_grad_norm);
-  }
+                   dampening, weight_decay, nesterov, lr_tensor, inv_scale, found_inf, grad_sum_sq,
+                   max_grad_norm);
   refuse_work<mode>(op, params);
 }
 
