@@ -61,3 +61,7 @@ clean:
 .PHONY: bench-step
 bench-step: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_step.py --device cpu $(BENCH_ARGS)
+
+.PHONY: bench-train
+bench-train: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_train.py $(BENCH_ARGS)

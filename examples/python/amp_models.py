@@ -12,7 +12,9 @@ from __future__ import annotations
 import glob
 import math
 import os
+import resource
 import sysconfig
+import time
 
 import torch
 import torch.nn.functional as F
@@ -202,7 +204,8 @@ def digits_eval(model, x, y, autocast_dtype=None):
 
 @torch.no_grad()
 def char_eval(model, data, context, autocast_dtype=None, batches=8):
-    model.eval()
+    """Mean validation loss of ``model`` (any callable idx -> logits; the caller switches
+    it to eval mode) and its perplexity."""
     g = torch.Generator().manual_seed(1234)
     total = 0.0
     for _ in range(batches):
@@ -210,5 +213,118 @@ def char_eval(model, data, context, autocast_dtype=None, batches=8):
         with torch.autocast(x.device.type, dtype=autocast_dtype,
                             enabled=autocast_dtype is not None):
             total += char_loss(model, x, y).item()
-    model.train()
     return total / batches, math.exp(total / batches)
+
+
+# ------------------------------------------------------------------------------- one run
+MODELS = ("digits-cnn", "char-gpt", "resnet18", "gpt2")
+
+
+def _rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def _task(model_name, mode, device, seed):
+    """(setup, batch(), loss_fn, evaluate()) for one model."""
+    g = torch.Generator().manual_seed(seed)
+    if model_name == "digits-cnn":
+        (xtr, ytr), (xte, yte) = digits_data(device)
+        setup = Setup(mode, DigitsCNN().to(device), lr=3e-3, weight_decay=1e-4, device=device)
+
+        def batch():
+            ix = torch.randint(0, len(xtr), (64,), generator=g).to(device)
+            return xtr[ix], ytr[ix]
+
+        def evaluate():
+            loss, acc = digits_eval(setup.model, xte, yte, setup.autocast_dtype)
+            return {"eval_loss": loss, "accuracy": acc}
+
+        return setup, batch, digits_loss, evaluate
+    if model_name in ("char-gpt", "gpt2"):
+        context = 64
+        train, val, vocab = char_data(device, context)
+        if model_name == "char-gpt":
+            model = CharGPT(vocab, context)
+            loss_fn = char_loss
+        else:  # transformers' GPT-2 architecture from a small config, no downloaded weights
+            import transformers
+
+            cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=context, n_embd=128,
+                                          n_layer=2, n_head=4, bos_token_id=0,
+                                          eos_token_id=0)
+            model = transformers.GPT2LMHeadModel(cfg)
+
+            def loss_fn(m, x, y):
+                return char_loss(lambda idx: m(idx).logits, x, y)
+        setup = Setup(mode, model.to(device), lr=2e-3, weight_decay=0.01, device=device,
+                      max_grad_norm=1.0)
+
+        def batch():
+            return char_batch(train, 32, context, g)
+
+        def evaluate():
+            fwd = setup.model if model_name == "char-gpt" else (
+                lambda idx: setup.model(idx).logits)
+            setup.model.eval()
+            loss, ppl = char_eval(fwd, val, context, setup.autocast_dtype)
+            setup.model.train()
+            return {"eval_loss": loss, "perplexity": ppl}
+
+        return setup, batch, loss_fn, evaluate
+    if model_name == "resnet18":  # torchvision's architecture on CIFAR-sized synthetic images
+        import torchvision
+
+        model = torchvision.models.resnet18(weights=None, num_classes=10).to(device)
+        setup = Setup(mode, model, lr=1e-3, weight_decay=1e-4, device=device)
+        xs = torch.randn(16, 3, 32, 32, generator=g).to(device)
+        ys = torch.randint(0, 10, (16,), generator=g).to(device)
+
+        def batch():
+            return xs, ys
+
+        def evaluate():
+            return {}
+
+        return setup, batch, digits_loss, evaluate
+    raise ValueError(model_name)
+
+
+def train_run(model_name, mode, steps, seed=0, progress=False):
+    """Trains one model under one set-up; returns curves, timings, memory and results."""
+    from tqdm import tqdm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    setup, batch, loss_fn, evaluate = _task(model_name, mode, device, seed)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rss0 = _rss_mb()
+    losses, scales, times = [], [], []
+    bar = tqdm(range(steps), desc=f"{model_name:>10s} {mode:<14s}", ncols=90, mininterval=1.0,
+               disable=None if progress else True)
+    for _ in bar:
+        xb, yb = batch()
+        t0 = time.perf_counter()
+        loss = setup.train_step(loss_fn, xb, yb)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if setup.scaler is not None and setup.scaler.is_enabled():
+            scales.append(setup.scaler.get_scale())
+    losses = [float(v) for v in torch.stack(losses).float().cpu().tolist()]
+    warm = times[steps // 5:] or times
+    result = {
+        "model": model_name, "mode": mode, "device": device, "steps": steps,
+        "loss_curve": losses, "scale_history": scales,
+        "final_train_loss": sum(losses[-20:]) / min(20, len(losses)),
+        "ms_per_step": 1e3 * sorted(warm)[len(warm) // 2],
+        "skipped_steps": setup.skipped_steps(), "final_scale": setup.scale(),
+    }
+    result.update(evaluate())
+    if device == "cuda":
+        result["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    else:  # growth of the process's peak resident set during training
+        result["peak_mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
+    return result

@@ -11,91 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 
-def _rss_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
 def worker(model_name, mode, steps, out_path, seed=0):
-    import torch
-    from tqdm import tqdm
-
     import amp_models as am
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(seed)
-    if model_name == "digits-cnn":
-        (xtr, ytr), (xte, yte) = am.digits_data(device)
-        model = am.DigitsCNN().to(device)
-        setup = am.Setup(mode, model, lr=3e-3, weight_decay=1e-4, device=device)
-        g = torch.Generator().manual_seed(seed)
-
-        def batch():
-            ix = torch.randint(0, len(xtr), (64,), generator=g).to(device)
-            return xtr[ix], ytr[ix]
-
-        loss_fn = am.digits_loss
-
-        def evaluate():
-            loss, acc = am.digits_eval(setup.model, xte, yte, setup.autocast_dtype)
-            return {"eval_loss": loss, "accuracy": acc}
-    else:
-        context = 64
-        train, val, vocab = am.char_data(device, context)
-        model = am.CharGPT(vocab, context).to(device)
-        setup = am.Setup(mode, model, lr=2e-3, weight_decay=0.01, device=device,
-                         max_grad_norm=1.0)
-        g = torch.Generator().manual_seed(seed)
-
-        def batch():
-            return am.char_batch(train, 32, context, g)
-
-        loss_fn = am.char_loss
-
-        def evaluate():
-            loss, ppl = am.char_eval(setup.model, val, context, setup.autocast_dtype)
-            return {"eval_loss": loss, "perplexity": ppl}
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    rss0 = _rss_mb()
-    losses, scales, times = [], [], []
-    bar = tqdm(range(steps), desc=f"{model_name:>10s} {mode:<14s}", ncols=90, mininterval=1.0,
-               disable=None)  # no bar when the output is not a terminal
-    for _ in bar:
-        xb, yb = batch()
-        t0 = time.perf_counter()
-        loss = setup.train_step(loss_fn, xb, yb)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        if setup.scaler is not None and setup.scaler.is_enabled():
-            scales.append(setup.scaler.get_scale())
-    losses = [float(v) for v in torch.stack(losses).float().cpu().tolist()]
-    result = {
-        "model": model_name, "mode": mode, "device": device, "steps": steps,
-        "loss_curve": losses, "scale_history": scales,
-        "final_train_loss": sum(losses[-20:]) / min(20, len(losses)),
-        "ms_per_step": 1e3 * sorted(times[steps // 5:])[len(times[steps // 5:]) // 2],
-        "skipped_steps": setup.skipped_steps(), "final_scale": setup.scale(),
-    }
-    result.update(evaluate())
-    if device == "cuda":
-        result["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        result["peak_mem_mb"] = peak - rss0  # growth of the peak RSS during training
+    result = am.train_run(model_name, mode, steps, seed=seed, progress=True)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
