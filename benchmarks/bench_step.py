@@ -649,8 +649,8 @@ def main(argv=None):
     ap.add_argument("--sizes", nargs="*", help="subset of sizes (default: all for the device)")
     ap.add_argument("--configs", nargs="*", help="substrings; keep configurations matching any")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds of timed repetitions per configuration (default: 0.7 CPU, "
-                         "0.5 GPU)")
+                    help="seconds of timed repetitions per configuration (default: 0.5 s; slow "
+                         "configurations get 3 reps)")
     ap.add_argument("--min-reps", type=int, default=None)
     ap.add_argument("--max-reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -666,7 +666,7 @@ def main(argv=None):
     device = args.device
     torch.set_num_threads(args.threads)
     cpu = device == "cpu"
-    budget = args.budget if args.budget is not None else (0.7 if cpu else 0.5)
+    budget = args.budget if args.budget is not None else 0.5
     min_reps = args.min_reps or (5 if cpu else 20)
     max_reps = args.max_reps or (200 if cpu else 1000)
     warmup = 2 if cpu else 10  # after the first step (state allocation) and one timed one
