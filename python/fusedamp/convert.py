@@ -2,8 +2,9 @@
 
 Every module is cast to the low-precision dtype except normalisation layers, which keep FP32
 parameters and buffers (running statistics in FP16 drift; their reductions need the range).
-Norm layers receive FP32 inputs and hand the low-precision dtype on, so the model runs end to
-end in FP16/BF16 with FP32 islands where they matter. The model's floating inputs are cast
+Batch norm runs natively on low-precision input with its FP32 weights; the other norm layers
+receive FP32 inputs and hand the low-precision dtype on, so the model runs end to end in
+FP16/BF16 with FP32 islands where they matter. The model's floating inputs are cast
 at its entry and its floating outputs are returned as FP32, so a loss computed from them is
 an FP32 scalar, as a scaler expects.
 """
@@ -92,6 +93,11 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
             if b is not None and b.is_floating_point() and b.dtype != target:
                 module._buffers[name] = b.to(target)
     for module in norm_layers:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # Native batch norm takes FP16/BF16 input with FP32 weights and statistics (CPU and
+            # cuDNN) and returns the input's dtype: no cast, so no FP32 copy of the activation
+            # is saved for backward.
+            continue
         hooks = _NormInputs(dtype)
         module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
         module.register_forward_hook(hooks.post, with_kwargs=True)
