@@ -78,11 +78,13 @@ def main():
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
         "cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+        "fusedamp_commit": _git_commit(),
     }
     lines = [f"# End-to-end training benchmark ({tag})", "",
              f"{machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, CUDA "
-             f"{machine['cuda']}; {machine['date']}. torch.amp = autocast FP16 + GradScaler + "
+             f"{machine['cuda']}; {machine['date']}; fusedamp {machine['fusedamp_commit']}; "
+             f"load average {machine['load_average'][0]:.1f}. torch.amp = autocast FP16 + GradScaler + "
              "AdamW(fused=True). Peak memory: " +
              ("torch.cuda.max_memory_allocated." if gpu else
               "growth of the process's peak RSS during training (CPU)."), "",
@@ -111,6 +113,14 @@ def main():
     for name in os.listdir(tmp_dir):
         os.remove(os.path.join(tmp_dir, name))
     os.rmdir(tmp_dir)
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        return None
 
 
 def _cpu_model():
