@@ -69,6 +69,67 @@ void check_no_overlap(const char* op, size_t i, const Tensor& a, const char* an,
               "] share memory; each must be its own tensor");
 }
 
+// ---- fast path ------------------------------------------------------------------------
+// The checks above build nothing until they fail, but each of them still walks torch's
+// generic (symbolic-aware) accessors, and the overlap test re-derives both byte ranges for
+// every pair; with many small tensors that is most of an op's host time. The fast path below
+// reads each tensor once with the plain accessors and accepts it only when it is *obviously*
+// valid (a conservative test: whatever it accepts the full checks accept too). Anything else,
+// e.g. a non-contiguous but dense tensor, symbolic sizes (torch.compile), or a real mistake,
+// goes through the full checks for that index, which raise exactly the message they always
+// have. Earlier indices passed the fast test, so the first error reported is unchanged.
+
+// Defined, strided, on `device`, of `dtype`, contiguous (hence non-overlapping and dense),
+// with concrete sizes and strides that sizes()/strides() may read.
+inline bool plain_dense(const Tensor& t, const c10::Device& device, c10::ScalarType dtype) {
+  if (!t.defined()) {
+    return false;
+  }
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return !impl->has_symbolic_sizes_strides() && !impl->is_nested() &&
+         !impl->is_python_dispatch() && impl->layout() == at::kStrided &&
+         impl->dtype() == dtype && impl->device() == device && impl->is_contiguous();
+}
+
+// check_same_layout(t, ref) for two tensors that passed plain_dense.
+inline bool same_layout_plain(const Tensor& t, const Tensor& ref) {
+  const c10::TensorImpl* a = t.unsafeGetTensorImpl();
+  const c10::TensorImpl* b = ref.unsafeGetTensorImpl();
+  return a->sizes().equals(b->sizes()) && (a->numel() <= 1 || a->strides().equals(b->strides()));
+}
+
+// The bytes a tensor covers, as overlaps() sees them: empty when it has no memory or no
+// elements (such a range overlaps nothing).
+struct Span {
+  const char* lo = nullptr;
+  const char* hi = nullptr;
+};
+
+inline Span span_of(const Tensor& t) {
+  Span s;
+  if (has_memory(t) && t.numel() != 0) {
+    s.lo = static_cast<const char*>(t.const_data_ptr());
+    s.hi = s.lo + t.numel() * t.element_size();
+  }
+  return s;
+}
+
+// !overlaps(a, b) from precomputed spans.
+inline bool disjoint(const Span& a, const Span& b) {
+  return a.lo == nullptr || b.lo == nullptr || !(a.lo < b.hi && b.lo < a.hi);
+}
+
+// check_scalar(t, kFloat, device) for a tensor with concrete sizes.
+inline bool plain_float_scalar(const Tensor& t, const c10::Device& device) {
+  if (!t.defined()) {
+    return false;
+  }
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return !impl->has_symbolic_sizes_strides() && !impl->is_python_dispatch() &&
+         impl->layout() == at::kStrided && impl->numel() == 1 &&
+         impl->dtype() == at::kFloat && impl->device() == device;
+}
+
 void check_list_length(const char* op, const char* name, TensorList l, size_t n) {
   TORCH_CHECK(l.size() == n, op, ": ", name, " has ", l.size(), " tensors but params has ", n);
 }
@@ -84,6 +145,10 @@ void check_beta(const char* op, const char* name, double v) {
 
 void check_grad_list(const char* op, TensorList grads, const c10::Device& device) {
   for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].defined() && is_float_kind(grads[i].scalar_type()) &&
+        plain_dense(grads[i], device, grads[i].scalar_type())) {
+      continue;  // certainly passes the checks below
+    }
     check_dense(op, "grads", i, grads[i], device);
     TORCH_CHECK(is_float_kind(grads[i].scalar_type()), op, ": grads[", i,
                 "] has dtype ", grads[i].scalar_type(),
@@ -91,11 +156,98 @@ void check_grad_list(const char* op, TensorList grads, const c10::Device& device
   }
 }
 
+using StateLists = std::initializer_list<std::pair<const char*, TensorList>>;
+
+// The full checks of index i of a step's lists (the reference; raises the precise message).
+void check_step_index(const char* op, size_t i, TensorList params, TensorList master_params,
+                      TensorList grads, TensorList steps, StateLists state,
+                      const c10::Device& device, c10::ScalarType pdtype,
+                      c10::ScalarType gdtype) {
+  const Tensor& p = params[i];
+  check_dense(op, "params", i, p, device);
+  TORCH_CHECK(p.scalar_type() == pdtype, op, ": params[", i, "] has dtype ", p.scalar_type(),
+              " but params[0] has ", pdtype, "; one call takes one params dtype");
+  check_dense(op, "grads", i, grads[i], device);
+  TORCH_CHECK(grads[i].scalar_type() == gdtype, op, ": grads[", i, "] has dtype ",
+              grads[i].scalar_type(), " but grads[0] has ", gdtype);
+  check_same_layout(op, "grads", i, grads[i], p);
+  check_no_overlap(op, i, grads[i], "grads", p, "params");
+  if (!master_params.empty()) {
+    const Tensor& mp = master_params[i];
+    check_dense(op, "master_params", i, mp, device);
+    TORCH_CHECK(mp.scalar_type() == at::kFloat, op, ": master_params[", i,
+                "] must be float32, got ", mp.scalar_type());
+    check_same_layout(op, "master_params", i, mp, p);
+    check_no_overlap(op, i, mp, "master_params", p, "params");
+    check_no_overlap(op, i, mp, "master_params", grads[i], "grads");
+  }
+  for (const auto& s : state) {
+    const Tensor& t = s.second[i];
+    check_dense(op, s.first, i, t, device);
+    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", s.first, "[", i,
+                "] must be float32, got ", t.scalar_type());
+    check_same_layout(op, s.first, i, t, p);
+    check_no_overlap(op, i, t, s.first, p, "params");
+    check_no_overlap(op, i, t, s.first, grads[i], "grads");
+    if (!master_params.empty()) {
+      check_no_overlap(op, i, t, s.first, master_params[i], "master_params");
+    }
+    for (const auto& o : state) {
+      if (o.first != s.first) {
+        check_no_overlap(op, i, t, s.first, o.second[i], o.first);
+      }
+    }
+  }
+  check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
+}
+
+// Whether index i certainly passes check_step_index (see "fast path" above).
+bool step_index_ok(size_t i, TensorList params, TensorList master_params, TensorList grads,
+                   TensorList steps, StateLists state, const c10::Device& device,
+                   c10::ScalarType pdtype, c10::ScalarType gdtype) {
+  constexpr size_t kMaxState = 2;  // adam: exp_avgs, exp_avg_sqs; sgd: momentum_buffers
+  if (state.size() > kMaxState) {
+    return false;
+  }
+  const Tensor& p = params[i];
+  const Tensor& g = grads[i];
+  if (!plain_dense(p, device, pdtype) || !plain_dense(g, device, gdtype) ||
+      !same_layout_plain(g, p) || !plain_float_scalar(steps[i], device)) {
+    return false;
+  }
+  Span spans[3 + kMaxState];  // params, grads, master_params (maybe empty), state...
+  size_t n = 0;
+  spans[n++] = span_of(p);
+  spans[n++] = span_of(g);
+  if (!master_params.empty()) {
+    const Tensor& mp = master_params[i];
+    if (!plain_dense(mp, device, at::kFloat) || !same_layout_plain(mp, p)) {
+      return false;
+    }
+    spans[n++] = span_of(mp);
+  }
+  for (const auto& s : state) {
+    const Tensor& t = s.second[i];
+    if (!plain_dense(t, device, at::kFloat) || !same_layout_plain(t, p)) {
+      return false;
+    }
+    spans[n++] = span_of(t);
+  }
+  // Every pair: the full checks test params/grads, master vs both, each state vs all others.
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = a + 1; b < n; ++b) {
+      if (!disjoint(spans[a], spans[b])) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 // The common list checks of adam_step_ and sgd_step_; `state` names the per-parameter FP32
 // state lists (moments or momentum buffers) that must mirror params.
 void check_step_lists(const char* op, TensorList params, TensorList master_params,
-                      TensorList grads, TensorList steps,
-                      std::initializer_list<std::pair<const char*, TensorList>> state) {
+                      TensorList grads, TensorList steps, StateLists state) {
   const size_t n = params.size();
   TORCH_CHECK(master_params.empty() || master_params.size() == n, op, ": master_params has ",
               master_params.size(), " tensors; expected 0 (no master weights) or ", n);
@@ -116,42 +268,10 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
               " but params have dtype ", pdtype,
               "; grads must have the params' dtype or float32");
   for (size_t i = 0; i < n; ++i) {
-    const Tensor& p = params[i];
-    check_dense(op, "params", i, p, device);
-    TORCH_CHECK(p.scalar_type() == pdtype, op, ": params[", i, "] has dtype ", p.scalar_type(),
-                " but params[0] has ", pdtype, "; one call takes one params dtype");
-    check_dense(op, "grads", i, grads[i], device);
-    TORCH_CHECK(grads[i].scalar_type() == gdtype, op, ": grads[", i, "] has dtype ",
-                grads[i].scalar_type(), " but grads[0] has ", gdtype);
-    check_same_layout(op, "grads", i, grads[i], p);
-    check_no_overlap(op, i, grads[i], "grads", p, "params");
-    if (!master_params.empty()) {
-      const Tensor& mp = master_params[i];
-      check_dense(op, "master_params", i, mp, device);
-      TORCH_CHECK(mp.scalar_type() == at::kFloat, op, ": master_params[", i,
-                  "] must be float32, got ", mp.scalar_type());
-      check_same_layout(op, "master_params", i, mp, p);
-      check_no_overlap(op, i, mp, "master_params", p, "params");
-      check_no_overlap(op, i, mp, "master_params", grads[i], "grads");
+    if (!step_index_ok(i, params, master_params, grads, steps, state, device, pdtype, gdtype)) {
+      check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype,
+                       gdtype);
     }
-    for (const auto& s : state) {
-      const Tensor& t = s.second[i];
-      check_dense(op, s.first, i, t, device);
-      TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", s.first, "[", i,
-                  "] must be float32, got ", t.scalar_type());
-      check_same_layout(op, s.first, i, t, p);
-      check_no_overlap(op, i, t, s.first, p, "params");
-      check_no_overlap(op, i, t, s.first, grads[i], "grads");
-      if (!master_params.empty()) {
-        check_no_overlap(op, i, t, s.first, master_params[i], "master_params");
-      }
-      for (const auto& o : state) {
-        if (o.first != s.first) {
-          check_no_overlap(op, i, t, s.first, o.second[i], o.first);
-        }
-      }
-    }
-    check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
   }
 }
 
