@@ -43,7 +43,10 @@ void adam_lists(at::TensorList params, at::TensorList master_params, at::TensorL
                 const math::AdamHyper& h, float lr, float grad_mult) {
   std::vector<math::AdamCoeffs> coeffs(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    coeffs[i] = math::adam_coeffs<double>(h, lr, steps_before[i]);
+    // Usually every tensor is at the same step: two pow() per tensor are then wasted work.
+    coeffs[i] = i > 0 && steps_before[i] == steps_before[i - 1]
+                    ? coeffs[i - 1]
+                    : math::adam_coeffs<double>(h, lr, steps_before[i]);
   }
   const ChunkPlan plan(params);
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {

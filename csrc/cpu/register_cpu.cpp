@@ -93,21 +93,25 @@ void update_scale_cpu(const Tensor& scale, const Tensor& growth_tracker,
                      *found_inf.const_data_ptr<float>() != 0.f, h);
 }
 
-// Reads the step counts before the kernel and advances them after it; the kernel itself
-// only reads the "before" values, so an exception in between leaves them untouched.
-std::vector<float> read_steps(TensorList steps) {
-  std::vector<float> s(steps.size());
-  for (size_t i = 0; i < steps.size(); ++i) {
-    s[i] = *steps[i].const_data_ptr<float>();
-  }
-  return s;
-}
+// The step counts: read before the kernel, advanced after it. The kernel itself only reads
+// the "before" values, so an exception in between leaves them untouched. Each step tensor's
+// pointer is looked up once for both.
+struct StepCounts {
+  std::vector<float*> ptr;
+  std::vector<float> before;
 
-void advance_steps(TensorList steps) {
-  for (const auto& s : steps) {
-    *s.data_ptr<float>() += 1.f;
+  explicit StepCounts(TensorList steps) : ptr(steps.size()), before(steps.size()) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      ptr[i] = steps[i].data_ptr<float>();
+      before[i] = *ptr[i];
+    }
   }
-}
+  void advance() const {
+    for (float* p : ptr) {
+      *p += 1.f;
+    }
+  }
+};
 
 void adam_step_cpu(TensorList params, TensorList master_params, TensorList grads,
                    TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
@@ -132,10 +136,10 @@ void adam_step_cpu(TensorList params, TensorList master_params, TensorList grads
                                            static_cast<float>(max_grad_norm.value_or(0.0)));
   const auto h = math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay,
                                        decoupled_weight_decay, maximize);
-  const auto before = read_steps(steps);
-  kernels().adam(params, master_params, grads, exp_avgs, exp_avg_sqs, before.data(), h, lr_now,
-                 mult);
-  advance_steps(steps);
+  const StepCounts counts(steps);
+  kernels().adam(params, master_params, grads, exp_avgs, exp_avg_sqs, counts.before.data(), h,
+                 lr_now, mult);
+  counts.advance();
 }
 
 void sgd_step_cpu(TensorList params, TensorList master_params, TensorList grads,
@@ -160,9 +164,10 @@ void sgd_step_cpu(TensorList params, TensorList master_params, TensorList grads,
   const float mult = math::grad_multiplier(read(inv_scale, 1.f), read(grad_sum_sq, 0.f),
                                            static_cast<float>(max_grad_norm.value_or(0.0)));
   const auto h = math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize);
-  const auto before = read_steps(steps);
-  kernels().sgd(params, master_params, grads, momentum_buffers, before.data(), h, lr_now, mult);
-  advance_steps(steps);
+  const StepCounts counts(steps);
+  kernels().sgd(params, master_params, grads, momentum_buffers, counts.before.data(), h, lr_now,
+                mult);
+  counts.advance();
 }
 
 }  // namespace
