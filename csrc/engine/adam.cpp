@@ -87,24 +87,15 @@ const AdamOptions& Adam::group_options(size_t group) const {
 
 void Adam::set_group_option(size_t group, const std::string& name, double value) {
   auto& o = group_options(group);
-  if (name == "lr") {
-    o.lr(value);
-  } else if (name == "beta1") {
+  if (detail::set_common_option(o, name, value)) {
+    return;
+  }
+  if (name == "beta1") {
     o.betas(std::make_tuple(value, std::get<1>(o.betas())));
   } else if (name == "beta2") {
     o.betas(std::make_tuple(std::get<0>(o.betas()), value));
   } else if (name == "eps") {
     o.eps(value);
-  } else if (name == "weight_decay") {
-    o.weight_decay(value);
-  } else if (name == "max_grad_norm") {
-    o.max_grad_norm(detail::norm_option(value));
-  } else if (name == "maximize") {
-    o.maximize(value != 0.0);
-  } else if (name == "master_weights") {
-    o.master_weights(value != 0.0);
-  } else if (name == "skip_nonfinite") {
-    o.skip_nonfinite(value != 0.0);
   } else {
     TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
   }
@@ -112,15 +103,10 @@ void Adam::set_group_option(size_t group, const std::string& name, double value)
 
 double Adam::group_option(size_t group, const std::string& name) const {
   const auto& o = group_options(group);
-  if (name == "lr") return o.lr();
+  if (auto v = detail::common_option(o, name)) return *v;
   if (name == "beta1") return std::get<0>(o.betas());
   if (name == "beta2") return std::get<1>(o.betas());
   if (name == "eps") return o.eps();
-  if (name == "weight_decay") return o.weight_decay();
-  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
-  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
-  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
-  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
   TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
 }
 
@@ -129,8 +115,7 @@ void Adam::set_group_lr_tensor(size_t group, const at::Tensor& lr) {
 }
 
 EngineGroupOptions Adam::engine_options(const torch::optim::OptimizerOptions& base) const {
-  const auto& o = static_cast<const AdamOptions&>(base);
-  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
+  return detail::engine_options_of(static_cast<const AdamOptions&>(base));
 }
 
 void Adam::check_options(const torch::optim::OptimizerOptions& base, size_t group) const {

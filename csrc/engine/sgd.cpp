@@ -69,24 +69,15 @@ const SGDOptions& SGD::group_options(size_t group) const {
 
 void SGD::set_group_option(size_t group, const std::string& name, double value) {
   auto& o = group_options(group);
-  if (name == "lr") {
-    o.lr(value);
-  } else if (name == "momentum") {
+  if (detail::set_common_option(o, name, value)) {
+    return;
+  }
+  if (name == "momentum") {
     o.momentum(value);
   } else if (name == "dampening") {
     o.dampening(value);
-  } else if (name == "weight_decay") {
-    o.weight_decay(value);
-  } else if (name == "max_grad_norm") {
-    o.max_grad_norm(detail::norm_option(value));
   } else if (name == "nesterov") {
     o.nesterov(value != 0.0);
-  } else if (name == "maximize") {
-    o.maximize(value != 0.0);
-  } else if (name == "master_weights") {
-    o.master_weights(value != 0.0);
-  } else if (name == "skip_nonfinite") {
-    o.skip_nonfinite(value != 0.0);
   } else {
     TORCH_CHECK(false, "fusedamp::optim::SGD: unknown option '", name, "'");
   }
@@ -94,15 +85,10 @@ void SGD::set_group_option(size_t group, const std::string& name, double value) 
 
 double SGD::group_option(size_t group, const std::string& name) const {
   const auto& o = group_options(group);
-  if (name == "lr") return o.lr();
+  if (auto v = detail::common_option(o, name)) return *v;
   if (name == "momentum") return o.momentum();
   if (name == "dampening") return o.dampening();
-  if (name == "weight_decay") return o.weight_decay();
-  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
   if (name == "nesterov") return o.nesterov() ? 1.0 : 0.0;
-  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
-  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
-  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
   TORCH_CHECK(false, "fusedamp::optim::SGD: unknown option '", name, "'");
 }
 
@@ -111,8 +97,7 @@ void SGD::set_group_lr_tensor(size_t group, const at::Tensor& lr) {
 }
 
 EngineGroupOptions SGD::engine_options(const torch::optim::OptimizerOptions& base) const {
-  const auto& o = static_cast<const SGDOptions&>(base);
-  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
+  return detail::engine_options_of(static_cast<const SGDOptions&>(base));
 }
 
 void SGD::check_options(const torch::optim::OptimizerOptions& base, size_t group) const {
