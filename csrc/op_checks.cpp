@@ -105,11 +105,19 @@ struct Span {
   const char* hi = nullptr;
 };
 
-inline Span span_of(const Tensor& t) {
+// The span of a tensor that passed plain_dense: overlaps()'s bytes, from the TensorImpl
+// fields that const_data_ptr() itself combines (storage data + storage offset * item size).
+inline Span span_of_plain(const Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   Span s;
-  if (has_memory(t) && t.numel() != 0) {
-    s.lo = static_cast<const char*>(t.const_data_ptr());
-    s.hi = s.lo + t.numel() * t.element_size();
+  const int64_t n = impl->numel();
+  if (n != 0 && impl->has_storage()) {
+    const auto* base = static_cast<const char*>(impl->storage().data());
+    if (base != nullptr) {
+      const auto item = static_cast<int64_t>(impl->dtype().itemsize());
+      s.lo = base + impl->storage_offset() * item;
+      s.hi = s.lo + n * item;
+    }
   }
   return s;
 }
@@ -217,21 +225,21 @@ bool step_index_ok(size_t i, TensorList params, TensorList master_params, Tensor
   }
   Span spans[3 + kMaxState];  // params, grads, master_params (maybe empty), state...
   size_t n = 0;
-  spans[n++] = span_of(p);
-  spans[n++] = span_of(g);
+  spans[n++] = span_of_plain(p);
+  spans[n++] = span_of_plain(g);
   if (!master_params.empty()) {
     const Tensor& mp = master_params[i];
     if (!plain_dense(mp, device, at::kFloat) || !same_layout_plain(mp, p)) {
       return false;
     }
-    spans[n++] = span_of(mp);
+    spans[n++] = span_of_plain(mp);
   }
   for (const auto& s : state) {
     const Tensor& t = s.second[i];
     if (!plain_dense(t, device, at::kFloat) || !same_layout_plain(t, p)) {
       return false;
     }
-    spans[n++] = span_of(t);
+    spans[n++] = span_of_plain(t);
   }
   // Every pair: the full checks test params/grads, master vs both, each state vs all others.
   for (size_t a = 0; a < n; ++a) {
