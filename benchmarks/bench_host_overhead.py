@@ -1,6 +1,6 @@
 """Host overhead per tensor of the fusedamp ops (many small tensors).
 
-Times grad_stats_ and adam_step_ (FP16 params, FP32 master weights, inv_scale + found_inf as
+Times grad_stats_, adam_step_ and the whole step (+ update_scale_) (FP16 params, FP32 master weights, inv_scale + found_inf as
 in a GradScaler step) on N tensors of M elements, and reports the median over reps in ns per
 tensor per op. With --meta it also times the same calls on meta tensors: the Meta kernels run
 only the argument checks (op_checks.cpp), which isolates their cost from the kernels'.
@@ -28,7 +28,9 @@ def make_state(n, numel, device, dtype=torch.float16):
     steps = [torch.zeros((), device=device) for _ in range(n)]
     f32 = dict(dtype=torch.float32, device=device)
     st = dict(found_inf=torch.zeros(1, **f32), sum_sq=torch.zeros(1, **f32),
-              inv_scale=torch.full((1,), 1.0, **f32))
+              inv_scale=torch.full((1,), 1.0, **f32), scale=torch.full((1,), 1.0, **f32),
+              growth=torch.zeros(1, dtype=torch.int32, device=device),
+              hyst=torch.ones(1, dtype=torch.int32, device=device))
     return params, master, grads, exp_avg, exp_avg_sq, steps, st
 
 
@@ -54,8 +56,13 @@ def bench(device, n, numel, reps, inner):
                        eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
                        inv_scale=st["inv_scale"], found_inf=st["found_inf"])
 
+    def step():  # a whole AdamW step as bench_step.py times it (the scalars' resets aside)
+        stats()
+        adam()
+        ops.update_scale_(st["scale"], st["growth"], st["hyst"], st["found_inf"], 2.0, 0.5, 2000)
+
     out = {}
-    for name, fn in (("grad_stats_", stats), ("adam_step_", adam)):
+    for name, fn in (("grad_stats_", stats), ("adam_step_", adam), ("whole step", step)):
         out[name] = time_ns(fn, reps, inner) / n
     return out
 
