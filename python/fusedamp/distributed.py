@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ._library import _C  # noqa: F401  (registers torch.ops.fusedamp)
+from .optim import pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
@@ -369,15 +370,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return ("exp_avg", "exp_avg_sq")
 
     def _packed_groups(self):
-        index, groups = {}, []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = []
-            for p in g["params"]:
-                index.setdefault(id(p), len(index))
-                packed["params"].append(index[id(p)])
-            groups.append(packed)
-        return index, groups
+        return pack_param_groups(self.param_groups)
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the state (load it on the same rank of the same world size)."""

@@ -163,15 +163,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__["_pre_state"] = value
 
     def state_dict(self):
-        index = {}
-        groups = []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = []
-            for p in g["params"]:
-                index.setdefault(id(p), len(index))
-                packed["params"].append(index[id(p)])
-            groups.append(packed)
+        index, groups = pack_param_groups(self.param_groups)
         state = {}
         for g in self.param_groups:
             for p in g["params"]:
@@ -213,6 +205,20 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         raise TypeError("fusedamp optimizers are not picklable; use state_dict()")
+
+
+def pack_param_groups(param_groups):
+    """torch.optim's state_dict layout of param groups: each parameter replaced by its index
+    in group order. Returns ({id(param): index}, packed groups)."""
+    index, groups = {}, []
+    for g in param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = []
+        for p in g["params"]:
+            index.setdefault(id(p), len(index))
+            packed["params"].append(index[id(p)])
+        groups.append(packed)
+    return index, groups
 
 
 def _check_common(lr, eps, weight_decay, max_grad_norm):
