@@ -1,6 +1,8 @@
 // fusedamp::optim::Adam / AdamW: options, validation, and the fused adam_step_ per bucket.
 #include <fusedamp/optim/adam.h>
 
+#include "common_options.h"
+
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
@@ -16,42 +18,24 @@ AdamWOptions::AdamWOptions(double lr) : AdamOptions(lr) {
 }
 
 void AdamOptions::serialize(torch::serialize::OutputArchive& a) const {
-  a.write("lr", c10::IValue(lr_));
+  detail::write_common_options(*this, a);
   a.write("beta1", c10::IValue(std::get<0>(betas_)));
   a.write("beta2", c10::IValue(std::get<1>(betas_)));
   a.write("eps", c10::IValue(eps_));
-  a.write("weight_decay", c10::IValue(weight_decay_));
   a.write("decoupled_weight_decay", c10::IValue(decoupled_weight_decay_));
-  a.write("maximize", c10::IValue(maximize_));
-  a.write("master_weights", c10::IValue(master_weights_));
-  a.write("skip_nonfinite", c10::IValue(skip_nonfinite_));
-  if (max_grad_norm_) {
-    a.write("max_grad_norm", c10::IValue(*max_grad_norm_));
-  }
 }
 
 void AdamOptions::serialize(torch::serialize::InputArchive& a) {
+  detail::read_common_options(*this, a);
   c10::IValue v;
-  a.read("lr", v);
-  lr_ = v.toDouble();
   a.read("beta1", v);
   const double b1 = v.toDouble();
   a.read("beta2", v);
   betas_ = std::make_tuple(b1, v.toDouble());
   a.read("eps", v);
   eps_ = v.toDouble();
-  a.read("weight_decay", v);
-  weight_decay_ = v.toDouble();
   a.read("decoupled_weight_decay", v);
   decoupled_weight_decay_ = v.toBool();
-  a.read("maximize", v);
-  maximize_ = v.toBool();
-  a.read("master_weights", v);
-  master_weights_ = v.toBool();
-  a.read("skip_nonfinite", v);
-  skip_nonfinite_ = v.toBool();
-  max_grad_norm_ = a.try_read("max_grad_norm", v) ? std::optional<double>(v.toDouble())
-                                                  : std::nullopt;
 }
 
 Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
@@ -73,12 +57,8 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamOptions defaults)
     : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 AdamOptions& Adam::group_options(size_t group) {
-  TORCH_CHECK(group < param_groups_.size(), "fusedamp::optim::Adam: param group ", group,
-              " does not exist (", param_groups_.size(), " groups)");
-  auto* o = dynamic_cast<AdamOptions*>(&param_groups_[group].options());
-  TORCH_CHECK(o != nullptr, "fusedamp::optim::Adam: param group ", group,
-              " does not hold AdamOptions");
-  return *o;
+  return detail::group_options_as<AdamOptions>(param_groups_, group, "fusedamp::optim::Adam",
+                                               "AdamOptions");
 }
 
 const AdamOptions& Adam::group_options(size_t group) const {

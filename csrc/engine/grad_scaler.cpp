@@ -111,16 +111,21 @@ c10::Device first_device(const torch::optim::Optimizer& opt) {
 }
 }  // namespace
 
-void GradScaler::unscale_(optim::Optimizer& optimizer) {
-  if (!opts_.enabled()) {
-    return;
-  }
-  auto& r = record(&optimizer);
+GradScaler::PerOptimizer& GradScaler::record_unscale(const void* optimizer) {
+  auto& r = record(optimizer);
   TORCH_CHECK(r.stage != Stage::Unscaled, kWho,
               "::unscale_: unscale_() has already been called on this optimizer since the "
               "last update()");
   TORCH_CHECK(r.stage != Stage::Stepped, kWho,
               "::unscale_: unscale_() is being called after step() (call update() first)");
+  return r;
+}
+
+void GradScaler::unscale_(optim::Optimizer& optimizer) {
+  if (!opts_.enabled()) {
+    return;
+  }
+  auto& r = record_unscale(&optimizer);
   begin_iteration(first_device(optimizer));
   r.found_inf = optimizer.unscale_grads_(inv_scale_);
   r.stage = Stage::Unscaled;
@@ -151,12 +156,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!opts_.enabled()) {
     return;
   }
-  auto& r = record(&optimizer);
-  TORCH_CHECK(r.stage != Stage::Unscaled, kWho,
-              "::unscale_: unscale_() has already been called on this optimizer since the "
-              "last update()");
-  TORCH_CHECK(r.stage != Stage::Stepped, kWho,
-              "::unscale_: unscale_() is being called after step() (call update() first)");
+  auto& r = record_unscale(&optimizer);
   begin_iteration(first_device(optimizer));
   at::NoGradGuard no_grad;
   std::map<std::pair<int, int>, std::vector<at::Tensor>> by_device;

@@ -1,6 +1,8 @@
 // fusedamp::optim::SGD: options, validation, and the fused sgd_step_ per bucket.
 #include <fusedamp/optim/sgd.h>
 
+#include "common_options.h"
+
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
@@ -11,39 +13,21 @@ namespace fusedamp::optim {
 SGDOptions::SGDOptions(double lr) : lr_(lr) {}
 
 void SGDOptions::serialize(torch::serialize::OutputArchive& a) const {
-  a.write("lr", c10::IValue(lr_));
+  detail::write_common_options(*this, a);
   a.write("momentum", c10::IValue(momentum_));
   a.write("dampening", c10::IValue(dampening_));
-  a.write("weight_decay", c10::IValue(weight_decay_));
   a.write("nesterov", c10::IValue(nesterov_));
-  a.write("maximize", c10::IValue(maximize_));
-  a.write("master_weights", c10::IValue(master_weights_));
-  a.write("skip_nonfinite", c10::IValue(skip_nonfinite_));
-  if (max_grad_norm_) {
-    a.write("max_grad_norm", c10::IValue(*max_grad_norm_));
-  }
 }
 
 void SGDOptions::serialize(torch::serialize::InputArchive& a) {
+  detail::read_common_options(*this, a);
   c10::IValue v;
-  a.read("lr", v);
-  lr_ = v.toDouble();
   a.read("momentum", v);
   momentum_ = v.toDouble();
   a.read("dampening", v);
   dampening_ = v.toDouble();
-  a.read("weight_decay", v);
-  weight_decay_ = v.toDouble();
   a.read("nesterov", v);
   nesterov_ = v.toBool();
-  a.read("maximize", v);
-  maximize_ = v.toBool();
-  a.read("master_weights", v);
-  master_weights_ = v.toBool();
-  a.read("skip_nonfinite", v);
-  skip_nonfinite_ = v.toBool();
-  max_grad_norm_ = a.try_read("max_grad_norm", v) ? std::optional<double>(v.toDouble())
-                                                  : std::nullopt;
 }
 
 SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults)
@@ -55,12 +39,8 @@ SGD::SGD(std::vector<at::Tensor> params, SGDOptions defaults)
     : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 SGDOptions& SGD::group_options(size_t group) {
-  TORCH_CHECK(group < param_groups_.size(), "fusedamp::optim::SGD: param group ", group,
-              " does not exist (", param_groups_.size(), " groups)");
-  auto* o = dynamic_cast<SGDOptions*>(&param_groups_[group].options());
-  TORCH_CHECK(o != nullptr, "fusedamp::optim::SGD: param group ", group,
-              " does not hold SGDOptions");
-  return *o;
+  return detail::group_options_as<SGDOptions>(param_groups_, group, "fusedamp::optim::SGD",
+                                              "SGDOptions");
 }
 
 const SGDOptions& SGD::group_options(size_t group) const {

@@ -108,6 +108,8 @@ class GradScaler {
   // Called by unscale_/step: makes sure this iteration's inverse scale is computed.
   void begin_iteration(const c10::Device& fallback);
   PerOptimizer& record(const void* optimizer);
+  // record() for an unscale_: refuses a second unscale_ or one after step().
+  PerOptimizer& record_unscale(const void* optimizer);
   static void validate(const GradScalerOptions& o);
   static void check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 

@@ -191,44 +191,6 @@ namespace detail {
 void check_engine_options(const char* who, const EngineGroupOptions& e, size_t group);
 std::optional<double> norm_option(double v);  // <= 0 or NaN: no clipping
 
-// The options every fusedamp optimizer has (lr, weight_decay, maximize and the engine
-// fields), by name, for set_group_option/group_option: one place for the shared names.
-// set_common_option returns false and common_option nullopt for any other name.
-template <typename Options>
-bool set_common_option(Options& o, const std::string& name, double value) {
-  if (name == "lr") {
-    o.lr(value);
-  } else if (name == "weight_decay") {
-    o.weight_decay(value);
-  } else if (name == "max_grad_norm") {
-    o.max_grad_norm(norm_option(value));
-  } else if (name == "maximize") {
-    o.maximize(value != 0.0);
-  } else if (name == "master_weights") {
-    o.master_weights(value != 0.0);
-  } else if (name == "skip_nonfinite") {
-    o.skip_nonfinite(value != 0.0);
-  } else {
-    return false;
-  }
-  return true;
-}
-
-template <typename Options>
-std::optional<double> common_option(const Options& o, const std::string& name) {
-  if (name == "lr") return o.lr();
-  if (name == "weight_decay") return o.weight_decay();
-  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
-  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
-  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
-  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
-  return std::nullopt;
-}
-
-template <typename Options>
-EngineGroupOptions engine_options_of(const Options& o) {
-  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
-}
 }  // namespace detail
 
 }  // namespace fusedamp::optim
