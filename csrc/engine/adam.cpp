@@ -1,12 +1,11 @@
-// fusedamp::optim::Adam / AdamW: options, validation, and the fused adam_step_ per bucket.
+// fusedamp::optim::Adam / AdamW: options, their checks, and the fused adam_step_ per bucket.
 #include <fusedamp/optim/adam.h>
 
-#include "common_options.h"
-
-#include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include <cmath>
+#include "bucket_plan.h"
+#include "option_checks.h"
+#include "options_io.h"
 
 namespace fusedamp::optim {
 
@@ -29,9 +28,9 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
   detail::read_common_options(*this, a);
   c10::IValue v;
   a.read("beta1", v);
-  const double b1 = v.toDouble();
+  const double beta1 = v.toDouble();
   a.read("beta2", v);
-  betas_ = std::make_tuple(b1, v.toDouble());
+  betas_ = std::make_tuple(beta1, v.toDouble());
   a.read("eps", v);
   eps_ = v.toDouble();
   a.read("decoupled_weight_decay", v);
@@ -39,8 +38,8 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
 }
 
 Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
-    : Optimizer(groups, std::make_unique<AdamOptions>(defaults)) {
-  check_all_options();
+    : OptimizerOf(groups, std::make_unique<AdamOptions>(defaults)) {
+  check_options();
 }
 
 Adam::Adam(std::vector<at::Tensor> params, AdamOptions defaults)
@@ -56,79 +55,41 @@ AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamO
 AdamW::AdamW(std::vector<at::Tensor> params, AdamOptions defaults)
     : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
-AdamOptions& Adam::group_options(size_t group) {
-  return detail::group_options_as<AdamOptions>(param_groups_, group, "fusedamp::optim::Adam",
-                                               "AdamOptions");
+StateSlots Adam::known_slots() const {
+  return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq};
 }
 
-const AdamOptions& Adam::group_options(size_t group) const {
-  return const_cast<Adam*>(this)->group_options(group);
-}
-
-void Adam::set_group_option(size_t group, const std::string& name, double value) {
-  auto& o = group_options(group);
-  if (detail::set_common_option(o, name, value)) {
-    return;
-  }
+bool Adam::set_algorithm_option(AdamOptions& o, const std::string& name, double v) const {
   if (name == "beta1") {
-    o.betas(std::make_tuple(value, std::get<1>(o.betas())));
+    o.betas(std::make_tuple(v, std::get<1>(o.betas())));
   } else if (name == "beta2") {
-    o.betas(std::make_tuple(std::get<0>(o.betas()), value));
+    o.betas(std::make_tuple(std::get<0>(o.betas()), v));
   } else if (name == "eps") {
-    o.eps(value);
+    o.eps(v);
   } else {
-    TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
+    return false;
   }
+  return true;
 }
 
-double Adam::group_option(size_t group, const std::string& name) const {
-  const auto& o = group_options(group);
-  if (auto v = detail::common_option(o, name)) return *v;
+std::optional<double> Adam::algorithm_option(const AdamOptions& o,
+                                             const std::string& name) const {
   if (name == "beta1") return std::get<0>(o.betas());
   if (name == "beta2") return std::get<1>(o.betas());
   if (name == "eps") return o.eps();
-  TORCH_CHECK(false, "fusedamp::optim::Adam: unknown option '", name, "'");
+  return std::nullopt;
 }
 
-void Adam::set_group_lr_tensor(size_t group, const at::Tensor& lr) {
-  group_options(group).lr_tensor(lr);
+void Adam::check_algorithm(const AdamOptions& o, size_t group) const {
+  detail::check_adam_options(kind(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                             group);
 }
 
-EngineGroupOptions Adam::engine_options(const torch::optim::OptimizerOptions& base) const {
-  return detail::engine_options_of(static_cast<const AdamOptions&>(base));
+StateSlots Adam::slots_for(const AdamOptions&) const {
+  return {StateSlot::kExpAvg, StateSlot::kExpAvgSq};
 }
 
-void Adam::check_options(const torch::optim::OptimizerOptions& base, size_t group) const {
-  const auto* o = dynamic_cast<const AdamOptions*>(&base);
-  TORCH_CHECK(o != nullptr, "fusedamp::optim::Adam: param group ", group,
-              " has options of another optimizer (expected AdamOptions)");
-  const auto b1 = std::get<0>(o->betas());
-  const auto b2 = std::get<1>(o->betas());
-  TORCH_CHECK(std::isfinite(o->lr()) && o->lr() >= 0.0, "fusedamp::optim::Adam: invalid lr ",
-              o->lr(), " in param group ", group, " (must be finite and >= 0)");
-  TORCH_CHECK(b1 >= 0.0 && b1 < 1.0, "fusedamp::optim::Adam: invalid beta1 ", b1,
-              " in param group ", group, " (must be in [0, 1))");
-  TORCH_CHECK(b2 >= 0.0 && b2 < 1.0, "fusedamp::optim::Adam: invalid beta2 ", b2,
-              " in param group ", group, " (must be in [0, 1))");
-  TORCH_CHECK(std::isfinite(o->eps()) && o->eps() >= 0.0, "fusedamp::optim::Adam: invalid eps ",
-              o->eps(), " in param group ", group, " (must be finite and >= 0)");
-  TORCH_CHECK(std::isfinite(o->weight_decay()) && o->weight_decay() >= 0.0,
-              "fusedamp::optim::Adam: invalid weight_decay ", o->weight_decay(),
-              " in param group ", group, " (must be finite and >= 0)");
-  detail::check_engine_options("fusedamp::optim::Adam", engine_options(*o), group);
-}
-
-std::pair<const char*, const char*> Adam::slot_names() const {
-  return {kExpAvg, kExpAvgSq};
-}
-
-int Adam::slots_needed(const torch::optim::OptimizerOptions&) const {
-  return 2;
-}
-
-void Adam::run_step(const Bucket& b, const torch::optim::OptimizerOptions& base,
-                    const ops::StepScalars& s) {
-  const auto& o = static_cast<const AdamOptions&>(base);
+void Adam::run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s) const {
   ops::AdamArgs args;
   args.lr = o.lr();
   args.beta1 = std::get<0>(o.betas());
@@ -137,11 +98,8 @@ void Adam::run_step(const Bucket& b, const torch::optim::OptimizerOptions& base,
   args.weight_decay = o.weight_decay();
   args.decoupled_weight_decay = o.decoupled_weight_decay();
   args.maximize = o.maximize();
-  ops::adam_step_(b.params, b.masters, b.grads, b.a, b.b, b.steps, args, s);
-}
-
-std::unique_ptr<torch::optim::OptimizerOptions> Adam::make_options() const {
-  return std::make_unique<AdamOptions>();
+  ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, args,
+                  s);
 }
 
 }  // namespace fusedamp::optim

@@ -8,13 +8,13 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
-#include <limits>
-#include <map>
 #include <vector>
 
-namespace fusedamp {
+#include "../hyper_params.h"
 
+namespace fusedamp {
 namespace {
 constexpr const char* kWho = "fusedamp::GradScaler";
 
@@ -22,28 +22,58 @@ void check_positive_finite(const char* name, double v) {
   TORCH_CHECK(std::isfinite(v) && v > 0.0, kWho, ": ", name, " must be finite and > 0, got ",
               v);
 }
+
+std::vector<at::Tensor> params_with_grads(const torch::optim::Optimizer& opt) {
+  std::vector<at::Tensor> out;
+  for (const auto& g : opt.param_groups()) {
+    for (const auto& p : g.params()) {
+      if (p.grad().defined()) {
+        out.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+c10::Device first_device(at::TensorList params, const c10::Device& fallback) {
+  return params.empty() ? fallback : params.front().device();
+}
+
+// Runs `op(grads, flag)` once per device over the gradients of `params` (grouped by device, in
+// order) and returns the flags summed on `target`: nonzero where any device saw inf/NaN.
+template <typename Op>
+at::Tensor flag_over_devices(at::TensorList params, const c10::Device& target, const Op& op) {
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+  for (const auto& p : params) {
+    const auto& g = p.grad();
+    auto it = std::find_if(by_device.begin(), by_device.end(),
+                           [&](const auto& e) { return e.first == g.device(); });
+    if (it == by_device.end()) {
+      by_device.emplace_back(g.device(), std::vector<at::Tensor>{});
+      it = by_device.end() - 1;
+    }
+    it->second.push_back(g);
+  }
+  // 0-dim, as torch.amp's flags: torch's fused optimizers combine them with 0-dim step counts.
+  auto total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(target));
+  for (auto& [device, grads] : by_device) {
+    auto flag = device == target
+                    ? total
+                    : at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    op(grads, flag);
+    if (device != target) {
+      total.add_(flag.to(target, /*non_blocking=*/true));
+    }
+  }
+  return total;
+}
+
 }  // namespace
 
 void GradScaler::validate(const GradScalerOptions& o) {
   check_positive_finite("init_scale", o.init_scale());
-  TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 1.0, kWho,
-              ": growth_factor must be > 1, got ", o.growth_factor());
-  TORCH_CHECK(o.backoff_factor() > 0.0 && o.backoff_factor() < 1.0, kWho,
-              ": backoff_factor must be in (0, 1), got ", o.backoff_factor());
-  TORCH_CHECK(o.growth_interval() >= 1 && o.growth_interval() <= std::numeric_limits<int32_t>::max(),
-              kWho, ": growth_interval must be a positive int32, got ", o.growth_interval());
-  TORCH_CHECK(o.hysteresis() >= 1 && o.hysteresis() <= std::numeric_limits<int32_t>::max(), kWho,
-              ": hysteresis must be a positive int32, got ", o.hysteresis());
-  if (o.min_scale()) {
-    check_positive_finite("min_scale", *o.min_scale());
-  }
-  if (o.max_scale()) {
-    check_positive_finite("max_scale", *o.max_scale());
-  }
-  if (o.min_scale() && o.max_scale()) {
-    TORCH_CHECK(*o.min_scale() <= *o.max_scale(), kWho, ": min_scale (", *o.min_scale(),
-                ") must not exceed max_scale (", *o.max_scale(), ")");
-  }
+  hyper::check_scale_options(kWho, o.growth_factor(), o.backoff_factor(), o.growth_interval(),
+                             o.hysteresis(), o.min_scale(), o.max_scale());
 }
 
 GradScaler::GradScaler(GradScalerOptions options) : opts_(std::move(options)) {
@@ -63,11 +93,10 @@ void GradScaler::ensure_state(const c10::Device& device) {
     bound_ = true;
   } else if (!bound_) {
     // Loaded before the device was known: move to where the training runs.
-    scale_ = scale_.to(target);
-    growth_tracker_ = growth_tracker_.to(target);
-    hysteresis_tracker_ = hysteresis_tracker_.to(target);
-    found_inf_ = found_inf_.to(target);
-    inv_scale_ = inv_scale_.to(target);
+    for (at::Tensor* t : {&scale_, &growth_tracker_, &hysteresis_tracker_, &found_inf_,
+                          &inv_scale_}) {
+      *t = t->to(target);
+    }
     bound_ = true;
   }
 }
@@ -96,39 +125,83 @@ void GradScaler::begin_iteration(const c10::Device& fallback) {
   }
 }
 
-GradScaler::PerOptimizer& GradScaler::record(const void* optimizer) {
-  return per_optimizer_[optimizer];
+at::Tensor GradScaler::zero_flag() const {
+  return at::zeros({}, scale_.options());
 }
 
-namespace {
-c10::Device first_device(const torch::optim::Optimizer& opt) {
-  for (const auto& g : opt.param_groups()) {
-    for (const auto& p : g.params()) {
-      return p.device();
-    }
-  }
-  return c10::Device(c10::kCPU);
-}
-}  // namespace
-
-GradScaler::PerOptimizer& GradScaler::record_unscale(const void* optimizer) {
-  auto& r = record(optimizer);
-  TORCH_CHECK(r.stage != Stage::Unscaled, kWho,
+GradScaler::PerOptimizer& GradScaler::record_unscale(OptimizerKey key) {
+  auto& r = per_optimizer_[key];
+  TORCH_CHECK(r.stage != Stage::kUnscaled, kWho,
               "::unscale_: unscale_() has already been called on this optimizer since the "
               "last update()");
-  TORCH_CHECK(r.stage != Stage::Stepped, kWho,
+  TORCH_CHECK(r.stage != Stage::kStepped, kWho,
               "::unscale_: unscale_() is being called after step() (call update() first)");
   return r;
 }
 
-void GradScaler::unscale_(optim::Optimizer& optimizer) {
+GradScaler::PerOptimizer& GradScaler::record_step(OptimizerKey key) {
+  auto& r = per_optimizer_[key];
+  TORCH_CHECK(r.stage != Stage::kStepped, kWho,
+              "::step: step() has already been called since the last update()");
+  return r;
+}
+
+// ---- stages by key ----------------------------------------------------------------------------
+
+void GradScaler::unscale_(OptimizerKey key, at::TensorList params) {
   if (!opts_.enabled()) {
     return;
   }
-  auto& r = record_unscale(&optimizer);
-  begin_iteration(first_device(optimizer));
-  r.found_inf = optimizer.unscale_grads_(inv_scale_);
-  r.stage = Stage::Unscaled;
+  auto& r = record_unscale(key);
+  begin_iteration(first_device(params, c10::Device(c10::kCPU)));
+  at::NoGradGuard no_grad;
+  r.found_inf = flag_over_devices(params, scale_.device(), [&](auto& grads, auto& flag) {
+    const auto& d = flag.device();
+    ops::unscale_and_check_(grads, flag, d == inv_scale_.device() ? inv_scale_
+                                                                  : inv_scale_.to(d, true));
+  });
+  r.stage = Stage::kUnscaled;
+}
+
+GradScaler::AmpHandover GradScaler::begin_amp_step(OptimizerKey key,
+                                                   at::TensorList params_to_check) {
+  TORCH_CHECK(opts_.enabled(), kWho, "::begin_amp_step: the scaler is disabled");
+  auto& r = record_step(key);
+  begin_iteration(first_device(params_to_check, c10::Device(c10::kCPU)));
+  AmpHandover h;
+  if (r.stage == Stage::kReady) {
+    h.grad_scale = scale_.reshape({});  // 0-dim view, as torch.amp hands its scale over
+    at::NoGradGuard no_grad;
+    r.found_inf = params_to_check.empty()
+                      ? zero_flag()
+                      : flag_over_devices(params_to_check, scale_.device(), [](auto& g, auto& f) {
+                          ops::grad_stats_(g, f, at::zeros_like(f));
+                        });
+  }
+  h.found_inf = r.found_inf;
+  return h;
+}
+
+bool GradScaler::begin_plain_step(OptimizerKey key, at::TensorList params) {
+  if (record_step(key).stage == Stage::kReady) {
+    unscale_(key, params);
+  }
+  const auto& found = per_optimizer_.at(key).found_inf;
+  return found.item<float>() == 0.f;  // the host read torch.amp does too
+}
+
+void GradScaler::end_step(OptimizerKey key) {
+  per_optimizer_[key].stage = Stage::kStepped;
+}
+
+// ---- the C++ optimizers --------------------------------------------------------------------
+
+void GradScaler::unscale_(optim::Optimizer& optimizer) {
+  unscale_(static_cast<torch::optim::Optimizer&>(optimizer));
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  unscale_(&optimizer, params_with_grads(optimizer));
 }
 
 void GradScaler::step(optim::Optimizer& optimizer) {
@@ -136,49 +209,15 @@ void GradScaler::step(optim::Optimizer& optimizer) {
     optimizer.step();
     return;
   }
-  auto& r = record(&optimizer);
-  TORCH_CHECK(r.stage != Stage::Stepped, kWho,
-              "::step: step() has already been called since the last update()");
-  begin_iteration(first_device(optimizer));
-  auto f = optimizer.step_scaled(inv_scale_, r.stage == Stage::Unscaled);
-  TORCH_CHECK(f.defined(), kWho,
-              "::step: no inf checks were recorded for this optimizer (no parameter has a "
-              "gradient)");
-  r.found_inf = f;
-  r.stage = Stage::Stepped;
-}
-
-void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
-  if (auto* fused = dynamic_cast<optim::Optimizer*>(&optimizer)) {
-    unscale_(*fused);
-    return;
-  }
-  if (!opts_.enabled()) {
-    return;
-  }
-  auto& r = record_unscale(&optimizer);
-  begin_iteration(first_device(optimizer));
-  at::NoGradGuard no_grad;
-  std::map<std::pair<int, int>, std::vector<at::Tensor>> by_device;
   for (const auto& g : optimizer.param_groups()) {
-    for (const auto& p : g.params()) {
-      if (p.grad().defined()) {
-        const auto d = p.grad().device();
-        by_device[{static_cast<int>(d.type()), d.index()}].push_back(p.grad());
-      }
+    if (!g.params().empty()) {
+      ensure_state(g.params().front().device());  // the scale lives where the training runs
+      break;
     }
   }
-  at::Tensor total;
-  for (auto& kv : by_device) {
-    const auto d = kv.second.front().device();
-    auto f = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(d));
-    ops::unscale_and_check_(kv.second, f, d == inv_scale_.device() ? inv_scale_
-                                                                     : inv_scale_.to(d, true));
-    f = f.to(scale_.device());
-    total = total.defined() ? total.add_(f) : f;
-  }
-  r.found_inf = total;
-  r.stage = Stage::Unscaled;
+  auto h = begin_amp_step(&optimizer, {});
+  optimizer.step_amp(h.grad_scale, h.found_inf);
+  end_step(&optimizer);
 }
 
 void GradScaler::step(torch::optim::Optimizer& optimizer) {
@@ -190,40 +229,36 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return;
   }
-  {
-    auto& r = record(&optimizer);
-    TORCH_CHECK(r.stage != Stage::Stepped, kWho,
-                "::step: step() has already been called since the last update()");
-    if (r.stage == Stage::Ready) {
-      unscale_(optimizer);
-    }
-  }
-  auto& r = record(&optimizer);
-  TORCH_CHECK(r.found_inf.defined(), kWho,
+  const auto params = params_with_grads(optimizer);
+  TORCH_CHECK(!params.empty() || per_optimizer_.count(&optimizer), kWho,
               "::step: no inf checks were recorded for this optimizer (no parameter has a "
               "gradient)");
-  if (r.found_inf.item<float>() == 0.f) {  // the host read torch.amp does too
+  if (begin_plain_step(&optimizer, params)) {
     optimizer.step();
   }
-  r.stage = Stage::Stepped;
+  end_step(&optimizer);
 }
+
+// ---- the scale --------------------------------------------------------------------------------
 
 void GradScaler::update() {
   if (!opts_.enabled()) {
     return;
   }
-  std::vector<at::Tensor> found;
-  for (const auto& kv : per_optimizer_) {
-    if (kv.second.found_inf.defined()) {
-      found.push_back(kv.second.found_inf);
+  bool any = false;
+  for (const auto& [key, r] : per_optimizer_) {
+    if (!r.found_inf.defined()) {
+      continue;
+    }
+    if (!any) {
+      found_inf_.copy_(r.found_inf);
+      any = true;
+    } else {
+      found_inf_.add_(r.found_inf.to(found_inf_.device()));
     }
   }
-  TORCH_CHECK(!found.empty(), kWho,
+  TORCH_CHECK(any, kWho,
               "::update: no inf checks were recorded prior to update() (call step() first)");
-  found_inf_.copy_(found.front());
-  for (size_t i = 1; i < found.size(); ++i) {
-    found_inf_.add_(found[i].to(found_inf_.device()));
-  }
   ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
                      opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
                      opts_.hysteresis(), opts_.min_scale(), opts_.max_scale());
@@ -272,7 +307,6 @@ void GradScaler::set_growth_interval(int64_t v) {
   validate(o);
   opts_ = o;
 }
-
 void GradScaler::save(torch::serialize::OutputArchive& a) const {
   a.write("fusedamp_grad_scaler", c10::IValue(int64_t{1}));
   a.write("init_scale", c10::IValue(opts_.init_scale()));

@@ -1,12 +1,11 @@
-// fusedamp::optim::SGD: options, validation, and the fused sgd_step_ per bucket.
+// fusedamp::optim::SGD: options, their checks, and the fused sgd_step_ per bucket.
 #include <fusedamp/optim/sgd.h>
 
-#include "common_options.h"
-
-#include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include <cmath>
+#include "bucket_plan.h"
+#include "option_checks.h"
+#include "options_io.h"
 
 namespace fusedamp::optim {
 
@@ -31,86 +30,46 @@ void SGDOptions::serialize(torch::serialize::InputArchive& a) {
 }
 
 SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults)
-    : Optimizer(groups, std::make_unique<SGDOptions>(defaults)) {
-  check_all_options();
+    : OptimizerOf(groups, std::make_unique<SGDOptions>(defaults)) {
+  check_options();
 }
 
 SGD::SGD(std::vector<at::Tensor> params, SGDOptions defaults)
     : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
-SGDOptions& SGD::group_options(size_t group) {
-  return detail::group_options_as<SGDOptions>(param_groups_, group, "fusedamp::optim::SGD",
-                                              "SGDOptions");
+StateSlots SGD::known_slots() const {
+  return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
 }
 
-const SGDOptions& SGD::group_options(size_t group) const {
-  return const_cast<SGD*>(this)->group_options(group);
-}
-
-void SGD::set_group_option(size_t group, const std::string& name, double value) {
-  auto& o = group_options(group);
-  if (detail::set_common_option(o, name, value)) {
-    return;
-  }
+bool SGD::set_algorithm_option(SGDOptions& o, const std::string& name, double v) const {
   if (name == "momentum") {
-    o.momentum(value);
+    o.momentum(v);
   } else if (name == "dampening") {
-    o.dampening(value);
+    o.dampening(v);
   } else if (name == "nesterov") {
-    o.nesterov(value != 0.0);
+    o.nesterov(v != 0.0);
   } else {
-    TORCH_CHECK(false, "fusedamp::optim::SGD: unknown option '", name, "'");
+    return false;
   }
+  return true;
 }
 
-double SGD::group_option(size_t group, const std::string& name) const {
-  const auto& o = group_options(group);
-  if (auto v = detail::common_option(o, name)) return *v;
+std::optional<double> SGD::algorithm_option(const SGDOptions& o, const std::string& name) const {
   if (name == "momentum") return o.momentum();
   if (name == "dampening") return o.dampening();
   if (name == "nesterov") return o.nesterov() ? 1.0 : 0.0;
-  TORCH_CHECK(false, "fusedamp::optim::SGD: unknown option '", name, "'");
+  return std::nullopt;
 }
 
-void SGD::set_group_lr_tensor(size_t group, const at::Tensor& lr) {
-  group_options(group).lr_tensor(lr);
+void SGD::check_algorithm(const SGDOptions& o, size_t group) const {
+  detail::check_sgd_options(kind(), o.momentum(), o.dampening(), o.nesterov(), group);
 }
 
-EngineGroupOptions SGD::engine_options(const torch::optim::OptimizerOptions& base) const {
-  return detail::engine_options_of(static_cast<const SGDOptions&>(base));
+StateSlots SGD::slots_for(const SGDOptions& o) const {
+  return o.momentum() != 0.0 ? StateSlots{StateSlot::kMomentumBuffer} : StateSlots{};
 }
 
-void SGD::check_options(const torch::optim::OptimizerOptions& base, size_t group) const {
-  const auto* o = dynamic_cast<const SGDOptions*>(&base);
-  TORCH_CHECK(o != nullptr, "fusedamp::optim::SGD: param group ", group,
-              " has options of another optimizer (expected SGDOptions)");
-  TORCH_CHECK(std::isfinite(o->lr()) && o->lr() >= 0.0, "fusedamp::optim::SGD: invalid lr ",
-              o->lr(), " in param group ", group, " (must be finite and >= 0)");
-  TORCH_CHECK(std::isfinite(o->momentum()) && o->momentum() >= 0.0,
-              "fusedamp::optim::SGD: invalid momentum ", o->momentum(), " in param group ",
-              group, " (must be finite and >= 0)");
-  TORCH_CHECK(std::isfinite(o->dampening()), "fusedamp::optim::SGD: invalid dampening ",
-              o->dampening(), " in param group ", group);
-  TORCH_CHECK(std::isfinite(o->weight_decay()) && o->weight_decay() >= 0.0,
-              "fusedamp::optim::SGD: invalid weight_decay ", o->weight_decay(),
-              " in param group ", group, " (must be finite and >= 0)");
-  TORCH_CHECK(!o->nesterov() || (o->momentum() > 0.0 && o->dampening() == 0.0),
-              "fusedamp::optim::SGD: Nesterov momentum requires momentum > 0 and zero "
-              "dampening (param group ", group, ")");
-  detail::check_engine_options("fusedamp::optim::SGD", engine_options(*o), group);
-}
-
-std::pair<const char*, const char*> SGD::slot_names() const {
-  return {kMomentumBuffer, nullptr};
-}
-
-int SGD::slots_needed(const torch::optim::OptimizerOptions& base) const {
-  return static_cast<const SGDOptions&>(base).momentum() != 0.0 ? 1 : 0;
-}
-
-void SGD::run_step(const Bucket& b, const torch::optim::OptimizerOptions& base,
-                   const ops::StepScalars& s) {
-  const auto& o = static_cast<const SGDOptions&>(base);
+void SGD::run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s) const {
   ops::SgdArgs args;
   args.lr = o.lr();
   args.momentum = o.momentum();
@@ -118,11 +77,7 @@ void SGD::run_step(const Bucket& b, const torch::optim::OptimizerOptions& base,
   args.weight_decay = o.weight_decay();
   args.nesterov = o.nesterov();
   args.maximize = o.maximize();
-  ops::sgd_step_(b.params, b.masters, b.grads, b.a, b.steps, args, s);
-}
-
-std::unique_ptr<torch::optim::OptimizerOptions> SGD::make_options() const {
-  return std::make_unique<SGDOptions>();
+  ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s);
 }
 
 }  // namespace fusedamp::optim

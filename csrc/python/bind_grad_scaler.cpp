@@ -1,7 +1,6 @@
-// Bindings of fusedamp::GradScaler: the state machine and the fused-optimizer path of
-// fusedamp.GradScaler (python/fusedamp/grad_scaler.py).
+// Bindings of fusedamp::GradScaler: what fusedamp.GradScaler (python/fusedamp/grad_scaler.py)
+// relays. Python optimizers are identified by their id() within an iteration.
 #include <fusedamp/grad_scaler.h>
-#include <fusedamp/optim/optimizer.h>
 #include <torch/extension.h>
 
 #include "bindings.h"
@@ -31,9 +30,27 @@ void bind_grad_scaler(py::module_& m) {
            py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("enabled"),
            py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"))
       .def("scale", &GradScaler::scale)
-      .def("unscale_", py::overload_cast<optim::Optimizer&>(&GradScaler::unscale_))
-      .def("step", py::overload_cast<optim::Optimizer&>(&GradScaler::step),
-           py::call_guard<py::gil_scoped_release>())
+      // The iteration's stages for a Python optimizer, identified by its id().
+      .def("unscale_",
+           [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params) {
+             s.unscale_(reinterpret_cast<GradScaler::OptimizerKey>(key), params);
+           })
+      .def("begin_amp_step",
+           [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params_to_check) {
+             const auto h =
+                 s.begin_amp_step(reinterpret_cast<GradScaler::OptimizerKey>(key), params_to_check);
+             return py::make_tuple(h.grad_scale.defined() ? py::cast(h.grad_scale) : py::none(),
+                                   h.found_inf);
+           })
+      .def("begin_plain_step",
+           [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params) {
+             return s.begin_plain_step(reinterpret_cast<GradScaler::OptimizerKey>(key), params);
+           })
+      .def("end_step",
+           [](GradScaler& s, uintptr_t key) {
+             s.end_step(reinterpret_cast<GradScaler::OptimizerKey>(key));
+           })
+      .def("in_iteration", &GradScaler::in_iteration)
       .def("update", py::overload_cast<>(&GradScaler::update))
       .def("update_to", py::overload_cast<double>(&GradScaler::update))
       .def("get_scale", &GradScaler::get_scale)

@@ -1,6 +1,6 @@
-// Bindings of fusedamp::optim::{Optimizer, Adam, AdamW, SGD}: what the Python classes in
-// python/fusedamp/optim.py call. The Python side keeps torch.optim's param_groups and pushes
-// their values into the engine before each step (set_group_option: one field write each).
+// Bindings of fusedamp::optim::{Optimizer, Adam, AdamW, SGD}: what python/fusedamp/optim.py and
+// distributed.py call. torch.optim's param-group dicts are translated into the engine's options
+// here (sync_options), so the Python classes keep no table of option names of their own.
 #include <fusedamp/optim/adam.h>
 #include <fusedamp/optim/sgd.h>
 #include <torch/extension.h>
@@ -27,25 +27,102 @@ py::object maybe(const at::Tensor& t) {
   return t.defined() ? py::cast(t) : py::none();
 }
 
+at::Tensor tensor_or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
+// A learning rate given as a tensor (torch.optim allows it, e.g. for capturable schedules)
+// becomes the engine's lr_tensor, read on the device at every step. A tensor that is not
+// already FP32 with one dimension is converted here, at every sync, so that a scheduler's
+// in-place update of the user's tensor still reaches the step.
+at::Tensor lr_tensor_of(const at::Tensor& lr) {
+  const auto t = lr.detach();
+  return t.scalar_type() == at::kFloat && t.dim() == 1 ? t : t.to(at::kFloat).reshape({1});
+}
+
+// Writes the values of torch.optim param-group dicts into the engine's groups. Keys the engine
+// does not know (torch's foreach/fused/capturable flags, a scheduler's initial_lr, ...) are left
+// to the Python side, as torch.optim leaves them; validation happens in check_options().
+void sync_options(Optimizer& opt, const py::list& groups) {
+  TORCH_CHECK(groups.size() == opt.num_groups(), "fusedamp: ", groups.size(),
+              " param groups given, the engine has ", opt.num_groups());
+  for (size_t i = 0; i < opt.num_groups(); ++i) {
+    const auto group = groups[i].cast<py::dict>();
+    for (const auto& item : group) {
+      const auto name = item.first.cast<std::string>();
+      const py::handle value = item.second;
+      if (name == "params") {
+        continue;
+      }
+      if (name == "lr") {
+        if (THPVariable_Check(value.ptr())) {
+          opt.set_group_lr_tensor(i, lr_tensor_of(value.cast<at::Tensor>()));
+          continue;
+        }
+        opt.set_group_lr_tensor(i, at::Tensor());
+      }
+      if (name == "max_grad_norm" && value.is_none()) {
+        opt.set_group_max_grad_norm(i, std::nullopt);
+      } else if (name == "betas") {
+        const auto betas = value.cast<std::pair<double, double>>();
+        opt.set_group_option(i, "beta1", betas.first);
+        opt.set_group_option(i, "beta2", betas.second);
+      } else if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
+                 py::isinstance<py::float_>(value)) {
+        opt.try_set_group_option(i, name, value.cast<double>());
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
   py::class_<Optimizer>(m, "Optimizer")
       .def("step", [](Optimizer& o) { o.step(); }, py::call_guard<py::gil_scoped_release>())
-      .def("step_scaled", &Optimizer::step_scaled, py::arg("inv_scale"),
-           py::arg("grads_unscaled"), py::call_guard<py::gil_scoped_release>())
-      .def("unscale_grads_", &Optimizer::unscale_grads_, py::arg("inv_scale"))
+      .def(
+          "step_amp",
+          [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,
+             const std::optional<at::Tensor>& found_inf) {
+            py::gil_scoped_release no_gil;
+            o.step_amp(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf));
+          },
+          py::arg("grad_scale"), py::arg("found_inf"))
+      // The phases, for front ends that put collectives between them (distributed.py).
+      .def("gather_grads", &Optimizer::gather_grads)
+      .def(
+          "compute_grad_stats",
+          [](Optimizer& o, const std::optional<at::Tensor>& seed) {
+            return o.compute_grad_stats(tensor_or_undefined(seed));
+          },
+          py::arg("seed_found_inf") = py::none())
+      .def(
+          "apply_update",
+          [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,
+             const std::optional<at::Tensor>& found_inf, bool scaled) {
+            o.apply_update(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf),
+                           scaled);
+          },
+          py::arg("grad_scale"), py::arg("found_inf"), py::arg("scaled"))
       .def("zero_grad", &Optimizer::zero_grad, py::arg("set_to_none") = true)
+      .def("sync_options", &sync_options)
+      .def("check_options", &Optimizer::check_options)
       .def("set_group_option", &Optimizer::set_group_option)
       .def("group_option", &Optimizer::group_option)
       .def("set_group_lr_tensor", &Optimizer::set_group_lr_tensor)
+      .def("set_group_max_grad_norm", &Optimizer::set_group_max_grad_norm)
       .def("num_groups", &Optimizer::num_groups)
+      .def("bucket_builds", &Optimizer::bucket_builds)
       .def("last_step_applied", [](const Optimizer& o) { return maybe(o.last_step_applied()); })
       .def("skipped_steps", [](const Optimizer& o) { return maybe(o.skipped_steps()); })
+      .def("set_skipped_steps", &Optimizer::set_skipped_steps)
       .def("found_inf", [](const Optimizer& o) { return maybe(o.found_inf()); })
       .def("grad_sum_sq", [](const Optimizer& o) { return maybe(o.grad_sum_sq()); })
+      .def("grad_norm", [](const Optimizer& o) { return maybe(o.grad_norm()); })
       .def("param_state", &Optimizer::param_state)
-      .def("set_param_state", &Optimizer::set_param_state)
+      .def("set_param_state", &Optimizer::set_param_state, py::arg("param"), py::arg("state"),
+           py::arg("copy") = true)
+      .def("set_param_states", &Optimizer::set_param_states)
       .def("all_params", &Optimizer::all_params);
 
   py::class_<optim::Adam, Optimizer>(m, "Adam").def(

@@ -1,53 +1,39 @@
 """fusedamp on torch.distributed: a ZeRO stage-1 sharded master-weight optimizer.
 
-``ShardedOptimizer`` is a ``torch.optim.Optimizer`` (LR schedulers work) that keeps the FP32
-master weights and the optimizer moments of only this rank's 1/N of the parameters. All
-communication goes through ``torch.distributed`` collectives on ``process_group``.
+``ShardedOptimizer`` keeps the FP32 master weights and moments of only this rank's 1/N of the
+parameters. What is sharded is decided here; the step itself is the C++ engine's
+(fusedamp._C), run over this rank's shard with the collectives between its phases:
 
-Layout. The parameters of each (param group, dtype) are packed into one flat buffer, padded to
-a multiple of the world size; every parameter's ``.data`` becomes a view of that buffer, so
-the all-gather at the end of a step writes the model weights directly. Rank r owns the
-contiguous slice ``[r*S, (r+1)*S)`` of each buffer (S = padded numel / N) and keeps, for it
-only, flat FP32 master/moment tensors. Inside a shard a parameter's piece is a *segment*: the
-fused ops see one tensor per segment, each with its own step count, so a sharded step does
-exactly what ``fusedamp.optim`` does for those elements.
+  1. copy the grads into one flat buffer per (param group, dtype), pre-divide by N (as DDP does,
+     so the FP16 sum cannot overflow where the mean would not), reduce-scatter it to the shard;
+  2. engine: gather the shard's gradients, one ``grad_stats_`` pass -> [found_inf, sum_sq],
+     summed over the ranks in ONE all-reduce, so every rank skips (and clips) alike;
+  3. engine: the fused update of the shard (FP32 master -> FP16/BF16 model shard), skipped on
+     the device when found_inf != 0; then all-gather the model shards into the flat buffers.
 
-One step (no host synchronisation):
-  1. copy the grads into a flat grad buffer per bucket (one ``_foreach_copy_``), pre-divide by
-     N (as DDP does, so that the FP16 sum cannot overflow where the mean would not) and
-     reduce-scatter it into this rank's shard;
-  2. ``grad_stats_`` over the shard -> found_inf and sum of squares in a 2-element FP32 tensor,
-     summed over the ranks in ONE all-reduce: every rank sees the global overflow flag and the
-     global gradient norm, so the skip decision and the clip coefficient are the same everywhere;
-  3. ``adam_step_``/``sgd_step_`` on the shard (FP32 master -> FP16/BF16 shard of the model),
-     skipped on the device when found_inf != 0;
-  4. all-gather the low-precision shards into the flat buffers (on a skipped step this rewrites
-     the unchanged values, so all ranks stay bit-identical).
+Layout: every parameter's ``.data`` is a view of its flat buffer, so the all-gather writes the
+model weights directly. Rank r owns the slice ``[r*S, (r+1)*S)`` of each buffer (S = padded
+numel / N); inside it a parameter's piece is a *segment*, which the engine steps as a parameter
+of its own (its state — step count, master, moments — being views into flat FP32 buffers), so a
+sharded step does exactly what ``fusedamp.optim`` does for those elements. No host sync.
 
-Loss scaling: ``scaler.step(opt)`` / ``scaler.update()`` with a ``fusedamp.GradScaler`` (the
-scaler hands its inverse scale over and records the global found_inf, so the scale sequence is
-the same on every rank), or ``opt.step(inv_scale=...)`` by hand.
-
-Checkpoints: ``state_dict()`` is this rank's shard (resume on the same number of ranks is
-bit-exact); ``consolidated_state_dict(to=0)`` gathers the full per-parameter state in the format
-of ``fusedamp.optim`` (``step``, ``master_param``, ``exp_avg``, ...), which
-``load_state_dict`` accepts on any number of ranks (and ``fusedamp.optim.AdamW`` loads too).
+Loss scaling: ``scaler.step(opt)`` (torch's AMP protocol, as fusedamp.optim). Checkpoints:
+``state_dict()`` is this rank's shard (resume on the same ranks is bit-exact);
+``consolidated_state_dict(to=0)`` gathers the per-parameter state in fusedamp.optim's format,
+which ``load_state_dict`` accepts on any number of ranks.
 """
 from __future__ import annotations
-
-import math
-from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ._library import _C  # noqa: F401  (registers torch.ops.fusedamp)
+from ._library import _C
 from .optim import pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
 _FORMAT = "fusedamp.sharded/1"
-_KINDS = ("adamw", "adam", "sgd")
+_ENGINES = {"adamw": _C.AdamW, "adam": _C.Adam, "sgd": _C.SGD}
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -55,63 +41,65 @@ def optimizer_state_bytes(optimizer) -> int:
     ``ShardedOptimizer``; every tensor in ``optimizer.state`` otherwise."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.state_bytes()
-    total = 0
-    for s in optimizer.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+               for v in s.values() if isinstance(v, torch.Tensor))
 
 
 class _Bucket:
-    """The flat buffer of one (param group, dtype) and this rank's shard of it."""
+    """The flat buffer of one (param group, dtype), this rank's shard of it, and the shard's
+    state as flat FP32 buffers whose segment views the engine steps."""
 
-    def __init__(self, group_index, params, dtype, device, rank, world, master_weights, slots):
-        self.group = group_index
-        self.params = params
-        self.dtype = dtype
-        self.offsets = []
-        n = 0
+    def __init__(self, group, params, rank, world, master_weights, slot_names):
+        self.group, self.params = group, params
+        self.offsets = [0]
         for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.shard = -(-n // world)  # ceil
-        padded = self.shard * world
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets.pop()
+        self.shard = -(-self.numel // world)  # ceil
         self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
-        self.flat = torch.zeros(padded, dtype=dtype, device=device)
-        self.flat_grad = torch.zeros(padded, dtype=dtype, device=device)
+        dtype, device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.shard * world, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros_like(self.flat)
         self.grad_shard = torch.zeros(self.shard, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets):
-                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.flat[off:off + p.numel()].view(p.shape)
+        for p, off in zip(params, self.offsets):
+            self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off:off + p.numel()].view(p.shape)
         self.grad_views = [self.flat_grad[o:o + p.numel()].view(p.shape)
                            for p, o in zip(params, self.offsets)]
         # Segments: (parameter index, start, end) in flat coordinates, inside [lo, hi).
-        self.segments = []
-        for i, (p, off) in enumerate(zip(params, self.offsets)):
-            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
-            if a < b:
-                self.segments.append((i, a, b))
+        self.segments = [(i, max(o, self.lo), min(o + p.numel(), self.hi))
+                         for i, (p, o) in enumerate(zip(params, self.offsets))
+                         if max(o, self.lo) < min(o + p.numel(), self.hi)]
         f32 = dict(dtype=torch.float32, device=device)
-        shard_param = self.flat[self.lo:self.hi]
-        self.master = (shard_param.float() if master_weights and dtype != torch.float32
-                       else None)
-        self.slots = [torch.zeros(self.shard, **f32) for _ in range(slots)]
+        use_master = master_weights and dtype != torch.float32
+        self.master = self.flat[self.lo:self.hi].float() if use_master else None
+        self.slots = {name: torch.zeros(self.shard, **f32) for name in slot_names}
         self.steps = torch.zeros(len(self.segments), **f32)
 
-        def seg(t):
-            return [t[a - self.lo:b - self.lo] for _, a, b in self.segments]
+    def seg(self, t, k):
+        """Segment k of a shard-sized flat tensor."""
+        _, a, b = self.segments[k]
+        return t[a - self.lo:b - self.lo]
 
-        self.seg_params = seg(shard_param)
-        self.seg_grads = seg(self.grad_shard)
-        self.seg_master = seg(self.master) if self.master is not None else []
-        self.seg_slots = [seg(s) for s in self.slots]
-        self.seg_steps = [self.steps[k:k + 1] for k in range(len(self.segments))]
+    def make_segments(self):
+        """The engine's parameters: one detached view of the model's flat buffer per segment,
+        whose .grad is the matching view of the reduced grad shard."""
+        shard = self.flat[self.lo:self.hi]
+        self.seg_params = [self.seg(shard, k).detach() for k in range(len(self.segments))]
+        self.seg_grads = [self.seg(self.grad_shard, k) for k in range(len(self.segments))]
+
+    def segment_states(self):
+        """Each segment's state for the engine: views of the flat state buffers (kept, not
+        copied, so the engine steps them in place)."""
+        for k, seg in enumerate(self.seg_params):
+            state = {"step": self.steps[k]}
+            if self.master is not None:
+                state["master_param"] = self.seg(self.master, k)
+            state.update({n: self.seg(t, k) for n, t in self.slots.items()})
+            yield seg, state
 
     def state_bytes(self):
-        ts = ([self.master] if self.master is not None else []) + self.slots + [self.steps]
+        ts = ([self.master] if self.master is not None else []) + [*self.slots.values(), self.steps]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -121,102 +109,66 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``ShardedOptimizer(params, optimizer="adamw", process_group=None, *, lr=1e-3,
     betas=(0.9, 0.999), eps=1e-8, weight_decay=None, momentum=0.0, dampening=0.0,
     nesterov=False, maximize=False, master_weights=True, max_grad_norm=None,
-    grads_averaged=False, sync_params=True)``
-
-    - ``optimizer``: "adamw" (weight_decay defaults to 1e-2), "adam" or "sgd" (defaults to 0).
-    - ``max_grad_norm``: fused clipping by the global norm (all ranks, all groups).
-    - ``grads_averaged``: the grads are already identical on every rank (e.g. a DDP model);
-      then each rank just uses its shard and no gradient collective is issued.
-    - ``sync_params``: broadcast the parameters from the group's first rank at construction.
-
-    Every parameter must be on one device; the model must run the same graph on every rank. A
-    parameter whose ``.grad`` is None on the rank owning a segment of it is not stepped there
-    (as in torch.optim). ``add_param_group`` after construction is not supported.
+    grads_averaged=False, sync_params=True)``: ``optimizer`` is "adamw" (weight_decay defaults to
+    1e-2), "adam" or "sgd" (0); ``max_grad_norm`` clips by the global norm (all ranks and
+    groups); ``grads_averaged``: the grads are already identical on every rank (a DDP model), so
+    no gradient collective is issued; ``sync_params``: broadcast the parameters from the group's
+    first rank. All parameters must be on one device and every rank must run the same graph; a
+    parameter without ``.grad`` is not stepped (as in torch.optim). No ``add_param_group``.
     """
+
+    _step_supports_amp_scaling = True
+    _step_checks_nonfinite = True
 
     def __init__(self, params, optimizer: str = "adamw", process_group=None, *, lr=1e-3,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=None, momentum=0.0, dampening=0.0,
                  nesterov=False, maximize=False, master_weights=True, max_grad_norm=None,
                  grads_averaged=False, sync_params=True):
         kind = optimizer.lower()
-        if kind not in _KINDS:
-            raise ValueError(f"fusedamp.distributed: optimizer must be one of {_KINDS}, got "
-                             f"{optimizer!r}")
+        if kind not in _ENGINES:
+            raise ValueError(f"fusedamp.distributed: optimizer must be one of {tuple(_ENGINES)}, "
+                             f"got {optimizer!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fusedamp.distributed.ShardedOptimizer needs an initialised "
                                "torch.distributed process group (dist.init_process_group)")
-        if weight_decay is None:
-            weight_decay = 1e-2 if kind == "adamw" else 0.0
-        if kind == "sgd":
-            defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                            weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                            master_weights=master_weights, max_grad_norm=max_grad_norm)
-        else:
-            defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            maximize=maximize, master_weights=master_weights,
-                            max_grad_norm=max_grad_norm)
-        self._kind = kind
-        self._group = process_group
-        self._world = dist.get_world_size(process_group)
-        self._rank = dist.get_rank(process_group)
+        weight_decay = (1e-2 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
+        defaults = dict(lr=lr, weight_decay=weight_decay, maximize=maximize,
+                        master_weights=master_weights, max_grad_norm=max_grad_norm)
+        defaults.update(dict(momentum=momentum, dampening=dampening, nesterov=nesterov)
+                        if kind == "sgd" else dict(betas=betas, eps=eps))
+        self._kind, self._group = kind, process_group
+        self._world, self._rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._grads_averaged = bool(grads_averaged)
-        self._buckets: List[_Bucket] = []
+        self._buckets = []
         super().__init__(params, defaults)
-        for i, g in enumerate(self.param_groups):
-            self._validate_group(g, i)
-        params_all = [p for g in self.param_groups for p in g["params"]]
-        devices = {p.device for p in params_all}
+        devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) != 1:
             raise ValueError("fusedamp.distributed.ShardedOptimizer: all parameters must be on "
                              f"one device, got {sorted(map(str, devices))}")
         self._device = devices.pop()
-        slots = 2 if kind != "sgd" else 0
         for gi, g in enumerate(self.param_groups):
-            if kind == "sgd":
-                slots = 1 if g["momentum"] != 0 else 0
-            by_dtype: Dict[torch.dtype, list] = {}
+            names = (("momentum_buffer",) if g["momentum"] != 0 else ()) if kind == "sgd" else (
+                "exp_avg", "exp_avg_sq")
+            by_dtype = {}
             for p in g["params"]:
                 by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, ps in by_dtype.items():
-                self._buckets.append(_Bucket(gi, ps, dtype, self._device, self._rank,
-                                             self._world, bool(g["master_weights"]), slots))
+            self._buckets += [_Bucket(gi, ps, self._rank, self._world, g["master_weights"], names)
+                              for ps in by_dtype.values()]
+        for b in self._buckets:
+            b.make_segments()
+        self._engine = _ENGINES[kind]([[s for b in self._buckets if b.group == gi
+                                        for s in b.seg_params] for gi in range(len(self.param_groups))])
+        self._engine.sync_options(self.param_groups)
+        self._engine.check_options()  # ValueError before anything else happens
         if sync_params and self._world > 1:
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
             for b in self._buckets:
                 dist.broadcast(b.flat, src=src, group=process_group)
-            for b in self._buckets:
                 if b.master is not None:
                     b.master.copy_(b.flat[b.lo:b.hi])
-        f32 = dict(dtype=torch.float32, device=self._device)
-        self._stats = torch.zeros(2, **f32)  # [found_inf, sum of squares], summed over ranks
-        self._last_applied = None
-        self._skipped = None
-
-    def _validate_group(self, g, i):
-        lr = g["lr"]
-        if not isinstance(lr, torch.Tensor) and (not math.isfinite(lr) or lr < 0):
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if g["weight_decay"] < 0 or not math.isfinite(g["weight_decay"]):
-            raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
-        mgn = g["max_grad_norm"]
-        if mgn is not None and not (mgn > 0 and math.isfinite(mgn)):
-            raise ValueError(f"Invalid max_grad_norm: {mgn} (None or > 0)")
-        if self._kind != "sgd":
-            b1, b2 = g["betas"]
-            if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-                raise ValueError(f"Invalid betas: {g['betas']}")
-            if g["eps"] < 0:
-                raise ValueError(f"Invalid epsilon value: {g['eps']}")
-        else:
-            if g["momentum"] < 0:
-                raise ValueError(f"Invalid momentum value: {g['momentum']}")
-            if g["nesterov"] and (g["momentum"] <= 0 or g["dampening"] != 0):
-                raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        for p in g["params"]:
-            if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise ValueError("fusedamp: optimizer can only optimize leaf tensors")
-            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError(f"fusedamp: unsupported parameter dtype {p.dtype}")
+        for b in self._buckets:
+            for seg, state in b.segment_states():
+                self._engine.set_param_state(seg, state, copy=False)
 
     def add_param_group(self, param_group):
         if self._buckets:
@@ -224,188 +176,114 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "construction is not supported (the flat buffers are fixed)")
         super().add_param_group(param_group)
 
-    # ---- properties ------------------------------------------------------------------
-    @property
-    def world_size(self):
-        return self._world
-
-    @property
-    def rank(self):
-        return self._rank
-
-    @property
-    def last_step_applied(self):
-        """1.0 if the last step was applied on every rank, 0.0 if skipped (device tensor)."""
-        return self._last_applied
-
-    @property
-    def skipped_steps(self):
-        """Number of skipped steps (device int64 tensor; None before the first step)."""
-        return self._skipped
-
-    @property
-    def grad_sum_sq(self):
-        """Global sum of squares of the last step's (scaled, averaged) gradients."""
-        return self._stats[1:2]
+    world_size = property(lambda self: self._world)
+    rank = property(lambda self: self._rank)
+    last_step_applied = property(lambda self: self._engine.last_step_applied(),
+                                 doc="1.0 if the last step was applied (every rank), 0.0 if not")
+    skipped_steps = property(lambda self: self._engine.skipped_steps(),
+                             doc="Number of skipped steps (device int64 tensor)")
+    grad_sum_sq = property(lambda self: self._engine.grad_sum_sq(),
+                           doc="Global sum of squares of the last step's (scaled) gradients")
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (master weights, moments, step counts of
+        """Bytes of optimizer state on this rank (master weights, moments and step counts of
         its shard); the flat parameter/gradient buffers are not state."""
         return sum(b.state_bytes() for b in self._buckets)
 
     def buffer_bytes(self) -> int:
         """Bytes of the communication buffers (flat grads and the grad shard) on this rank."""
-        return sum(b.flat_grad.numel() * b.flat_grad.element_size()
-                   + b.grad_shard.numel() * b.grad_shard.element_size() for b in self._buckets)
+        return sum((b.flat_grad.numel() + b.grad_shard.numel()) * b.flat.element_size()
+                   for b in self._buckets)
 
     # ---- the step --------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None, *, inv_scale: Optional[torch.Tensor] = None):
-        """One sharded step. ``inv_scale``: the inverse loss scale as a 1-element FP32 device
-        tensor (what ``fusedamp.GradScaler.step(opt)`` passes). Returns the closure's loss."""
+    def step(self, closure=None):
+        """One sharded step; under a loss scaler (torch's AMP protocol) a scaled one."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sharded_step(inv_scale)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self._reduce_scatter_grads()
+        engine = self._engine
+        engine.sync_options(self.param_groups)
+        has_grads = engine.gather_grads()
+        if has_grads:
+            stats = engine.compute_grad_stats(found_inf)
+        else:  # nothing of this rank's shard to step, but the collective is everyone's
+            stats = torch.zeros(2, dtype=torch.float32, device=self._device)
+            if found_inf is not None:
+                stats[0:1].copy_(found_inf)
+        if self._world > 1:
+            dist.all_reduce(stats, group=self._group)
+        if has_grads:
+            engine.apply_update(grad_scale, found_inf, scaled=True)
+        elif found_inf is not None:
+            found_inf.copy_(stats[0:1])
+        if self._world > 1:
+            works = [dist.all_gather_into_tensor(b.flat, b.flat[b.lo:b.hi], group=self._group,
+                                                 async_op=True) for b in self._buckets]
+            for w in works:
+                w.wait()
         return loss
 
-    def _fusedamp_step_scaled(self, inv_scale):
-        """The protocol fusedamp.GradScaler.step uses: step with this inverse scale and return
-        the found_inf that every rank agrees on (for the scaler's update)."""
-        self.step(inv_scale=inv_scale)  # through torch's wrapper: hooks, LR-scheduler checks
-        return self._stats[0:1]
-
-    def _sharded_step(self, inv_scale):
-        group, world = self._group, self._world
-        has_grad = []
-        for b in self._buckets:
-            flags = [p.grad is not None for p in b.params]
-            for p in b.params:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise RuntimeError("fusedamp: sparse gradients are not supported")
-            dst = [v for v, f in zip(b.grad_views, flags) if f]
-            src = [p.grad for p, f in zip(b.params, flags) if f]
-            if len(dst) < len(flags):
-                for v, f in zip(b.grad_views, flags):
-                    if not f:
-                        v.zero_()
-            if dst:
-                torch._foreach_copy_(dst, src)
-            has_grad.append(flags)
+    def _reduce_scatter_grads(self):
         works = []
         for b in self._buckets:
-            if world == 1:
+            present = [p.grad is not None for p in b.params]
+            if any(p.grad is not None and p.grad.is_sparse for p in b.params):
+                raise RuntimeError("fusedamp: sparse gradients are not supported")
+            for view, here in zip(b.grad_views, present):
+                if not here:
+                    view.zero_()
+            if any(present):
+                torch._foreach_copy_([v for v, h in zip(b.grad_views, present) if h],
+                                     [p.grad for p in b.params if p.grad is not None])
+            for (i, _, _), seg, grad in zip(b.segments, b.seg_params, b.seg_grads):
+                seg.grad = grad if present[i] else None
+            if self._world == 1:
                 b.grad_shard.copy_(b.flat_grad)
             elif self._grads_averaged:
                 b.grad_shard.copy_(b.flat_grad[b.lo:b.hi])
             else:
-                b.flat_grad.mul_(1.0 / world)
+                b.flat_grad.mul_(1.0 / self._world)
                 works.append(dist.reduce_scatter_tensor(b.grad_shard, b.flat_grad,
-                                                        group=group, async_op=True))
+                                                        group=self._group, async_op=True))
         for w in works:
             w.wait()
-        # Segments stepped on this rank: those whose parameter has a gradient here.
-        live = [[k for k, (i, _, _) in enumerate(b.segments) if flags[i]]
-                for b, flags in zip(self._buckets, has_grad)]
-        stats = self._stats
-        stats.zero_()
-        found, sum_sq = stats[0:1], stats[1:2]
-        grads = [b.seg_grads[k] for b, ks in zip(self._buckets, live) for k in ks]
-        if grads:
-            torch.ops.fusedamp.grad_stats_(grads, found, sum_sq)
-        if world > 1:
-            dist.all_reduce(stats, group=group)
-        if inv_scale is not None:
-            inv_scale = inv_scale.to(self._device, non_blocking=True).reshape(1).float()
-        for b, ks in zip(self._buckets, live):
-            if ks:
-                self._run_bucket(b, ks, inv_scale, found, sum_sq)
-        works = [dist.all_gather_into_tensor(b.flat, b.flat[b.lo:b.hi], group=group,
-                                             async_op=True)
-                 for b in self._buckets if world > 1]
-        for w in works:
-            w.wait()
-        skipped = found.ne(0)
-        if self._skipped is None:
-            self._skipped = torch.zeros(1, dtype=torch.int64, device=self._device)
-            self._last_applied = torch.ones(1, dtype=torch.float32, device=self._device)
-        self._skipped.add_(skipped)
-        self._last_applied.copy_(skipped.logical_not())
-
-    def _run_bucket(self, b, ks, inv_scale, found, sum_sq):
-        g = self.param_groups[b.group]
-
-        def pick(lst):
-            return [lst[k] for k in ks]
-
-        lr = g["lr"]
-        lr_tensor = None
-        if isinstance(lr, torch.Tensor):
-            lr_tensor = lr.detach().to(self._device).float().reshape(1)
-            lr = 0.0
-        mgn = g["max_grad_norm"]
-        common = dict(lr=float(lr), weight_decay=float(g["weight_decay"]),
-                      maximize=bool(g["maximize"]), lr_tensor=lr_tensor, inv_scale=inv_scale,
-                      found_inf=found, grad_sum_sq=sum_sq if mgn else None,
-                      max_grad_norm=float(mgn) if mgn else None)
-        masters = pick(b.seg_master) if b.master is not None else []
-        if self._kind == "sgd":
-            torch.ops.fusedamp.sgd_step_(
-                pick(b.seg_params), masters, pick(b.seg_grads),
-                pick(b.seg_slots[0]) if b.slots else [], pick(b.seg_steps),
-                momentum=float(g["momentum"]), dampening=float(g["dampening"]),
-                nesterov=bool(g["nesterov"]), **common)
-        else:
-            b1, b2 = g["betas"]
-            torch.ops.fusedamp.adam_step_(
-                pick(b.seg_params), masters, pick(b.seg_grads), pick(b.seg_slots[0]),
-                pick(b.seg_slots[1]), pick(b.seg_steps), beta1=float(b1), beta2=float(b2),
-                eps=float(g["eps"]), decoupled_weight_decay=self._kind == "adamw", **common)
 
     # ---- checkpoints -----------------------------------------------------------------
-    def _slot_names(self):
-        if self._kind == "sgd":
-            return ("momentum_buffer",)
-        return ("exp_avg", "exp_avg_sq")
-
-    def _packed_groups(self):
-        return pack_param_groups(self.param_groups)
-
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self):
         """This rank's shard of the state (load it on the same rank of the same world size)."""
-        index, groups = self._packed_groups()
-        names = self._slot_names()
-        buckets = []
-        for b in self._buckets:
-            entry = {"group": b.group, "dtype": str(b.dtype), "numel": b.numel,
-                     "params": [index[id(p)] for p in b.params], "lo": b.lo, "hi": b.hi,
-                     "steps": b.steps.clone()}
-            if b.master is not None:
-                entry["master_param"] = b.master.clone()
-            for name, s in zip(names, b.slots):
-                entry[name] = s.clone()
-            buckets.append(entry)
+        index, groups = pack_param_groups(self.param_groups)
+        skipped = self._engine.skipped_steps()
         return {"format": _FORMAT, "optimizer": self._kind, "world_size": self._world,
-                "rank": self._rank, "param_groups": groups, "buckets": buckets,
-                "skipped_steps": None if self._skipped is None else self._skipped.clone()}
+                "rank": self._rank, "param_groups": groups,
+                "skipped_steps": None if skipped is None else skipped.clone(),
+                "buckets": [dict({"group": b.group, "numel": b.numel, "lo": b.lo, "hi": b.hi,
+                                  "params": [index[id(p)] for p in b.params],
+                                  "steps": b.steps.clone()},
+                                 **({"master_param": b.master.clone()} if b.master is not None
+                                    else {}),
+                                 **{n: t.clone() for n, t in b.slots.items()})
+                            for b in self._buckets]}
 
     @torch.no_grad()
-    def consolidated_state_dict(self, to: Optional[int] = 0) -> Optional[Dict[str, Any]]:
-        """Gathers the full per-parameter state (the format of fusedamp.optim) to rank ``to``
-        of the process group (None: to every rank). A collective: call it on every rank.
-        Returns the state dict on the receiving rank(s), None elsewhere."""
-        index, groups = self._packed_groups()
-        names = self._slot_names()
-        state: Dict[int, Dict[str, torch.Tensor]] = {}
+    def consolidated_state_dict(self, to=0):
+        """Gathers the full per-parameter state (fusedamp.optim's format) to rank ``to`` of the
+        process group (None: to every rank). A collective: call it on every rank. Returns the
+        state dict on the receiving rank(s), None elsewhere."""
+        index, groups = pack_param_groups(self.param_groups)
+        receiving = to is None or self._rank == to
+        state = {}
         for b in self._buckets:
             full = {}
-            pieces = ([("master_param", b.master)] if b.master is not None else []) + list(
-                zip(names, b.slots))
-            for name, t in pieces:
-                out = torch.empty(b.shard * self._world, dtype=t.dtype, device=t.device)
-                dist.all_gather_into_tensor(out, t, group=self._group)
-                full[name] = out
+            named = ([("master_param", b.master)] if b.master is not None else []) + list(
+                b.slots.items())
+            for name, t in named:
+                full[name] = torch.empty(b.shard * self._world, dtype=t.dtype, device=t.device)
+                dist.all_gather_into_tensor(full[name], t, group=self._group)
             # Each parameter's step from the segment holding its first element: exactly one
             # rank contributes a non-zero to each entry of this sum.
             steps = torch.zeros(len(b.params), dtype=torch.float32, device=self._device)
@@ -413,37 +291,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if a == b.offsets[i]:
                     steps[i] = b.steps[k]
             dist.all_reduce(steps, group=self._group)
-            if to is not None and self._rank != to:
-                continue
-            steps = steps.cpu()
-            for i, (p, off) in enumerate(zip(b.params, b.offsets)):
-                s = {"step": steps[i].clone()}
-                for name, t in full.items():
-                    s[name] = t[off:off + p.numel()].view(p.shape).cpu().clone()
-                state[index[id(p)]] = s
-        if to is not None and self._rank != to:
-            return None
-        return {"state": state, "param_groups": groups}
+            if receiving:
+                for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+                    state[index[id(p)]] = dict(
+                        {n: t[off:off + p.numel()].view(p.shape).cpu().clone()
+                         for n, t in full.items()}, step=steps[i].cpu().clone())
+        return {"state": state, "param_groups": groups} if receiving else None
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Dict[str, Any]):
+    def load_state_dict(self, state_dict):
         """Loads a shard (``state_dict()`` of the same rank and world size) or a full state
-        (``consolidated_state_dict()``, or a fusedamp.optim state dict) on any world size."""
+        (``consolidated_state_dict()``, or a fusedamp.optim state dict) on any world size.
+        Everything is checked before anything is changed."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(m["params"]) != len(t["params"]) for m, t in zip(self.param_groups, groups)):
             raise ValueError("fusedamp.distributed: the state dict's param groups do not match "
                              "this optimizer's")
+        index, _ = pack_param_groups(self.param_groups)
         if state_dict.get("format") == _FORMAT:
-            self._load_shard(state_dict)
+            writes = self._shard_writes(state_dict, index)
+            skipped = state_dict.get("skipped_steps")
         else:
-            self._load_full(state_dict)
+            writes = self._full_writes(state_dict["state"], index)
+            skipped = None
+        for dst, src in writes:
+            dst.copy_(src)
+        if skipped is not None:
+            self._engine.set_skipped_steps(skipped)
         for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
 
-    def _load_shard(self, sd):
+    def _shard_writes(self, sd, index):
         if sd["world_size"] != self._world or sd["rank"] != self._rank:
             raise ValueError(f"fusedamp.distributed: shard of rank {sd['rank']}/"
                              f"{sd['world_size']} cannot be loaded on rank {self._rank}/"
@@ -451,56 +330,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if sd["optimizer"] != self._kind or len(sd["buckets"]) != len(self._buckets):
             raise ValueError("fusedamp.distributed: the shard was saved by another optimizer "
                              "layout")
-        index, _ = self._packed_groups()
-        names = self._slot_names()
+        writes = []
         for b, e in zip(self._buckets, sd["buckets"]):
             if (e["numel"] != b.numel or e["lo"] != b.lo or e["hi"] != b.hi
                     or e["params"] != [index[id(p)] for p in b.params]
                     or ("master_param" in e) != (b.master is not None)):
                 raise ValueError("fusedamp.distributed: the shard's buckets do not match this "
                                  "optimizer's (different parameters or dtypes)")
-        for b, e in zip(self._buckets, sd["buckets"]):
-            b.steps.copy_(e["steps"])
-            if b.master is not None:
-                b.master.copy_(e["master_param"])
-            for name, s in zip(names, b.slots):
-                s.copy_(e[name])
-        if sd.get("skipped_steps") is not None:
-            self._skipped = sd["skipped_steps"].to(self._device).clone()
-            self._last_applied = torch.ones(1, dtype=torch.float32, device=self._device)
+            writes += [(b.steps, e["steps"])] + [(t, e[n]) for n, t in b.slots.items()] + (
+                [(b.master, e["master_param"])] if b.master is not None else [])
+        return writes
 
-    def _load_full(self, sd):
-        index, _ = self._packed_groups()
-        names = self._slot_names()
-        state = sd["state"]
-        for b in self._buckets:  # validate everything before changing anything
-            for p in b.params:
-                s = state.get(index[id(p)])
-                if s is None:
-                    continue
-                for k, v in s.items():
-                    if k != "step" and tuple(v.shape) != tuple(p.shape):
-                        raise ValueError(f"fusedamp.distributed: state {k!r} of parameter "
-                                         f"{index[id(p)]} has shape {tuple(v.shape)}, the "
-                                         f"parameter {tuple(p.shape)}")
+    def _full_writes(self, state, index):
+        """Per segment: the piece of each parameter's full state (fresh state where the
+        parameter was never stepped: step 0, master = the weights, moments 0)."""
+        writes = []
         for b in self._buckets:
             for k, (i, a, e) in enumerate(b.segments):
                 p = b.params[i]
-                s = state.get(index[id(p)])
+                s = state.get(index[id(p)], {})
+                for name, v in s.items():
+                    if name != "step" and tuple(v.shape) != tuple(p.shape):
+                        raise ValueError(f"fusedamp.distributed: state {name!r} of parameter "
+                                         f"{index[id(p)]} has shape {tuple(v.shape)}, the "
+                                         f"parameter {tuple(p.shape)}")
                 lo, hi = a - b.offsets[i], e - b.offsets[i]  # within the parameter
-                if s is None:  # never stepped: fresh state
-                    b.steps[k] = 0
-                    if b.master is not None:
-                        b.seg_master[k].copy_(p.detach().reshape(-1)[lo:hi])
-                    for seg in b.seg_slots:
-                        seg[k].zero_()
-                    continue
-                b.steps[k] = float(s["step"].reshape(-1)[0])
+                writes.append((b.steps[k], torch.tensor(float(s["step"].reshape(-1)[0]))
+                               if s else torch.zeros(())))
                 if b.master is not None:
-                    src = s.get("master_param", p.detach())
-                    b.seg_master[k].copy_(src.reshape(-1)[lo:hi])
-                for name, seg in zip(names, b.seg_slots):
-                    if name in s:
-                        seg[k].copy_(s[name].reshape(-1)[lo:hi])
-                    else:
-                        seg[k].zero_()
+                    writes.append((b.seg(b.master, k),
+                                   s.get("master_param", p.detach()).reshape(-1)[lo:hi]))
+                for name, t in b.slots.items():
+                    writes.append((b.seg(t, k), s[name].reshape(-1)[lo:hi] if name in s
+                                   else torch.zeros(hi - lo)))
+        return writes

@@ -1,9 +1,16 @@
 """fusedamp.GradScaler — a drop-in for torch.amp.GradScaler, with the state on the device.
 
-With fusedamp's optimizers, ``scale -> backward -> step -> update`` never synchronises with the
-host: the scaler hands its device-side inverse scale and ``found_inf`` to the fused step,
-which skips itself on the device. With any other ``torch.optim`` optimizer it unscales with
-the fused check and, as torch.amp does, reads ``found_inf`` on the host before stepping.
+The scale state machine and the stages of an iteration (unscale_, step, update) are the C++
+engine's (fusedamp._C.GradScaler); this class adapts torch's calling conventions and relays.
+
+Scaler and optimizer speak torch's AMP protocol. An optimizer with
+``_step_supports_amp_scaling`` (fusedamp's, torch's fused ones, fusedamp's ShardedOptimizer)
+receives ``grad_scale`` and ``found_inf`` as attributes for its step and unscales and skips
+itself on the device: ``scale -> backward -> step -> update`` then never synchronises. One that
+also sets ``_step_checks_nonfinite`` checks the gradients in its own step, so the scaler adds no
+pass. Any other optimizer is unscaled with the fused check and, as torch.amp does, stepped
+only after reading ``found_inf`` on the host. One scaler may drive any mix of optimizers in one
+iteration.
 
 Beyond torch's arguments: ``hysteresis`` (back off only after that many overflowing steps in
 a row), ``min_scale`` and ``max_scale``. With hysteresis 1 and no bounds the scale sequence is
@@ -12,17 +19,17 @@ torch's. The scale history is kept on the device (``scale_history()``).
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 
 import torch
 
 from ._library import _C
 from .diagnostics import History
-from .optim import FusedOptimizer
 
 __all__ = ["GradScaler"]
 
-_READY, _UNSCALED, _STEPPED = 0, 1, 2
+
+def _params_with_grads(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 class GradScaler:
@@ -42,13 +49,7 @@ class GradScaler:
                                      float(backoff_factor), int(growth_interval), self._enabled,
                                      int(hysteresis), None if min_scale is None else float(min_scale),
                                      None if max_scale is None else float(max_scale))
-        # Plain torch.optim optimizers ("foreign": not driven by the C++ engine): their stage
-        # and found_inf per iteration, kept here; the scale state itself is the engine's.
-        self._stage = defaultdict(lambda: _READY)
-        self._foreign_found = {}
-        self._fused_used = False
         self._history = History() if history else None  # scale after each update()
-        self._unscaled_fused = set()
 
     # ---- the iteration -----------------------------------------------------------------
     def scale(self, outputs):
@@ -66,107 +67,52 @@ class GradScaler:
     def unscale_(self, optimizer):
         """Divides the optimizer's gradients by the scale, in place (e.g. before manual
         clipping), recording inf/NaN. At most once per optimizer per iteration."""
-        if not self._enabled:
-            return
-        if isinstance(optimizer, FusedOptimizer):
-            self._fused_used = True
-            optimizer._push_options()
-            self._engine.unscale_(optimizer._engine)
-            self._unscaled_fused.add(id(optimizer))
-            return
-        if hasattr(optimizer, "_fusedamp_step_scaled"):
-            raise RuntimeError("fusedamp.GradScaler.unscale_: this optimizer unscales inside its "
-                               "step (use its max_grad_norm for clipping)")
-        stage = self._stage[id(optimizer)]
-        if stage == _UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the "
-                               "last update().")
-        if stage == _STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if any(g.is_sparse for g in grads):
-            raise RuntimeError("fusedamp.GradScaler: sparse gradients are not supported")
-        if not grads:
-            raise RuntimeError("fusedamp.GradScaler.unscale_: no parameter has a gradient")
-        # torch's own recipe for the inverse scale (double reciprocal), on the device.
-        inv_scale = self._engine.scale_tensor().double().reciprocal().float()
-        by_device = defaultdict(list)
-        for g in grads:
-            by_device[g.device].append(g)
-        found = None
-        with torch.no_grad():
-            for dev, gs in by_device.items():
-                f = torch.zeros(1, dtype=torch.float32, device=dev)
-                torch.ops.fusedamp.unscale_and_check_(gs, f, inv_scale.to(dev, non_blocking=True))
-                found = f if found is None else found + f.to(found.device, non_blocking=True)
-        self._foreign_found[id(optimizer)] = found
-        self._stage[id(optimizer)] = _UNSCALED
+        if self._enabled:
+            self._engine.unscale_(id(optimizer), _params_with_grads(optimizer))
 
     def step(self, optimizer, *args, **kwargs):
-        """Steps the optimizer unless its gradients hold inf/NaN. Fused optimizers decide that
-        on the device (no sync); other optimizers read found_inf on the host, like torch."""
+        """Steps the optimizer unless its gradients hold inf/NaN; returns what its step
+        returns. Protocol optimizers decide that on the device (no sync); others after a
+        host read of found_inf, like torch."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        if isinstance(optimizer, FusedOptimizer):
-            self._fused_used = True
-            optimizer.step(_scaled_by=self)  # through torch's wrapper: hooks, LR schedulers
-            return None
-        if self._stage[id(optimizer)] == _STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-        if hasattr(optimizer, "_fusedamp_step_scaled"):
-            # Optimizers that unscale and skip on the device themselves
-            # (fusedamp.distributed.ShardedOptimizer): they take the inverse scale and return
-            # their found_inf, which update() then uses like a foreign optimizer's (no sync).
-            inv_scale = self._engine.scale_tensor().double().reciprocal().float()
-            self._foreign_found[id(optimizer)] = optimizer._fusedamp_step_scaled(inv_scale)
-            self._stage[id(optimizer)] = _STEPPED
-            return None
-        if self._stage[id(optimizer)] == _READY:
-            self.unscale_(optimizer)
-        found = self._foreign_found[id(optimizer)]
-        result = None
-        if not found.item():
-            result = optimizer.step(*args, **kwargs)
-        self._stage[id(optimizer)] = _STEPPED
-        return result
-
-    def _fused_step(self, optimizer):
-        """Called by FusedOptimizer.step(_scaled_by=self): the engine's scaled step."""
-        self._engine.step(optimizer._engine)
-        if id(optimizer) not in self._unscaled_fused:  # the step's own norm pass ran
-            optimizer._record_grad_norm(self._engine.inv_scale_tensor())
+        key = id(optimizer)
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            result = None
+            if self._engine.begin_plain_step(key, _params_with_grads(optimizer)):
+                result = optimizer.step(*args, **kwargs)
+            self._engine.end_step(key)
+            return result
+        checks_itself = getattr(optimizer, "_step_checks_nonfinite", False)
+        grad_scale, found_inf = self._engine.begin_amp_step(
+            key, [] if checks_itself else _params_with_grads(optimizer))
+        # As torch: a scale the user already set on the optimizer multiplies ours.
+        prior = getattr(optimizer, "grad_scale", None)
+        if grad_scale is None:
+            grad_scale = prior
+        elif prior is not None:
+            grad_scale = grad_scale * prior
+        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+            self._engine.end_step(key)
 
     def update(self, new_scale=None):
         """Updates the scale from this iteration's overflow checks (or sets it)."""
         if not self._enabled:
             return
-        if new_scale is not None:
+        if new_scale is None:
+            self._engine.update()
+        else:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1:
                     raise ValueError("new_scale should be a 1-element tensor")
                 new_scale = new_scale.item()
             self._engine.update_to(float(new_scale))
-        elif self._foreign_found:
-            if self._fused_used:
-                raise RuntimeError("fusedamp.GradScaler: one scaler cannot drive fusedamp and "
-                                   "torch.optim optimizers in the same iteration; use two scalers")
-            found = None
-            for f in self._foreign_found.values():
-                found = f if found is None else found + f.to(found.device)
-            e = self._engine
-            torch.ops.fusedamp.update_scale_(
-                e.scale_tensor(), e.growth_tracker(), e.hysteresis_tracker(),
-                found.to(e.scale_tensor().device), e.options_growth_factor(),
-                e.options_backoff_factor(), e.options_growth_interval(), e.options_hysteresis(),
-                e.options_min_scale(), e.options_max_scale())
-        else:
-            self._engine.update()
-        self._stage.clear()
-        self._foreign_found.clear()
-        self._unscaled_fused.clear()
-        self._fused_used = False
         if self._history is not None:
             self._history.record(self._engine.scale_tensor())
 

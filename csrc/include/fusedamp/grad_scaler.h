@@ -2,9 +2,10 @@
 // fusedamp::GradScaler — dynamic loss scaling with the state on the device.
 //
 // The scale, growth tracker and hysteresis tracker are one-element device tensors; update()
-// is the update_scale_ op; with a fusedamp optimizer, step() hands the device-side inverse
-// scale and found_inf to the fused step. No call syncs with the host except get_scale() and
-// save(). With hysteresis 1 and no bounds the scale sequence equals torch.amp.GradScaler's.
+// is the update_scale_ op. No call syncs with the host except get_scale(), save(), and the
+// step of an optimizer that knows nothing of loss scaling (which, as in torch.amp, has to read
+// found_inf to decide whether to run it). With hysteresis 1 and no bounds the scale sequence
+// equals torch.amp.GradScaler's.
 //
 // One iteration:
 //   auto loss = scaler.scale(compute_loss());   // loss * scale
@@ -12,10 +13,16 @@
 //   scaler.unscale_(opt);                       // optional: grads become true gradients
 //   scaler.step(opt);                           // skipped (nothing changes) on inf/NaN
 //   scaler.update();
-// It also drives any torch::optim optimizer, like torch.amp (that path reads found_inf on the
-// host before stepping).
+//
+// Scaler and optimizer speak torch's AMP protocol: an optimizer that unscales and skips inside
+// its step receives the scale its gradients carry (grad_scale; undefined after unscale_) and a
+// found_inf flag, and ORs its own check into that flag. fusedamp's optimizers check their
+// gradients in the pass that also gives the clipping norm, so the scaler adds no pass for them;
+// for other such optimizers (torch's fused ones) it checks the gradients first, read-only.
+// Several optimizers, of any kind, may be stepped in one iteration; update() combines them.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/ArrayRef.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -57,23 +64,40 @@ class GradScaler {
   // FP32 result, as torch does). `loss` must hold one element. Disabled: returns `loss`.
   at::Tensor scale(const at::Tensor& loss);
 
+  // ---- the iteration, for C++ optimizers --------------------------------------------------
   // Unscales the optimizer's grads in place (they are then true gradients, e.g. for manual
   // clipping) and records inf/NaN. At most once per optimizer between two update() calls.
   void unscale_(optim::Optimizer& optimizer);
   void unscale_(torch::optim::Optimizer& optimizer);
-
-  // The fused path: one grad_stats_ pass (unless unscale_ already checked) and the fused step
-  // with inv_scale and found_inf on the device; no sync. Skipped steps change nothing.
+  // fusedamp's optimizers: the fused step under the AMP protocol (no sync). Any other
+  // torch::optim optimizer: unscale_ if needed, then step() only if no inf/NaN was found.
   void step(optim::Optimizer& optimizer);
-  // Any torch::optim optimizer: unscale_ if needed, then step() only if no inf/NaN was found
-  // (this reads found_inf on the host, as torch.amp does).
   void step(torch::optim::Optimizer& optimizer);
-
   // The loss-scale state machine over this iteration's found_inf; starts a new iteration.
   void update();
   // Sets the scale to `new_scale` instead (trackers unchanged), like torch's update(new_scale).
   void update(double new_scale);
 
+  // ---- the same stages for front ends that own the optimizer objects (the Python package) ---
+  // `key` identifies an optimizer within an iteration; `params` are its parameters that have a
+  // gradient (their .grad is read and, for unscale_, written).
+  using OptimizerKey = const void*;
+  void unscale_(OptimizerKey key, at::TensorList params);
+  // What torch's protocol hands to an optimizer that unscales and skips in its step.
+  struct AmpHandover {
+    at::Tensor grad_scale;  // undefined when unscale_ ran for this optimizer
+    at::Tensor found_inf;   // this optimizer's flag; its step ORs its own check into it
+  };
+  // `params_to_check`: empty when the optimizer checks its gradients itself, else they are
+  // checked here first (one read-only pass).
+  AmpHandover begin_amp_step(OptimizerKey key, at::TensorList params_to_check);
+  // For an optimizer that knows nothing of scaling: unscale_ (unless done) and whether its step
+  // may run. Reads found_inf on the host, as torch.amp does.
+  bool begin_plain_step(OptimizerKey key, at::TensorList params);
+  // Ends the optimizer's step of this iteration (run or skipped).
+  void end_step(OptimizerKey key);
+
+  // ---- state --------------------------------------------------------------------------------
   // Reading the scale syncs with the host: the caller's choice. 1.0 when disabled.
   double get_scale() const;
   // The device tensors themselves (no copies, no sync). Undefined before the state exists.
@@ -83,6 +107,8 @@ class GradScaler {
   const at::Tensor& hysteresis_tracker() const { return hysteresis_tracker_; }
   // found_inf of the last update() (sum over the optimizers stepped; nonzero: overflow).
   const at::Tensor& found_inf() const { return found_inf_; }
+  // Whether any optimizer has been unscaled or stepped since the last update().
+  bool in_iteration() const { return !per_optimizer_.empty(); }
 
   bool is_enabled() const { return opts_.enabled(); }
   const GradScalerOptions& options() const { return opts_; }
@@ -98,18 +124,18 @@ class GradScaler {
   void load_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 
  private:
-  enum class Stage { Ready, Unscaled, Stepped };
+  enum class Stage { kReady, kUnscaled, kStepped };
   struct PerOptimizer {
-    Stage stage = Stage::Ready;
-    at::Tensor found_inf;  // this optimizer's found_inf (on its primary device)
+    Stage stage = Stage::kReady;
+    at::Tensor found_inf;  // this optimizer's flag, on the scaler's device
   };
 
   void ensure_state(const c10::Device& device);
-  // Called by unscale_/step: makes sure this iteration's inverse scale is computed.
+  // Makes sure this iteration's inverse scale is computed.
   void begin_iteration(const c10::Device& fallback);
-  PerOptimizer& record(const void* optimizer);
-  // record() for an unscale_: refuses a second unscale_ or one after step().
-  PerOptimizer& record_unscale(const void* optimizer);
+  PerOptimizer& record_unscale(OptimizerKey key);
+  PerOptimizer& record_step(OptimizerKey key);
+  at::Tensor zero_flag() const;
   static void validate(const GradScalerOptions& o);
   static void check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 
@@ -117,7 +143,7 @@ class GradScaler {
   at::Tensor scale_, growth_tracker_, hysteresis_tracker_, found_inf_, inv_scale_;
   bool inv_scale_fresh_ = false;
   bool bound_ = false;  // state tensors are on their training device
-  std::unordered_map<const void*, PerOptimizer> per_optimizer_;
+  std::unordered_map<OptimizerKey, PerOptimizer> per_optimizer_;
 };
 
 }  // namespace fusedamp

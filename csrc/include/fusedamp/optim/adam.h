@@ -1,7 +1,7 @@
 #pragma once
 // fusedamp::optim::Adam and AdamW: torch.optim.Adam/AdamW (no amsgrad) on FP32 state with FP32
 // master weights for FP16/BF16 parameters, one fused adam_step_ per bucket.
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/optimizer_of.h>
 #include <fusedamp/optim/options.h>
 
 #include <tuple>
@@ -32,30 +32,23 @@ struct AdamWOptions : public AdamOptions {
   AdamWOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor)
 };
 
-class Adam : public Optimizer {
+// Option names beyond the shared ones (optimizer.h): beta1, beta2, eps.
+class Adam : public OptimizerOf<AdamOptions> {
  public:
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                 AdamOptions defaults = {});
   explicit Adam(std::vector<at::Tensor> params, AdamOptions defaults = {});
 
-  AdamOptions& group_options(size_t group);
-  const AdamOptions& group_options(size_t group) const;
-
-  // names: lr, beta1, beta2, eps, weight_decay, max_grad_norm (<= 0: off),
-  // and as 0/1: maximize, master_weights, skip_nonfinite
-  void set_group_option(size_t group, const std::string& name, double value) override;
-  double group_option(size_t group, const std::string& name) const override;
-  void set_group_lr_tensor(size_t group, const at::Tensor& lr) override;
-
  protected:
   const char* kind() const override { return "Adam"; }
-  EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const override;
-  void check_options(const torch::optim::OptimizerOptions& o, size_t group) const override;
-  std::pair<const char*, const char*> slot_names() const override;
-  int slots_needed(const torch::optim::OptimizerOptions& o) const override;
-  void run_step(const Bucket& b, const torch::optim::OptimizerOptions& o,
-                const ops::StepScalars& s) override;
-  std::unique_ptr<torch::optim::OptimizerOptions> make_options() const override;
+  StateSlots known_slots() const override;
+  bool set_algorithm_option(AdamOptions& o, const std::string& name, double v) const override;
+  std::optional<double> algorithm_option(const AdamOptions& o,
+                                         const std::string& name) const override;
+  void check_algorithm(const AdamOptions& o, size_t group) const override;
+  StateSlots slots_for(const AdamOptions& o) const override;
+  void run(const detail::Bucket& b, const AdamOptions& o,
+           const ops::StepScalars& s) const override;
 };
 
 // Adam with decoupled weight decay: every group's decoupled_weight_decay is forced on.

@@ -1,38 +1,43 @@
 #pragma once
-// fusedamp::optim::Optimizer — the step orchestration shared by AdamW/Adam and SGD.
+// fusedamp::optim::Optimizer — the one orchestration of a mixed-precision optimizer step,
+// shared by AdamW/Adam and SGD, by the C++ API, the Python package (which wraps it) and the
+// ZeRO-1 sharded optimizer (which puts its collectives between the phases).
 //
 // It is a torch::optim::Optimizer (param groups with their own options, zero_grad(), the C++
-// LR schedulers work through get_lr/set_lr), but a step is a handful of operator calls:
-//   [once per device]  found_inf = sum_sq = 0; fusedamp::grad_stats_(all grads on the device)
-//                      (only when a loss scale, clipping or non-finite protection needs it)
-//   [once per bucket]  fusedamp::adam_step_ / sgd_step_ on the bucket's lists
-// A bucket is (param group, device, param dtype, grad dtype). Buckets and their state lists are
-// built once and rebuilt only when the set of parameters that have a gradient changes; only
-// the gradient handles are collected again each step. Nothing in a step reads a device value
-// on the host, so a step never synchronises.
-//
-// Per-parameter state (FP32, on the parameter's device, same strides as the parameter):
-//   step (0-dim), master_param (FP16/BF16 params with master_weights), exp_avg, exp_avg_sq
-//   (Adam) or momentum_buffer (SGD with momentum). It is created at the first step that sees a
-//   gradient for the parameter. param_state()/set_param_state() expose it without copies.
+// LR schedulers work through get_lr/set_lr), but a step is a handful of operator calls, in
+// named phases:
+//   1. gather_grads()        validate options and grads; (re)plan the buckets only when the set
+//                            of parameters with gradients changed; collect this step's grads
+//   2. compute_grad_stats()  fusedamp::grad_stats_ once per device: found_inf and the sum of
+//                            squares (global norm for clipping), combined over devices
+//   3. apply_update()        fusedamp::adam_step_ / sgd_step_ once per bucket, with the inverse
+//                            loss scale, the clip coefficient and found_inf read on the device;
+//                            then the accounting (last_step_applied, skipped_steps)
+// A bucket is (param group, device, param dtype, grad dtype). Nothing in a step reads a device
+// value on the host, so a step never synchronises.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
-#include <c10/core/ScalarType.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <fusedamp/ops.h>
-
-namespace fusedamp {
-class GradScaler;
-}
+#include <fusedamp/optim/param_state.h>
 
 namespace fusedamp::optim {
+
+namespace detail {
+class BucketPlan;
+class DeviceStats;
+class ParamStateStore;
+struct Bucket;
+}  // namespace detail
 
 // The engine settings every options struct carries (read per group).
 struct EngineGroupOptions {
@@ -42,53 +47,90 @@ struct EngineGroupOptions {
   at::Tensor lr_tensor;  // undefined: use the numeric lr
 };
 
-// State names used by param_state()/set_param_state() and by save()/load().
-inline constexpr const char* kStep = "step";
-inline constexpr const char* kMasterParam = "master_param";
-inline constexpr const char* kExpAvg = "exp_avg";
-inline constexpr const char* kExpAvgSq = "exp_avg_sq";
-inline constexpr const char* kMomentumBuffer = "momentum_buffer";
-
 class Optimizer : public torch::optim::Optimizer {
  public:
   using StateDict = std::unordered_map<std::string, at::Tensor>;
 
-  // A step without loss scaling. With clipping or non-finite protection it runs grad_stats_
-  // first; a gradient holding inf/NaN then skips the whole step (nothing changes).
+  // A step without loss scaling. With clipping or non-finite protection it runs the statistics
+  // pass first; a gradient holding inf/NaN then skips the whole step (nothing changes).
   // `closure`, when given, is called (with grad enabled) first and its loss returned.
   at::Tensor step(LossClosure closure = nullptr) override;
 
-  // ---- results of the last step, on the device of the first parameter (no sync) ----------
+  // A step under torch's AMP protocol: what torch.amp.GradScaler and fusedamp::GradScaler hand
+  // to an optimizer that unscales and skips inside its step (_step_supports_amp_scaling).
+  //   grad_scale  the loss scale the gradients still carry (one element, any float dtype and
+  //               device); undefined when they were unscaled already (unscale_).
+  //   found_inf   the overflow flag found so far (one FP32 element); undefined: none yet.
+  // The step checks the gradients itself (always, when they are still scaled), ORs what it
+  // finds into found_inf, and changes nothing when the flag is set. Never syncs.
+  void step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf);
+
+  // ---- the phases of a step, in order (see the top of this file) ----------------------------
+  // Front ends that put collectives between the phases call them one by one.
+  // 1. False when no parameter has a gradient (nothing to do; phases 2 and 3 must not run).
+  bool gather_grads();
+  // 2. Returns [found_inf, sum of squares] (FP32[2] on the primary device, the device of the
+  //    first stepped parameter), found_inf seeded with `seed_found_inf` (undefined: 0). The
+  //    tensor is the optimizer's own: a caller may reduce it across processes in place before
+  //    phase 3.
+  at::Tensor compute_grad_stats(const at::Tensor& seed_found_inf = {});
+  // 3. The fused update with the statistics of phase 2: grads divided by `grad_scale` (when
+  //    defined) and clipped where max_grad_norm is set; skipped on the device when found_inf is
+  //    set and a check is in force — for every group when `scaled` (a loss scaler's step), else
+  //    for groups with skip_nonfinite. `found_inf_out`, when defined, receives the final flag.
+  void apply_update(const at::Tensor& grad_scale, const at::Tensor& found_inf_out, bool scaled);
+
+  // ---- results of the last step, on the primary device (no sync) ----------------------------
   // 1.0 when the last step was applied, 0.0 when it was skipped. Undefined before a step.
   const at::Tensor& last_step_applied() const { return last_step_applied_; }
   // int64 counter of skipped steps. Undefined before a step.
   const at::Tensor& skipped_steps() const { return skipped_steps_; }
-  // found_inf and sum of squares of the last grad_stats_ pass (FP32[1], first param's device).
+  // Restores the counter (from a checkpoint); last_step_applied becomes 1.
+  void set_skipped_steps(const at::Tensor& count);
+  // found_inf and sum of squares of the last statistics pass (FP32[1] views of phase 2's
+  // tensor). Undefined before one.
   at::Tensor found_inf() const;
   at::Tensor grad_sum_sq() const;
+  // The global norm of the unscaled gradients of this step's statistics pass (FP32[1]), or
+  // undefined when this step ran none (e.g. after unscale_ without clipping).
+  at::Tensor grad_norm() const { return grad_norm_; }
 
-  // ---- per-step hook for front ends (Python param groups, LR schedulers) ------------------
-  // Sets a hyper-parameter of group i by name, e.g. "lr", "weight_decay", "eps", "beta1",
-  // "beta2", "momentum", "dampening", "max_grad_norm" (<= 0 or NaN: off). Cheap: writes one
-  // field; values are validated at the next step, before anything is modified.
-  virtual void set_group_option(size_t group, const std::string& name, double value) = 0;
-  virtual double group_option(size_t group, const std::string& name) const = 0;
+  // ---- hyper-parameters ---------------------------------------------------------------------
+  // Sets a hyper-parameter of group i by name: the names of torch.optim's param groups ("lr",
+  // "weight_decay", "eps", "momentum", "dampening", "nesterov", "maximize"), "beta1"/"beta2",
+  // and the engine's ("max_grad_norm", "master_weights", "skip_nonfinite"); bools
+  // as 0/1. Cheap (one field write); values are validated by check_options(), which every
+  // step runs before anything is modified. Throws for a name this optimizer does not have.
+  void set_group_option(size_t group, const std::string& name, double value);
+  // The same, returning false instead of throwing for an unknown name (front ends whose param
+  // groups carry extra keys, e.g. a scheduler's "initial_lr").
+  bool try_set_group_option(size_t group, const std::string& name, double value);
+  double group_option(size_t group, const std::string& name) const;
   void set_group_lr(size_t group, double lr);
   double group_lr(size_t group) const;
-  // A device-side learning rate (FP32, 1 element) for group i; overrides the numeric lr.
+  // Clipping of group i by the global gradient norm; nullopt: no clipping.
+  void set_group_max_grad_norm(size_t group, std::optional<double> max_norm);
+  // A device-side learning rate (one element) for group i; overrides the numeric lr.
   // Undefined tensor: back to the numeric lr.
-  virtual void set_group_lr_tensor(size_t group, const at::Tensor& lr) = 0;
+  void set_group_lr_tensor(size_t group, const at::Tensor& lr);
   size_t num_groups() const { return param_groups_.size(); }
+  // Throws c10::ValueError naming the group and the value for any invalid hyper-parameter.
+  void check_options() const;
   // How often the buckets were (re)built: once, plus once per change of the set of params
-  // with grads (or of their dtypes/devices, or of master_weights/momentum being on).
-  int64_t bucket_builds() const { return bucket_builds_; }
+  // with grads (or of their dtypes/devices, or of the state a group needs).
+  int64_t bucket_builds() const;
 
-  // ---- per-parameter state: the tensors themselves, no copies -----------------------------
+  // ---- per-parameter state: the tensors themselves, no copies -------------------------------
   // Empty map for a parameter that has not been stepped yet.
   StateDict param_state(const at::Tensor& param) const;
-  // Replaces the state of `param` with copies of `state` cast to FP32 on the param's device
-  // (keys as above; "step" required). Checked completely before anything is replaced.
-  void set_param_state(const at::Tensor& param, const StateDict& state);
+  // Replaces the state of `param` (keys as in param_state.h; "step" required), checked
+  // completely before anything is replaced. copy=true: FP32 copies on the param's device with
+  // its strides; copy=false: the tensors themselves are kept (they must already be FP32 on the
+  // param's device with its shape and strides — e.g. views into a caller's flat buffers).
+  void set_param_state(const at::Tensor& param, const StateDict& state, bool copy = true);
+  // set_param_state for many parameters at once: every entry is checked before any is set.
+  void set_param_states(const std::vector<at::Tensor>& params,
+                        const std::vector<StateDict>& states);
   // All parameters, in param-group order (the index used by save()/load()).
   std::vector<at::Tensor> all_params() const;
 
@@ -96,101 +138,46 @@ class Optimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  // ---- used by fusedamp::GradScaler (and front ends that drive the phases themselves) -----
-  // Multiplies the grads in place by inv_scale (any device; copied where needed) and records
-  // non-finite values in found_inf(). Grads are then true gradients (torch.amp's unscale_).
-  at::Tensor unscale_grads_(const at::Tensor& inv_scale);
-  // The scaled step: grads are multiplied by inv_scale inside the fused step, unless
-  // `grads_unscaled` (after unscale_grads_). Always skips on non-finite. Returns found_inf().
-  at::Tensor step_scaled(const at::Tensor& inv_scale, bool grads_unscaled);
-
-  ~Optimizer() override = default;
+  ~Optimizer() override;
 
  protected:
-  struct ParamState {
-    at::Tensor step;
-    at::Tensor master;
-    at::Tensor a;  // exp_avg | momentum_buffer
-    at::Tensor b;  // exp_avg_sq
-  };
-
-  struct Bucket {
-    size_t group = 0;
-    size_t dev = 0;  // index into devices_
-    c10::Device device = c10::Device(c10::kCPU);
-    at::ScalarType param_dtype = at::kFloat;
-    std::vector<at::Tensor> params, masters, grads, a, b, steps;
-  };
-
   Optimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
             std::unique_ptr<torch::optim::OptimizerOptions> defaults);
 
-  // ---- what a concrete optimizer provides --------------------------------------------------
+  // ---- what a concrete optimizer provides (OptimizerOf implements all but run_bucket) ------
   virtual const char* kind() const = 0;  // "Adam" | "SGD": in messages, checked on load
   virtual EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const = 0;
-  // Throws c10::Error for invalid hyper-parameters of group `group`.
-  virtual void check_options(const torch::optim::OptimizerOptions& o, size_t group) const = 0;
-  // The state names of ParamState::a and ::b (nullptr: unused) and how many of them the
-  // step needs under the given options (a first).
-  virtual std::pair<const char*, const char*> slot_names() const = 0;
-  virtual int slots_needed(const torch::optim::OptimizerOptions& o) const = 0;
-  virtual void run_step(const Bucket& b, const torch::optim::OptimizerOptions& o,
-                        const ops::StepScalars& s) = 0;
-  // Fresh options object of the concrete type (for load()).
+  // Throws c10::ValueError for invalid hyper-parameters of group `group`.
+  virtual void check_group(const torch::optim::OptimizerOptions& o, size_t group) const = 0;
+  // The slots a state dict of this kind may hold, and those a step needs under `o`
+  // (master_param is added by the engine where the parameter dtype asks for it).
+  virtual StateSlots known_slots() const = 0;
+  virtual StateSlots slots_needed(const torch::optim::OptimizerOptions& o) const = 0;
+  virtual bool set_own_option(torch::optim::OptimizerOptions& o, const std::string& name,
+                              double value) const = 0;
+  virtual std::optional<double> own_option(const torch::optim::OptimizerOptions& o,
+                                           const std::string& name) const = 0;
+  virtual void set_lr_tensor(torch::optim::OptimizerOptions& o, const at::Tensor& lr) const = 0;
+  virtual void set_max_grad_norm(torch::optim::OptimizerOptions& o,
+                                 std::optional<double> max_norm) const = 0;
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
+  // The fused op of this kind over one bucket.
+  virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
+                          const ops::StepScalars& s) const = 0;
 
-  void check_all_options() const;
-  void invalidate() { buckets_valid_ = false; }
+  torch::optim::OptimizerOptions& checked_group(size_t group);
+  const torch::optim::OptimizerOptions& checked_group(size_t group) const;
 
  private:
-  struct DeviceStats {
-    c10::Device device = c10::Device(c10::kCPU);
-    at::Tensor found_inf;  // FP32[1]
-    at::Tensor sum_sq;     // FP32[1]
-    std::vector<at::Tensor> grads;
-  };
+  bool any_group(bool (*pred)(const EngineGroupOptions&)) const;
+  void account(const at::Tensor& found_inf, bool checked);
 
-  // Validates options and grads, (re)builds buckets if needed, collects this step's grads.
-  // Returns false when no parameter has a gradient.
-  bool prepare();
-  void build_buckets();
-  void collect_grads();
-  void ensure_state(const at::Tensor& p, bool want_master, int slots);
-  void check_grad(const at::Tensor& p, const at::Tensor& g, size_t group, size_t index) const;
-  size_t device_index(const c10::Device& d);
-  // Pass 1 over every device; `reset_found_inf` false keeps an earlier unscale's flags.
-  void run_grad_stats(bool reset_found_inf);
-  // found_inf/sum_sq of all devices combined and handed back to each device.
-  void combine_stats(bool found, bool sum_sq);
-  void run_buckets(const std::optional<at::Tensor>& inv_scale, bool scaled);
-  at::Tensor on_device(const at::Tensor& t, const c10::Device& d) const;
-  ParamState* find_state(const at::Tensor& p);
-  const ParamState* find_state(const at::Tensor& p) const;
-
-  std::unordered_map<const c10::TensorImpl*, ParamState> pstate_;
-  std::vector<Bucket> buckets_;
-  std::vector<DeviceStats> devices_;  // devices_[0] is the primary device
-  struct SigEntry {
-    const void* impl;
-    int64_t a, b, c;
-    bool operator==(const SigEntry& o) const {
-      return impl == o.impl && a == o.a && b == o.b && c == o.c;
-    }
-  };
-  std::vector<SigEntry> signature_;
-  bool buckets_valid_ = false;
-  int64_t bucket_builds_ = 0;
-  bool found_valid_ = false;  // found_inf holds this step's result
-  bool sumsq_valid_ = false;  // sum_sq holds this step's result
+  std::unique_ptr<detail::ParamStateStore> states_;
+  std::unique_ptr<detail::BucketPlan> plan_;
+  std::unique_ptr<detail::DeviceStats> stats_;
+  at::Tensor grad_norm_;
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
 };
-
-// Shared helpers for the options structs (validation messages name the optimizer).
-namespace detail {
-void check_engine_options(const char* who, const EngineGroupOptions& e, size_t group);
-std::optional<double> norm_option(double v);  // <= 0 or NaN: no clipping
-
-}  // namespace detail
 
 }  // namespace fusedamp::optim

@@ -1,7 +1,7 @@
 #pragma once
 // fusedamp::optim::SGD: torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay) with
 // FP32 master weights for FP16/BF16 parameters, one fused sgd_step_ per bucket.
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/optimizer_of.h>
 #include <fusedamp/optim/options.h>
 
 namespace fusedamp::optim {
@@ -23,30 +23,23 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   void set_lr(const double lr) override { lr_ = lr; }
 };
 
-class SGD : public Optimizer {
+// Option names beyond the shared ones (optimizer.h): momentum, dampening, nesterov.
+class SGD : public OptimizerOf<SGDOptions> {
  public:
   explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                SGDOptions defaults = {});
   explicit SGD(std::vector<at::Tensor> params, SGDOptions defaults = {});
 
-  SGDOptions& group_options(size_t group);
-  const SGDOptions& group_options(size_t group) const;
-
-  // names: lr, momentum, dampening, weight_decay, max_grad_norm (<= 0: off),
-  // and as 0/1: nesterov, maximize, master_weights, skip_nonfinite
-  void set_group_option(size_t group, const std::string& name, double value) override;
-  double group_option(size_t group, const std::string& name) const override;
-  void set_group_lr_tensor(size_t group, const at::Tensor& lr) override;
-
  protected:
   const char* kind() const override { return "SGD"; }
-  EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const override;
-  void check_options(const torch::optim::OptimizerOptions& o, size_t group) const override;
-  std::pair<const char*, const char*> slot_names() const override;
-  int slots_needed(const torch::optim::OptimizerOptions& o) const override;
-  void run_step(const Bucket& b, const torch::optim::OptimizerOptions& o,
-                const ops::StepScalars& s) override;
-  std::unique_ptr<torch::optim::OptimizerOptions> make_options() const override;
+  StateSlots known_slots() const override;
+  bool set_algorithm_option(SGDOptions& o, const std::string& name, double v) const override;
+  std::optional<double> algorithm_option(const SGDOptions& o,
+                                         const std::string& name) const override;
+  void check_algorithm(const SGDOptions& o, size_t group) const override;
+  StateSlots slots_for(const SGDOptions& o) const override;
+  void run(const detail::Bucket& b, const SGDOptions& o,
+           const ops::StepScalars& s) const override;
 };
 
 }  // namespace fusedamp::optim

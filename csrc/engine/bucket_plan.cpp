@@ -1,0 +1,145 @@
+// fusedamp::optim::detail::BucketPlan (see bucket_plan.h).
+#include "bucket_plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "device_stats.h"
+#include "param_state_store.h"
+
+namespace fusedamp::optim::detail {
+namespace {
+
+bool is_float_kind(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A gradient the fused ops can take beside its parameter; the message names the parameter.
+void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_t group,
+                size_t index) {
+  const auto where = [&] {
+    return " (param group " + std::to_string(group) + ", parameter " + std::to_string(index) +
+           ")";
+  };
+  TORCH_CHECK(p.layout() == at::kStrided && p.is_non_overlapping_and_dense(),
+              "fusedamp::optim::", who, ": parameters must be dense tensors without gaps or "
+              "overlap (e.g. contiguous)", where());
+  TORCH_CHECK(is_float_kind(p.scalar_type()), "fusedamp::optim::", who, ": parameter dtype ",
+              p.scalar_type(), " is not supported (float32, float16, bfloat16)", where());
+  TORCH_CHECK(g.layout() == at::kStrided, "fusedamp::optim::", who,
+              ": sparse gradients are not supported", where());
+  TORCH_CHECK(g.device() == p.device(), "fusedamp::optim::", who, ": gradient is on ",
+              g.device(), " but the parameter is on ", p.device(), where());
+  TORCH_CHECK(g.sizes() == p.sizes(), "fusedamp::optim::", who, ": gradient shape ", g.sizes(),
+              " differs from the parameter's ", p.sizes(), where());
+  TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat,
+              "fusedamp::optim::", who, ": gradient dtype ", g.scalar_type(),
+              " must be the parameter's (", p.scalar_type(), ") or float32", where());
+  TORCH_CHECK(p.numel() <= 1 || g.strides() == p.strides(), "fusedamp::optim::", who,
+              ": gradient strides ", g.strides(), " differ from the parameter's ", p.strides(),
+              where());
+}
+
+// The bucket list of each state slot, beside the member of ParamState it holds.
+std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
+  switch (slot) {
+    case StateSlot::kMasterParam:
+      return &Bucket::master_params;
+    case StateSlot::kExpAvg:
+      return &Bucket::exp_avgs;
+    case StateSlot::kExpAvgSq:
+      return &Bucket::exp_avg_sqs;
+    case StateSlot::kMomentumBuffer:
+      return &Bucket::momentum_buffers;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown state slot");
+}
+
+}  // namespace
+
+void BucketPlan::update(const char* who, const std::vector<Group>& groups,
+                        ParamStateStore& states, DeviceStats& devices) {
+  std::vector<GroupKey> group_keys;
+  std::vector<ParamKey> param_keys;
+  group_keys.reserve(groups.size());
+  param_keys.reserve(param_keys_.size());
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    group_keys.push_back({groups[gi].master_weights, groups[gi].slots});
+    const auto& params = *groups[gi].params;
+    for (size_t j = 0; j < params.size(); ++j) {
+      const auto& p = params[j];
+      const auto& g = p.grad();
+      if (!g.defined()) {
+        continue;
+      }
+      check_grad(who, p, g, gi, j);
+      param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
+                            p.device()});
+    }
+  }
+  if (!valid_ || !(group_keys == group_keys_) || !(param_keys == param_keys_)) {
+    group_keys_ = std::move(group_keys);
+    param_keys_ = std::move(param_keys);
+    rebuild(groups, states, devices);
+    valid_ = true;
+  }
+  collect_grads(devices);
+}
+
+void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,
+                         DeviceStats& devices) {
+  ++builds_;
+  buckets_.clear();
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& group = groups[gi];
+    const size_t first = buckets_.size();
+    for (const auto& p : *group.params) {
+      const auto& g = p.grad();
+      if (!g.defined()) {
+        continue;
+      }
+      const bool want_master = group.master_weights && p.scalar_type() != at::kFloat;
+      const ParamState& s = states.ensure(p, want_master, group.slots);
+      Bucket* b = nullptr;
+      for (size_t k = first; k < buckets_.size(); ++k) {
+        auto& c = buckets_[k];
+        if (c.device == p.device() && c.param_dtype == p.scalar_type() &&
+            c.grad_dtype == g.scalar_type()) {
+          b = &c;
+          break;
+        }
+      }
+      if (b == nullptr) {
+        b = &buckets_.emplace_back();
+        b->group = gi;
+        b->device = p.device();
+        b->device_slot = devices.slot_of(p.device());
+        b->param_dtype = p.scalar_type();
+        b->grad_dtype = g.scalar_type();
+      }
+      b->params.push_back(p);
+      b->steps.push_back(s.step);
+      const StateSlots slots = want_master ? group.slots.with(StateSlot::kMasterParam)
+                                           : group.slots;
+      for (const auto& info : kStateSlots) {
+        if (slots.has(info.slot)) {
+          ((*b).*bucket_list(info.slot)).push_back(s.*info.member);
+        }
+      }
+    }
+  }
+}
+
+void BucketPlan::collect_grads(DeviceStats& devices) {
+  devices.clear_grads();
+  for (auto& b : buckets_) {
+    b.grads.clear();
+    for (const auto& p : b.params) {
+      b.grads.push_back(p.grad());
+      devices.add_grad(b.device_slot, b.grads.back());
+    }
+  }
+}
+
+}  // namespace fusedamp::optim::detail

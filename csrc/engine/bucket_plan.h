@@ -1,0 +1,77 @@
+#pragma once
+// Phase 1 of a step: which fused op call takes which tensors. A bucket is the parameters of one
+// param group on one device with one (param dtype, grad dtype) pair, with their state lists in
+// the same order. The plan is rebuilt only when what it depends on changes — the set of
+// parameters with gradients, their dtypes and devices, or the state a group needs — so a
+// steady training loop only collects this step's gradient handles.
+#include <fusedamp/optim/optimizer.h>
+
+#include <vector>
+
+namespace fusedamp::optim::detail {
+
+class DeviceStats;
+class ParamStateStore;
+
+struct Bucket {
+  size_t group = 0;
+  size_t device_slot = 0;  // in DeviceStats
+  c10::Device device = c10::Device(c10::kCPU);
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType grad_dtype = at::kFloat;
+  std::vector<at::Tensor> params, grads, steps;
+  // One entry per parameter where the group needs the slot (empty list otherwise).
+  std::vector<at::Tensor> master_params, exp_avgs, exp_avg_sqs, momentum_buffers;
+};
+
+class BucketPlan {
+ public:
+  // What the plan needs to know of one param group.
+  struct Group {
+    const std::vector<at::Tensor>* params;
+    bool master_weights;  // FP32 masters for the group's FP16/BF16 parameters
+    StateSlots slots;     // the state its step needs besides masters
+  };
+
+  // Checks every gradient (`who` names the optimizer in messages), rebuilds the buckets if the
+  // key changed (creating missing state in `states`), and collects this step's gradients into
+  // the buckets and `devices`. Nothing is modified when a check fails.
+  void update(const char* who, const std::vector<Group>& groups, ParamStateStore& states,
+              DeviceStats& devices);
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  int64_t builds() const { return builds_; }
+  // Forces a rebuild at the next update() (state was replaced from outside).
+  void invalidate() { valid_ = false; }
+
+ private:
+  // What the buckets depend on: per group, its state needs; per parameter with a gradient,
+  // its identity, dtypes and device.
+  struct GroupKey {
+    bool master_weights;
+    StateSlots slots;
+    bool operator==(const GroupKey& o) const {
+      return master_weights == o.master_weights && slots == o.slots;
+    }
+  };
+  struct ParamKey {
+    const c10::TensorImpl* param;
+    at::ScalarType param_dtype;
+    at::ScalarType grad_dtype;
+    c10::Device device;
+    bool operator==(const ParamKey& o) const {
+      return param == o.param && param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
+             device == o.device;
+    }
+  };
+
+  void rebuild(const std::vector<Group>& groups, ParamStateStore& states, DeviceStats& devices);
+  void collect_grads(DeviceStats& devices);
+
+  std::vector<Bucket> buckets_;
+  std::vector<GroupKey> group_keys_;
+  std::vector<ParamKey> param_keys_;
+  bool valid_ = false;
+  int64_t builds_ = 0;
+};
+
+}  // namespace fusedamp::optim::detail

@@ -1,0 +1,73 @@
+// fusedamp::optim::detail::DeviceStats (see device_stats.h).
+#include "device_stats.h"
+
+#include <ATen/ATen.h>
+#include <fusedamp/ops.h>
+
+namespace fusedamp::optim::detail {
+
+size_t DeviceStats::slot_of(const c10::Device& device) {
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i].device == device) {
+      return i;
+    }
+  }
+  PerDevice d;
+  d.device = device;
+  d.stats = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(device));
+  devices_.push_back(std::move(d));
+  return devices_.size() - 1;
+}
+
+void DeviceStats::clear_grads() {
+  for (auto& d : devices_) {
+    d.grads.clear();
+  }
+}
+
+void DeviceStats::add_grad(size_t slot, const at::Tensor& grad) {
+  devices_[slot].grads.push_back(grad);
+}
+
+void DeviceStats::seed(const at::Tensor& seed_found_inf) {
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    sum_sq(i).zero_();
+    if (seed_found_inf.defined()) {
+      found_inf(i).copy_(seed_found_inf.reshape({1}), /*non_blocking=*/true);
+    } else {
+      found_inf(i).zero_();
+    }
+  }
+  valid_ = true;
+  from_pass_ = false;
+}
+
+void DeviceStats::run_pass(const at::Tensor& seed_found_inf) {
+  seed(seed_found_inf);
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (!devices_[i].grads.empty()) {
+      ops::grad_stats_(devices_[i].grads, found_inf(i), sum_sq(i));
+    }
+  }
+  combine();
+  from_pass_ = true;
+}
+
+void DeviceStats::combine() {
+  if (devices_.size() < 2) {
+    return;
+  }
+  auto& primary = devices_.front();
+  for (size_t i = 1; i < devices_.size(); ++i) {
+    primary.stats.add_(devices_[i].stats.to(primary.device, /*non_blocking=*/true));
+  }
+  broadcast_primary();
+}
+
+void DeviceStats::broadcast_primary() {
+  for (size_t i = 1; i < devices_.size(); ++i) {
+    devices_[i].stats.copy_(devices_.front().stats, /*non_blocking=*/true);
+  }
+}
+
+}  // namespace fusedamp::optim::detail

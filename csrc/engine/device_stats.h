@@ -1,0 +1,53 @@
+#pragma once
+// Phase 2 of a step, per device: found_inf and the sum of squares of the gradients on each
+// device the optimizer's parameters live on, combined so that every device's fused update
+// (and a caller, through the primary device's tensor) sees the global values.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <vector>
+
+namespace fusedamp::optim::detail {
+
+class DeviceStats {
+ public:
+  // The slot of `device`, created on first use. Slot 0 is the primary device.
+  size_t slot_of(const c10::Device& device);
+  bool empty() const { return devices_.empty(); }
+  const c10::Device& primary_device() const { return devices_.front().device; }
+
+  // This step's gradients, per device (filled by the bucket plan).
+  void clear_grads();
+  void add_grad(size_t slot, const at::Tensor& grad);
+
+  // found_inf = seed (or 0) and sum_sq = 0 everywhere, without a pass (the flag is known).
+  void seed(const at::Tensor& seed_found_inf);
+  // seed(), then grad_stats_ over every device's gradients, then combine().
+  void run_pass(const at::Tensor& seed_found_inf);
+  // The values are this step's (seed or run_pass since the last invalidate()), and whether a
+  // pass over the gradients produced them.
+  bool valid() const { return valid_; }
+  bool from_pass() const { return from_pass_; }
+  void invalidate() { valid_ = from_pass_ = false; }
+  // Copies the primary device's values to the others (after a caller changed them in place).
+  void broadcast_primary();
+
+  // [found_inf, sum_sq] of the primary device (FP32[2]) and the views of any device's.
+  const at::Tensor& primary() const { return devices_.front().stats; }
+  at::Tensor found_inf(size_t slot) const { return devices_[slot].stats.narrow(0, 0, 1); }
+  at::Tensor sum_sq(size_t slot) const { return devices_[slot].stats.narrow(0, 1, 1); }
+
+ private:
+  struct PerDevice {
+    c10::Device device = c10::Device(c10::kCPU);
+    at::Tensor stats;  // FP32[2]: found_inf, sum of squares
+    std::vector<at::Tensor> grads;
+  };
+  void combine();
+
+  std::vector<PerDevice> devices_;
+  bool valid_ = false;
+  bool from_pass_ = false;
+};
+
+}  // namespace fusedamp::optim::detail

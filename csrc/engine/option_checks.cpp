@@ -1,0 +1,64 @@
+// The optimizers' hyper-parameter checks (option_checks.h; check_common_options is declared in
+// fusedamp/optim/optimizer_of.h, which every optimizer kind calls through).
+#include "option_checks.h"
+
+#include <c10/util/Exception.h>
+#include <fusedamp/optim/optimizer_of.h>
+
+#include "../hyper_params.h"
+
+namespace fusedamp::optim::detail {
+namespace {
+
+// " (fusedamp::optim::Adam, param group 1)": where the bad value is.
+struct Where {
+  const char* who;
+  size_t group;
+};
+std::ostream& operator<<(std::ostream& out, const Where& w) {
+  return out << " (fusedamp::optim::" << w.who << ", param group " << w.group << ")";
+}
+
+}  // namespace
+
+void check_common_options(const char* who, double lr, double weight_decay,
+                          const EngineGroupOptions& e, size_t group) {
+  const Where where{who, group};
+  TORCH_CHECK_VALUE(hyper::valid_lr(lr), "Invalid learning rate: ", lr, where);
+  TORCH_CHECK_VALUE(hyper::valid_weight_decay(weight_decay), "Invalid weight_decay value: ",
+                    weight_decay, where);
+  if (e.max_grad_norm) {
+    TORCH_CHECK_VALUE(hyper::valid_max_grad_norm(*e.max_grad_norm), "Invalid max_grad_norm: ",
+                      *e.max_grad_norm, " (must be finite and > 0, or None)", where);
+  }
+  if (e.lr_tensor.defined()) {
+    const auto& t = e.lr_tensor;
+    TORCH_CHECK_VALUE(
+        t.layout() == at::kStrided && t.numel() == 1 && t.scalar_type() == at::kFloat,
+        "Invalid lr_tensor: a tensor learning rate must be a dense float32 tensor with one "
+        "element, got ",
+        t.scalar_type(), " with ", t.numel(), " elements", where);
+  }
+}
+
+void check_adam_options(const char* who, double beta1, double beta2, double eps, size_t group) {
+  const Where where{who, group};
+  TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
+                    where);
+  TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
+                    where);
+  TORCH_CHECK_VALUE(hyper::valid_eps(eps), "Invalid epsilon value: ", eps, where);
+}
+
+void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
+                       size_t group) {
+  const Where where{who, group};
+  TORCH_CHECK_VALUE(hyper::valid_momentum(momentum), "Invalid momentum value: ", momentum,
+                    where);
+  TORCH_CHECK_VALUE(hyper::valid_dampening(dampening), "Invalid dampening value: ", dampening,
+                    where);
+  TORCH_CHECK_VALUE(hyper::valid_nesterov(nesterov, momentum, dampening),
+                    "Nesterov momentum requires a momentum and zero dampening", where);
+}
+
+}  // namespace fusedamp::optim::detail

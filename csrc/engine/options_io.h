@@ -1,0 +1,39 @@
+#pragma once
+// Serialisation of the options every fusedamp optimizer carries (lr, weight_decay, maximize and
+// the engine fields), shared by AdamOptions and SGDOptions::serialize.
+#include <torch/serialize/archive.h>
+
+#include <optional>
+
+namespace fusedamp::optim::detail {
+
+template <typename Options>
+void write_common_options(const Options& o, torch::serialize::OutputArchive& a) {
+  a.write("lr", c10::IValue(o.lr()));
+  a.write("weight_decay", c10::IValue(o.weight_decay()));
+  a.write("maximize", c10::IValue(o.maximize()));
+  a.write("master_weights", c10::IValue(o.master_weights()));
+  a.write("skip_nonfinite", c10::IValue(o.skip_nonfinite()));
+  if (o.max_grad_norm()) {
+    a.write("max_grad_norm", c10::IValue(*o.max_grad_norm()));
+  }
+}
+
+template <typename Options>
+void read_common_options(Options& o, torch::serialize::InputArchive& a) {
+  c10::IValue v;
+  a.read("lr", v);
+  o.lr(v.toDouble());
+  a.read("weight_decay", v);
+  o.weight_decay(v.toDouble());
+  a.read("maximize", v);
+  o.maximize(v.toBool());
+  a.read("master_weights", v);
+  o.master_weights(v.toBool());
+  a.read("skip_nonfinite", v);
+  o.skip_nonfinite(v.toBool());
+  o.max_grad_norm(a.try_read("max_grad_norm", v) ? std::optional<double>(v.toDouble())
+                                                 : std::nullopt);
+}
+
+}  // namespace fusedamp::optim::detail

@@ -1,0 +1,38 @@
+#pragma once
+// The optimizer's per-parameter state (param_state.h), keyed by the parameter: creation at a
+// parameter's first step, the state-dict view of it, and building it from a state dict with
+// every check done before anything is committed.
+#include <fusedamp/optim/optimizer.h>
+
+#include <unordered_map>
+
+namespace fusedamp::optim::detail {
+
+class ParamStateStore {
+ public:
+  using StateDict = Optimizer::StateDict;
+
+  ParamState* find(const at::Tensor& param);
+  const ParamState* find(const at::Tensor& param) const;
+
+  // Creates what a step needs and is missing: the step count, the master copy (dropped again
+  // when no longer wanted) and `slots` (zeros).
+  ParamState& ensure(const at::Tensor& param, bool want_master, StateSlots slots);
+
+  // The defined tensors of `state`, by name (the tensors themselves).
+  static StateDict to_dict(const ParamState& state);
+
+  // Checks `dict` against `param` (names among `known`, "step" present, shapes, floating
+  // dtypes; with copy=false also FP32, device and strides) and builds the state. `who` and
+  // `index` name the optimizer and the parameter in messages. Commits nothing.
+  static ParamState from_dict(const char* who, const at::Tensor& param, size_t index,
+                              const StateDict& dict, StateSlots known, bool copy);
+
+  void set(const at::Tensor& param, ParamState state);
+  void replace_all(std::unordered_map<const c10::TensorImpl*, ParamState> states);
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, ParamState> by_param_;
+};
+
+}  // namespace fusedamp::optim::detail
