@@ -75,6 +75,15 @@ void sync_options(Optimizer& opt, const py::list& groups) {
   }
 }
 
+// Checks torch.optim param-group dicts as optimizer `Kind` would, without any parameter: what a
+// front end calls before it changes anything (e.g. the sharded optimizer repacks the model).
+template <typename Kind>
+void validate_groups(const py::list& groups) {
+  Kind opt(make_groups(std::vector<std::vector<at::Tensor>>(groups.size())));
+  sync_options(opt, groups);
+  opt.check_options();
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -125,18 +134,21 @@ void bind_optim(py::module_& m) {
       .def("set_param_states", &Optimizer::set_param_states)
       .def("all_params", &Optimizer::all_params);
 
-  py::class_<optim::Adam, Optimizer>(m, "Adam").def(
-      py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
+  py::class_<optim::Adam, Optimizer>(m, "Adam")
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
         return std::make_unique<optim::Adam>(make_groups(groups));
-      }));
+      }))
+      .def_static("validate", &validate_groups<optim::Adam>);
   py::class_<optim::AdamW, optim::Adam>(m, "AdamW")
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
         return std::make_unique<optim::AdamW>(make_groups(groups));
-      }));
-  py::class_<optim::SGD, Optimizer>(m, "SGD").def(
-      py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
+      }))
+      .def_static("validate", &validate_groups<optim::AdamW>);
+  py::class_<optim::SGD, Optimizer>(m, "SGD")
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
         return std::make_unique<optim::SGD>(make_groups(groups));
-      }));
+      }))
+      .def_static("validate", &validate_groups<optim::SGD>);
 }
 
 }  // namespace fusedamp::python

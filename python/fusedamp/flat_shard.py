@@ -1,0 +1,104 @@
+"""The ZeRO-1 layout of fusedamp.distributed.ShardedOptimizer: flat buffers, shards, segments.
+
+The parameters of one (param group, dtype) are packed into one flat buffer, padded to a
+multiple of the world size N; every parameter's ``.data`` becomes a view of it, so an
+all-gather into the buffer writes the model weights directly. Rank r owns the slice
+``[r*S, (r+1)*S)`` (S = padded numel / N). Inside the shard, a parameter's piece is a
+*segment*: the engine steps each segment as a parameter of its own, whose gradient is a view of
+the reduced gradient shard and whose state (step count, FP32 master, moments) are views of flat
+FP32 buffers of the shard's size — flat, so that gathering the full state is one all-gather
+per state buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FlatShard"]
+
+
+class FlatShard:
+    """The flat buffer of one (param group, dtype), this rank's shard of it, and the shard's
+    state as flat FP32 buffers whose segment views the engine steps."""
+
+    def __init__(self, group, params, rank, world, master_weights, slot_names):
+        self.group, self.params = group, params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets.pop()
+        self.shard = -(-self.numel // world)  # ceil
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+        dtype, device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.shard * world, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros_like(self.flat)
+        self.grad_shard = torch.zeros(self.shard, dtype=dtype, device=device)
+        for p, off in zip(params, self.offsets):
+            self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off:off + p.numel()].view(p.shape)
+        self.grad_views = [self.flat_grad[o:o + p.numel()].view(p.shape)
+                           for p, o in zip(params, self.offsets)]
+        # Segments: (parameter index, start, end) in flat coordinates, inside [lo, hi).
+        self.segments = [(i, max(o, self.lo), min(o + p.numel(), self.hi))
+                         for i, (p, o) in enumerate(zip(params, self.offsets))
+                         if max(o, self.lo) < min(o + p.numel(), self.hi)]
+        f32 = dict(dtype=torch.float32, device=device)
+        use_master = master_weights and dtype != torch.float32
+        self.master = self.flat[self.lo:self.hi].float() if use_master else None
+        self.slots = {name: torch.zeros(self.shard, **f32) for name in slot_names}
+        self.steps = torch.zeros(len(self.segments), **f32)
+        # The engine's parameters: one detached view of the model's flat buffer per segment,
+        # whose .grad (pack_grads) is the matching view of the reduced grad shard.
+        shard = self.flat[self.lo:self.hi]
+        self.seg_params = [self.seg(shard, k).detach() for k in range(len(self.segments))]
+        self.seg_grads = [self.seg(self.grad_shard, k) for k in range(len(self.segments))]
+
+    def seg(self, t, k):
+        """Segment k of a shard-sized flat tensor."""
+        _, a, b = self.segments[k]
+        return t[a - self.lo:b - self.lo]
+
+    def segment_states(self):
+        """Each segment's state for the engine: views of the flat state buffers (kept, not
+        copied, so the engine steps them in place)."""
+        for k, seg in enumerate(self.seg_params):
+            state = {"step": self.steps[k]}
+            if self.master is not None:
+                state["master_param"] = self.seg(self.master, k)
+            state.update({n: self.seg(t, k) for n, t in self.slots.items()})
+            yield seg, state
+
+    def pack_grads(self):
+        """Copies the parameters' gradients into the flat gradient buffer (zeros where a
+        parameter has none, whose segments then get no .grad: the engine leaves them alone)."""
+        present = [p.grad is not None for p in self.params]
+        if any(p.grad is not None and p.grad.is_sparse for p in self.params):
+            raise RuntimeError("fusedamp: sparse gradients are not supported")
+        for view, here in zip(self.grad_views, present):
+            if not here:
+                view.zero_()
+        if any(present):
+            torch._foreach_copy_([v for v, h in zip(self.grad_views, present) if h],
+                                 [p.grad for p in self.params if p.grad is not None])
+        for (i, _, _), seg, grad in zip(self.segments, self.seg_params, self.seg_grads):
+            seg.grad = grad if present[i] else None
+
+    def state_buffers(self):
+        """The shard's flat FP32 state buffers by state name (the step counts aside)."""
+        return dict(({"master_param": self.master} if self.master is not None else {}),
+                    **self.slots)
+
+    def first_element_steps(self):
+        """Per parameter, its step count where this rank holds its first element, else 0:
+        summed over the ranks, every parameter's step count."""
+        steps = torch.zeros(len(self.params), dtype=torch.float32, device=self.steps.device)
+        for k, (i, a, _) in enumerate(self.segments):
+            if a == self.offsets[i]:
+                steps[i] = self.steps[k]
+        return steps
+
+    def state_bytes(self):
+        return sum(t.numel() * t.element_size()
+                   for t in [*self.state_buffers().values(), self.steps])
+
+    def buffer_bytes(self):
+        return (self.flat_grad.numel() + self.grad_shard.numel()) * self.flat.element_size()
