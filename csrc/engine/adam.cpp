@@ -4,6 +4,7 @@
 #include <torch/serialize/archive.h>
 
 #include "bucket_plan.h"
+#include "optimizer_of_impl.h"
 #include "option_checks.h"
 #include "options_io.h"
 
@@ -37,6 +38,59 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
   decoupled_weight_decay_ = v.toBool();
 }
 
+template <>
+struct AlgorithmOf<AdamOptions> {
+  static constexpr const char* kName = "Adam";
+
+  static StateSlots known_slots() {
+    return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+  }
+
+  static StateSlots slots_for(const AdamOptions&) {
+    return {StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+  }
+
+  static bool set_option(AdamOptions& o, const std::string& name, double v) {
+    if (name == "beta1") {
+      o.betas(std::make_tuple(v, std::get<1>(o.betas())));
+    } else if (name == "beta2") {
+      o.betas(std::make_tuple(std::get<0>(o.betas()), v));
+    } else if (name == "eps") {
+      o.eps(v);
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  static std::optional<double> option(const AdamOptions& o, const std::string& name) {
+    if (name == "beta1") return std::get<0>(o.betas());
+    if (name == "beta2") return std::get<1>(o.betas());
+    if (name == "eps") return o.eps();
+    return std::nullopt;
+  }
+
+  static void check(const AdamOptions& o, size_t group) {
+    detail::check_adam_options(kName, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                               group);
+  }
+
+  static void run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s) {
+    ops::AdamArgs args;
+    args.lr = o.lr();
+    args.beta1 = std::get<0>(o.betas());
+    args.beta2 = std::get<1>(o.betas());
+    args.eps = o.eps();
+    args.weight_decay = o.weight_decay();
+    args.decoupled_weight_decay = o.decoupled_weight_decay();
+    args.maximize = o.maximize();
+    ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
+                    args, s);
+  }
+};
+
+template class OptimizerOf<AdamOptions>;
+
 Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
     : OptimizerOf(groups, std::make_unique<AdamOptions>(defaults)) {
   check_options();
@@ -54,52 +108,5 @@ AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamO
 
 AdamW::AdamW(std::vector<at::Tensor> params, AdamOptions defaults)
     : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
-
-StateSlots Adam::known_slots() const {
-  return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq};
-}
-
-bool Adam::set_algorithm_option(AdamOptions& o, const std::string& name, double v) const {
-  if (name == "beta1") {
-    o.betas(std::make_tuple(v, std::get<1>(o.betas())));
-  } else if (name == "beta2") {
-    o.betas(std::make_tuple(std::get<0>(o.betas()), v));
-  } else if (name == "eps") {
-    o.eps(v);
-  } else {
-    return false;
-  }
-  return true;
-}
-
-std::optional<double> Adam::algorithm_option(const AdamOptions& o,
-                                             const std::string& name) const {
-  if (name == "beta1") return std::get<0>(o.betas());
-  if (name == "beta2") return std::get<1>(o.betas());
-  if (name == "eps") return o.eps();
-  return std::nullopt;
-}
-
-void Adam::check_algorithm(const AdamOptions& o, size_t group) const {
-  detail::check_adam_options(kind(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
-                             group);
-}
-
-StateSlots Adam::slots_for(const AdamOptions&) const {
-  return {StateSlot::kExpAvg, StateSlot::kExpAvgSq};
-}
-
-void Adam::run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s) const {
-  ops::AdamArgs args;
-  args.lr = o.lr();
-  args.beta1 = std::get<0>(o.betas());
-  args.beta2 = std::get<1>(o.betas());
-  args.eps = o.eps();
-  args.weight_decay = o.weight_decay();
-  args.decoupled_weight_decay = o.decoupled_weight_decay();
-  args.maximize = o.maximize();
-  ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, args,
-                  s);
-}
 
 }  // namespace fusedamp::optim

@@ -2,26 +2,20 @@
 #include <fusedamp/grad_scaler.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 #include <torch/optim/optimizer.h>
-#include <torch/serialize/archive.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "../hyper_params.h"
 
 namespace fusedamp {
 namespace {
 constexpr const char* kWho = "fusedamp::GradScaler";
-
-void check_positive_finite(const char* name, double v) {
-  TORCH_CHECK(std::isfinite(v) && v > 0.0, kWho, ": ", name, " must be finite and > 0, got ",
-              v);
-}
 
 std::vector<at::Tensor> params_with_grads(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;
@@ -69,12 +63,6 @@ at::Tensor flag_over_devices(at::TensorList params, const c10::Device& target, c
 }
 
 }  // namespace
-
-void GradScaler::validate(const GradScalerOptions& o) {
-  check_positive_finite("init_scale", o.init_scale());
-  hyper::check_scale_options(kWho, o.growth_factor(), o.backoff_factor(), o.growth_interval(),
-                             o.hysteresis(), o.min_scale(), o.max_scale());
-}
 
 GradScaler::GradScaler(GradScalerOptions options) : opts_(std::move(options)) {
   validate(opts_);
@@ -285,110 +273,6 @@ double GradScaler::get_scale() const {
     return opts_.init_scale();
   }
   return static_cast<double>(scale_.item<float>());
-}
-
-void GradScaler::set_growth_factor(double v) {
-  auto o = opts_;
-  o.growth_factor(v);
-  validate(o);
-  opts_ = o;
-}
-
-void GradScaler::set_backoff_factor(double v) {
-  auto o = opts_;
-  o.backoff_factor(v);
-  validate(o);
-  opts_ = o;
-}
-
-void GradScaler::set_growth_interval(int64_t v) {
-  auto o = opts_;
-  o.growth_interval(v);
-  validate(o);
-  opts_ = o;
-}
-void GradScaler::save(torch::serialize::OutputArchive& a) const {
-  a.write("fusedamp_grad_scaler", c10::IValue(int64_t{1}));
-  a.write("init_scale", c10::IValue(opts_.init_scale()));
-  a.write("growth_factor", c10::IValue(opts_.growth_factor()));
-  a.write("backoff_factor", c10::IValue(opts_.backoff_factor()));
-  a.write("growth_interval", c10::IValue(opts_.growth_interval()));
-  a.write("hysteresis", c10::IValue(opts_.hysteresis()));
-  a.write("enabled", c10::IValue(opts_.enabled()));
-  if (opts_.min_scale()) {
-    a.write("min_scale", c10::IValue(*opts_.min_scale()));
-  }
-  if (opts_.max_scale()) {
-    a.write("max_scale", c10::IValue(*opts_.max_scale()));
-  }
-  if (scale_.defined()) {
-    a.write("scale", scale_.to(at::kCPU), /*is_buffer=*/true);
-    a.write("growth_tracker", growth_tracker_.to(at::kCPU), /*is_buffer=*/true);
-    a.write("hysteresis_tracker", hysteresis_tracker_.to(at::kCPU), /*is_buffer=*/true);
-  }
-}
-
-void GradScaler::load(torch::serialize::InputArchive& a) {
-  c10::IValue v;
-  TORCH_CHECK(a.try_read("fusedamp_grad_scaler", v), kWho,
-              "::load: the archive holds no fusedamp GradScaler state");
-  auto o = opts_;
-  a.read("init_scale", v);
-  o.init_scale(v.toDouble());
-  a.read("growth_factor", v);
-  o.growth_factor(v.toDouble());
-  a.read("backoff_factor", v);
-  o.backoff_factor(v.toDouble());
-  a.read("growth_interval", v);
-  o.growth_interval(v.toInt());
-  a.read("hysteresis", v);
-  o.hysteresis(v.toInt());
-  a.read("enabled", v);
-  o.enabled(v.toBool());
-  o.min_scale(a.try_read("min_scale", v) ? std::optional<double>(v.toDouble()) : std::nullopt);
-  o.max_scale(a.try_read("max_scale", v) ? std::optional<double>(v.toDouble()) : std::nullopt);
-  validate(o);
-  at::Tensor s, g, h;
-  const bool has_state = a.try_read("scale", s, true);
-  if (has_state) {
-    a.read("growth_tracker", g, true);
-    a.read("hysteresis_tracker", h, true);
-    TORCH_CHECK(s.numel() == 1 && g.numel() == 1 && h.numel() == 1, kWho,
-                "::load: scale and trackers must have one element each");
-    TORCH_CHECK(s.is_floating_point() && !g.is_floating_point() && !h.is_floating_point(), kWho,
-                "::load: scale must be floating point and the trackers integers");
-    check_state(s.item<double>(), g.item<int64_t>(), h.item<int64_t>());
-  }
-  opts_ = o;
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
-  if (has_state) {
-    load_state(s.item<double>(), g.item<int64_t>(), h.item<int64_t>());
-  }
-}
-
-void GradScaler::load_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
-  check_state(scale, growth_tracker, hysteresis_tracker);
-  if (!scale_.defined()) {
-    // Not bound to a device yet: keep it on the CPU until the first scale()/step().
-    ensure_state(c10::Device(c10::kCPU));
-    bound_ = opts_.device().has_value();
-  }
-  scale_.fill_(scale);
-  growth_tracker_.fill_(growth_tracker);
-  hysteresis_tracker_.fill_(hysteresis_tracker);
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
-}
-
-void GradScaler::check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
-  check_positive_finite("scale", scale);
-  TORCH_CHECK(growth_tracker >= 0 && growth_tracker <= std::numeric_limits<int32_t>::max(), kWho,
-              ": growth_tracker must be a non-negative int32, got ", growth_tracker);
-  TORCH_CHECK(hysteresis_tracker >= 0 &&
-                  hysteresis_tracker <= std::numeric_limits<int32_t>::max(),
-              kWho, ": hysteresis_tracker must be a non-negative int32, got ",
-              hysteresis_tracker);
 }
 
 }  // namespace fusedamp

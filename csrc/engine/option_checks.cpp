@@ -1,9 +1,7 @@
-// The optimizers' hyper-parameter checks (option_checks.h; check_common_options is declared in
-// fusedamp/optim/optimizer_of.h, which every optimizer kind calls through).
+// The optimizers' hyper-parameter checks (see option_checks.h).
 #include "option_checks.h"
 
 #include <c10/util/Exception.h>
-#include <fusedamp/optim/optimizer_of.h>
 
 #include "../hyper_params.h"
 

@@ -4,6 +4,7 @@
 #include <torch/serialize/archive.h>
 
 #include "bucket_plan.h"
+#include "optimizer_of_impl.h"
 #include "option_checks.h"
 #include "options_io.h"
 
@@ -29,6 +30,56 @@ void SGDOptions::serialize(torch::serialize::InputArchive& a) {
   nesterov_ = v.toBool();
 }
 
+template <>
+struct AlgorithmOf<SGDOptions> {
+  static constexpr const char* kName = "SGD";
+
+  static StateSlots known_slots() {
+    return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
+  }
+
+  static StateSlots slots_for(const SGDOptions& o) {
+    return o.momentum() != 0.0 ? StateSlots{StateSlot::kMomentumBuffer} : StateSlots{};
+  }
+
+  static bool set_option(SGDOptions& o, const std::string& name, double v) {
+    if (name == "momentum") {
+      o.momentum(v);
+    } else if (name == "dampening") {
+      o.dampening(v);
+    } else if (name == "nesterov") {
+      o.nesterov(v != 0.0);
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  static std::optional<double> option(const SGDOptions& o, const std::string& name) {
+    if (name == "momentum") return o.momentum();
+    if (name == "dampening") return o.dampening();
+    if (name == "nesterov") return o.nesterov() ? 1.0 : 0.0;
+    return std::nullopt;
+  }
+
+  static void check(const SGDOptions& o, size_t group) {
+    detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
+  }
+
+  static void run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s) {
+    ops::SgdArgs args;
+    args.lr = o.lr();
+    args.momentum = o.momentum();
+    args.dampening = o.dampening();
+    args.weight_decay = o.weight_decay();
+    args.nesterov = o.nesterov();
+    args.maximize = o.maximize();
+    ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s);
+  }
+};
+
+template class OptimizerOf<SGDOptions>;
+
 SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults)
     : OptimizerOf(groups, std::make_unique<SGDOptions>(defaults)) {
   check_options();
@@ -36,48 +87,5 @@ SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOption
 
 SGD::SGD(std::vector<at::Tensor> params, SGDOptions defaults)
     : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
-
-StateSlots SGD::known_slots() const {
-  return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
-}
-
-bool SGD::set_algorithm_option(SGDOptions& o, const std::string& name, double v) const {
-  if (name == "momentum") {
-    o.momentum(v);
-  } else if (name == "dampening") {
-    o.dampening(v);
-  } else if (name == "nesterov") {
-    o.nesterov(v != 0.0);
-  } else {
-    return false;
-  }
-  return true;
-}
-
-std::optional<double> SGD::algorithm_option(const SGDOptions& o, const std::string& name) const {
-  if (name == "momentum") return o.momentum();
-  if (name == "dampening") return o.dampening();
-  if (name == "nesterov") return o.nesterov() ? 1.0 : 0.0;
-  return std::nullopt;
-}
-
-void SGD::check_algorithm(const SGDOptions& o, size_t group) const {
-  detail::check_sgd_options(kind(), o.momentum(), o.dampening(), o.nesterov(), group);
-}
-
-StateSlots SGD::slots_for(const SGDOptions& o) const {
-  return o.momentum() != 0.0 ? StateSlots{StateSlot::kMomentumBuffer} : StateSlots{};
-}
-
-void SGD::run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s) const {
-  ops::SgdArgs args;
-  args.lr = o.lr();
-  args.momentum = o.momentum();
-  args.dampening = o.dampening();
-  args.weight_decay = o.weight_decay();
-  args.nesterov = o.nesterov();
-  args.maximize = o.maximize();
-  ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s);
-}
 
 }  // namespace fusedamp::optim

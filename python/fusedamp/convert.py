@@ -47,30 +47,18 @@ def _cast_floating(obj, dtype):
     return obj
 
 
-class _NormInputs:
-    """Forward hooks of a norm layer: FP32 in, the model's dtype out."""
+class _CastHooks:
+    """Forward hooks that cast a module's floating inputs and outputs: a norm layer's (FP32 in,
+    the model's dtype out) and the root module's (the model's dtype in, FP32 out)."""
 
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def pre(self, module, args, kwargs):
-        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
-
-    def post(self, module, args, kwargs, output):
-        return _cast_floating(output, self.dtype)
-
-
-class _ModelBoundary:
-    """Forward hooks of the root module: inputs to the model's dtype, outputs to FP32."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
+    def __init__(self, inputs_to, outputs_to):
+        self.inputs_to, self.outputs_to = inputs_to, outputs_to
 
     def pre(self, module, args, kwargs):
-        return _cast_floating(args, self.dtype), _cast_floating(kwargs, self.dtype)
+        return _cast_floating(args, self.inputs_to), _cast_floating(kwargs, self.inputs_to)
 
     def post(self, module, args, kwargs, output):
-        return _cast_floating(output, torch.float32)
+        return _cast_floating(output, self.outputs_to)
 
 
 def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
@@ -98,10 +86,10 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
             # cuDNN) and returns the input's dtype: no cast, so no FP32 copy of the activation
             # is saved for backward.
             continue
-        hooks = _NormInputs(dtype)
+        hooks = _CastHooks(torch.float32, dtype)
         module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
         module.register_forward_hook(hooks.post, with_kwargs=True)
-    boundary = _ModelBoundary(dtype)
+    boundary = _CastHooks(dtype, torch.float32)
     if cast_inputs:
         model.register_forward_pre_hook(boundary.pre, with_kwargs=True)
     if fp32_outputs:

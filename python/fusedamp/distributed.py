@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._library import _C
 from .flat_shard import FlatShard
-from .optim import pack_param_groups
+from .optim import amp_handover, closure_loss, pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
@@ -128,11 +128,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One sharded step; under a loss scaler (torch's AMP protocol) a scaled one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        loss = closure_loss(closure)
+        grad_scale, found_inf = amp_handover(self)
         self._reduce_scatter_grads()
         engine = self._engine
         engine.sync_options(self.param_groups)

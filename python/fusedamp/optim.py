@@ -76,14 +76,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One fused step; under a loss scaler (torch's AMP protocol) a scaled one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         engine = self._engine
         engine.sync_options(self.param_groups)
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf = amp_handover(self)
         if grad_scale is None and found_inf is None:
             engine.step()
         else:
@@ -168,6 +164,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise TypeError("fusedamp optimizers are not picklable; use state_dict()")
 
 
+def closure_loss(closure):
+    """torch.optim's convention: a step's closure recomputes the loss, with grad enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def amp_handover(optimizer):
+    """What a loss scaler handed to `optimizer` under torch's AMP protocol (grad_scale and
+    found_inf attributes, set for the duration of one step), or (None, None)."""
+    return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+
+
 def pack_param_groups(param_groups):
     """torch.optim's state_dict layout of param groups: each parameter replaced by its index
     in group order. Returns ({id(param): index}, packed groups)."""
@@ -182,6 +192,11 @@ def pack_param_groups(param_groups):
     return index, groups
 
 
+def _defaults_of(arguments):
+    """A constructor's keyword arguments as the param-group defaults (torch.optim's layout)."""
+    return {k: v for k, v in arguments.items() if k not in ("self", "params", "__class__")}
+
+
 class Adam(FusedOptimizer):
     """torch.optim.Adam (L2 weight decay) with FP32 master weights; see the module doc."""
 
@@ -194,12 +209,8 @@ class Adam(FusedOptimizer):
                  skip_nonfinite=True, decoupled_weight_decay=None):
         if decoupled_weight_decay is not None and bool(decoupled_weight_decay) != self._decoupled:
             raise ValueError("fusedamp: use fusedamp.optim.AdamW for decoupled weight decay")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach, capturable=capturable,
-                        differentiable=differentiable, fused=fused,
-                        master_weights=master_weights, max_grad_norm=max_grad_norm,
-                        skip_nonfinite=skip_nonfinite)
-        super().__init__(params, defaults)
+        del decoupled_weight_decay  # not a group option: the class says it
+        super().__init__(params, _defaults_of(locals()))
 
 
 class AdamW(Adam):
@@ -221,8 +232,4 @@ class SGD(FusedOptimizer):
     def __init__(self, params: Iterable, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, master_weights=True, max_grad_norm=None, skip_nonfinite=True):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, foreach=foreach,
-                        differentiable=differentiable, fused=fused, master_weights=master_weights,
-                        max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
-        super().__init__(params, defaults)
+        super().__init__(params, _defaults_of(locals()))

@@ -49,6 +49,13 @@ struct Rig {
     }
     w.mutable_grad() = g;
   }
+  // One iteration under `scaler`; returns the scale after update().
+  double iterate(fusedamp::GradScaler& scaler, bool overflow) {
+    set_grad(overflow);
+    scaler.step(opt);
+    scaler.update();
+    return scaler.get_scale();
+  }
 };
 
 }  // namespace
@@ -97,12 +104,7 @@ TEST_CASE("hysteresis backs off only after that many overflows in a row", "[scal
   fusedamp::GradScaler scaler(
       fusedamp::GradScalerOptions().init_scale(1024).growth_interval(3).hysteresis(3));
   Rig rig;
-  auto run = [&](bool overflow) {
-    rig.set_grad(overflow);
-    scaler.step(rig.opt);
-    scaler.update();
-    return scaler.get_scale();
-  };
+  auto run = [&](bool overflow) { return rig.iterate(scaler, overflow); };
   CHECK(run(true) == 1024);   // 1st overflow tolerated
   CHECK(run(true) == 1024);   // 2nd tolerated
   CHECK(run(true) == 512);    // 3rd backs off
@@ -123,12 +125,7 @@ TEST_CASE("min_scale and max_scale bound the scale", "[scaler]") {
                                   .min_scale(2.0)
                                   .max_scale(32.0));
   Rig rig;
-  auto run = [&](bool overflow) {
-    rig.set_grad(overflow);
-    scaler.step(rig.opt);
-    scaler.update();
-    return scaler.get_scale();
-  };
+  auto run = [&](bool overflow) { return rig.iterate(scaler, overflow); };
   CHECK(run(true) == 4);
   CHECK(run(true) == 2);
   CHECK(run(true) == 2);  // never below min_scale

@@ -137,6 +137,7 @@ class GradScaler {
   PerOptimizer& record_step(OptimizerKey key);
   at::Tensor zero_flag() const;
   static void validate(const GradScalerOptions& o);
+  static void check_positive_finite(const char* name, double v);
   static void check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 
   GradScalerOptions opts_;

@@ -19,12 +19,7 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(bool, decoupled_weight_decay) = false;
   TORCH_ARG(bool, maximize) = false;
   FUSEDAMP_ENGINE_OPTION_FIELDS;
-
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr_; }
-  void set_lr(const double lr) override { lr_ = lr; }
+  FUSEDAMP_OPTIONS_OVERRIDES
 };
 
 // AdamW's defaults: weight_decay 1e-2, decoupled.
@@ -32,23 +27,14 @@ struct AdamWOptions : public AdamOptions {
   AdamWOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor)
 };
 
+extern template class OptimizerOf<AdamOptions>;
+
 // Option names beyond the shared ones (optimizer.h): beta1, beta2, eps.
 class Adam : public OptimizerOf<AdamOptions> {
  public:
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                 AdamOptions defaults = {});
   explicit Adam(std::vector<at::Tensor> params, AdamOptions defaults = {});
-
- protected:
-  const char* kind() const override { return "Adam"; }
-  StateSlots known_slots() const override;
-  bool set_algorithm_option(AdamOptions& o, const std::string& name, double v) const override;
-  std::optional<double> algorithm_option(const AdamOptions& o,
-                                         const std::string& name) const override;
-  void check_algorithm(const AdamOptions& o, size_t group) const override;
-  StateSlots slots_for(const AdamOptions& o) const override;
-  void run(const detail::Bucket& b, const AdamOptions& o,
-           const ops::StepScalars& s) const override;
 };
 
 // Adam with decoupled weight decay: every group's decoupled_weight_decay is forced on.

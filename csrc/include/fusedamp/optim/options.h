@@ -17,3 +17,16 @@
   TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt; \
   TORCH_ARG(bool, skip_nonfinite) = true;                        \
   TORCH_ARG(at::Tensor, lr_tensor)
+
+// The torch::optim::OptimizerOptions overrides every fusedamp options struct has (the struct
+// names its learning rate lr_; serialize() is defined next to the algorithm).
+#define FUSEDAMP_OPTIONS_OVERRIDES                                                 \
+ public:                                                                          \
+  void serialize(torch::serialize::InputArchive& archive) override;              \
+  void serialize(torch::serialize::OutputArchive& archive) const override;       \
+  double get_lr() const override {                                                \
+    return lr_;                                                                   \
+  }                                                                               \
+  void set_lr(const double lr) override {                                         \
+    lr_ = lr;                                                                     \
+  }

@@ -15,13 +15,10 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, nesterov) = false;
   TORCH_ARG(bool, maximize) = false;
   FUSEDAMP_ENGINE_OPTION_FIELDS;
-
- public:
-  void serialize(torch::serialize::InputArchive& archive) override;
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  double get_lr() const override { return lr_; }
-  void set_lr(const double lr) override { lr_ = lr; }
+  FUSEDAMP_OPTIONS_OVERRIDES
 };
+
+extern template class OptimizerOf<SGDOptions>;
 
 // Option names beyond the shared ones (optimizer.h): momentum, dampening, nesterov.
 class SGD : public OptimizerOf<SGDOptions> {
@@ -29,17 +26,6 @@ class SGD : public OptimizerOf<SGDOptions> {
   explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                SGDOptions defaults = {});
   explicit SGD(std::vector<at::Tensor> params, SGDOptions defaults = {});
-
- protected:
-  const char* kind() const override { return "SGD"; }
-  StateSlots known_slots() const override;
-  bool set_algorithm_option(SGDOptions& o, const std::string& name, double v) const override;
-  std::optional<double> algorithm_option(const SGDOptions& o,
-                                         const std::string& name) const override;
-  void check_algorithm(const SGDOptions& o, size_t group) const override;
-  StateSlots slots_for(const SGDOptions& o) const override;
-  void run(const detail::Bucket& b, const SGDOptions& o,
-           const ops::StepScalars& s) const override;
 };
 
 }  // namespace fusedamp::optim

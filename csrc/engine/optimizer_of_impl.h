@@ -1,0 +1,141 @@
+#pragma once
+// The members of OptimizerOf<Options> (include/fusedamp/optim/optimizer_of.h). An algorithm's
+// .cpp file specialises AlgorithmOf<Options> and then instantiates OptimizerOf<Options> once:
+//   template <> struct AlgorithmOf<MyOptions> {
+//     static constexpr const char* kName = "My";               // messages, checkpoints
+//     static StateSlots known_slots();                         // what its state dicts hold
+//     static StateSlots slots_for(const MyOptions&);           // what a step needs
+//     static bool set_option(MyOptions&, const std::string&, double);   // its own names
+//     static std::optional<double> option(const MyOptions&, const std::string&);
+//     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
+//     static void run(const Bucket&, const MyOptions&, const ops::StepScalars&);  // fused op
+//   };
+//   template class OptimizerOf<MyOptions>;
+#include <fusedamp/optim/optimizer_of.h>
+
+#include <c10/util/Exception.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "option_checks.h"
+
+namespace fusedamp::optim {
+
+template <typename Options>
+struct AlgorithmOf;
+
+namespace detail {
+template <typename Options>
+Options& as(torch::optim::OptimizerOptions& o) {
+  return static_cast<Options&>(o);
+}
+template <typename Options>
+const Options& as(const torch::optim::OptimizerOptions& o) {
+  return static_cast<const Options&>(o);
+}
+}  // namespace detail
+
+template <typename Options>
+Options& OptimizerOf<Options>::group_options(size_t group) {
+  return detail::as<Options>(checked_group(group));
+}
+
+template <typename Options>
+const Options& OptimizerOf<Options>::group_options(size_t group) const {
+  return detail::as<Options>(checked_group(group));
+}
+
+template <typename Options>
+const char* OptimizerOf<Options>::kind() const {
+  return AlgorithmOf<Options>::kName;
+}
+
+template <typename Options>
+EngineGroupOptions OptimizerOf<Options>::engine_options(
+    const torch::optim::OptimizerOptions& base) const {
+  const auto& o = detail::as<Options>(base);
+  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
+}
+
+template <typename Options>
+void OptimizerOf<Options>::check_group(const torch::optim::OptimizerOptions& base,
+                                       size_t group) const {
+  const auto* o = dynamic_cast<const Options*>(&base);
+  TORCH_CHECK_VALUE(o != nullptr, "fusedamp::optim::", kind(), ": param group ", group,
+                    " holds the options of another optimizer");
+  detail::check_common_options(kind(), o->lr(), o->weight_decay(), engine_options(*o), group);
+  AlgorithmOf<Options>::check(*o, group);
+}
+
+template <typename Options>
+StateSlots OptimizerOf<Options>::known_slots() const {
+  return AlgorithmOf<Options>::known_slots();
+}
+
+template <typename Options>
+StateSlots OptimizerOf<Options>::slots_needed(const torch::optim::OptimizerOptions& o) const {
+  return AlgorithmOf<Options>::slots_for(detail::as<Options>(o));
+}
+
+template <typename Options>
+bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
+                                          const std::string& name, double value) const {
+  auto& o = detail::as<Options>(base);
+  if (name == "lr") {
+    o.lr(value);
+  } else if (name == "weight_decay") {
+    o.weight_decay(value);
+  } else if (name == "max_grad_norm") {
+    o.max_grad_norm(value);  // checked by check_options(); "off" is set_group_max_grad_norm
+  } else if (name == "maximize") {
+    o.maximize(value != 0.0);
+  } else if (name == "master_weights") {
+    o.master_weights(value != 0.0);
+  } else if (name == "skip_nonfinite") {
+    o.skip_nonfinite(value != 0.0);
+  } else {
+    return AlgorithmOf<Options>::set_option(o, name, value);
+  }
+  return true;
+}
+
+template <typename Options>
+std::optional<double> OptimizerOf<Options>::own_option(const torch::optim::OptimizerOptions& base,
+                                                       const std::string& name) const {
+  const auto& o = detail::as<Options>(base);
+  if (name == "lr") return o.lr();
+  if (name == "weight_decay") return o.weight_decay();
+  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
+  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
+  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
+  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
+  return AlgorithmOf<Options>::option(o, name);
+}
+
+template <typename Options>
+void OptimizerOf<Options>::set_lr_tensor(torch::optim::OptimizerOptions& o,
+                                         const at::Tensor& lr) const {
+  detail::as<Options>(o).lr_tensor(lr);
+}
+
+template <typename Options>
+void OptimizerOf<Options>::set_max_grad_norm(torch::optim::OptimizerOptions& o,
+                                             std::optional<double> max_norm) const {
+  detail::as<Options>(o).max_grad_norm(max_norm);
+}
+
+template <typename Options>
+std::unique_ptr<torch::optim::OptimizerOptions> OptimizerOf<Options>::make_options() const {
+  return std::make_unique<Options>();
+}
+
+template <typename Options>
+void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
+                                      const torch::optim::OptimizerOptions& o,
+                                      const ops::StepScalars& s) const {
+  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s);
+}
+
+}  // namespace fusedamp::optim
