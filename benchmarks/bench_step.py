@@ -206,6 +206,16 @@ def _split(flat: torch.Tensor, shapes, dtype, scale=1.0, device="cpu"):
     return out
 
 
+def _params_with_grads(spec, w, g, device, dtype, grad_scale):
+    """A model's parameters in `dtype` with their .grad (g × grad_scale, as backward leaves
+    them), and a pristine copy of the grads."""
+    params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, dtype, device=device)]
+    grads = _split(g, spec.shapes, dtype, grad_scale, device)
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    return params, grads, [x.clone() for x in grads]
+
+
 def fusedamp_ops(opt_name):
     """fusedamp through the ops: grad_stats_ → adam_step_ / sgd_step_ (FP32 master weights;
     SGD with momentum) → update_scale_."""
@@ -246,11 +256,7 @@ def fusedamp_api(opt_name):
     """fusedamp through its public classes (fusedamp.optim.*, fusedamp.GradScaler)."""
     def build(spec, w, g, device, dtype, clip):
         import fusedamp
-        params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, dtype, device=device)]
-        grads = _split(g, spec.shapes, dtype, LOSS_SCALE, device)
-        for p, gr in zip(params, grads):
-            p.grad = gr
-        pristine = [x.clone() for x in grads]
+        params, grads, pristine = _params_with_grads(spec, w, g, device, dtype, LOSS_SCALE)
         norm = MAX_NORM if clip else None
         if opt_name == "adamw":
             opt = fusedamp.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -272,12 +278,8 @@ def fusedamp_api(opt_name):
 def torch_amp(opt_name, impl, clip):
     """torch.amp.GradScaler + torch.optim on FP32 params with loss-scaled FP32 grads."""
     def build(spec, w, g, device, dtype, _clip):
-        params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, torch.float32,
-                                                        device=device)]
-        grads = _split(g, spec.shapes, torch.float32, LOSS_SCALE, device)
-        for p, gr in zip(params, grads):
-            p.grad = gr
-        pristine = [x.clone() for x in grads]
+        params, grads, pristine = _params_with_grads(spec, w, g, device, torch.float32,
+                                                     LOSS_SCALE)
         kw = {impl: True}
         if opt_name == "adamw":
             opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
@@ -300,12 +302,8 @@ def torch_amp(opt_name, impl, clip):
 
 def torch_bf16_fused(spec, w, g, device, dtype, clip):
     """BF16 params and grads, torch AdamW(fused=True), no scaler (and no master weights)."""
-    params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, torch.bfloat16,
-                                                    device=device)]
-    grads = _split(g, spec.shapes, torch.bfloat16, 1.0, device)  # bf16 needs no loss scale
-    for p, gr in zip(params, grads):
-        p.grad = gr
-    pristine = [x.clone() for x in grads]
+    # bf16 needs no loss scale
+    params, grads, pristine = _params_with_grads(spec, w, g, device, torch.bfloat16, 1.0)
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     return Runner(opt.step, grads, pristine, [params, opt], params[-1])
 
