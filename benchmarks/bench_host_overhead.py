@@ -8,30 +8,19 @@ only the argument checks (op_checks.cpp), which isolates their cost from the ker
     PYTHONPATH=python python3 benchmarks/bench_host_overhead.py [--tensors 10000 --numel 64]
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 import fusedamp  # noqa: F401  (loads the ops)
 
-ops = torch.ops.fusedamp
-
-
-def make_state(n, numel, device, dtype=torch.float16):
-    gen = torch.Generator().manual_seed(0)
-    master = [torch.randn(numel, generator=gen).to(device) for _ in range(n)]
-    params = [m.to(dtype) for m in master]
-    grads = [torch.randn(numel, generator=gen).to(device=device, dtype=dtype) for _ in range(n)]
-    exp_avg = [torch.zeros_like(m) for m in master]
-    exp_avg_sq = [torch.zeros_like(m) for m in master]
-    steps = [torch.zeros((), device=device) for _ in range(n)]
-    f32 = dict(dtype=torch.float32, device=device)
-    st = dict(found_inf=torch.zeros(1, **f32), sum_sq=torch.zeros(1, **f32),
-              inv_scale=torch.full((1,), 1.0, **f32), scale=torch.full((1,), 1.0, **f32),
-              growth=torch.zeros(1, dtype=torch.int32, device=device),
-              hyst=torch.ones(1, dtype=torch.int32, device=device))
-    return params, master, grads, exp_avg, exp_avg_sq, steps, st
+# The op tests' input builder: the benchmark times the inputs the tests check.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "python"))
+from op_inputs import op_inputs  # noqa: E402
 
 
 def time_ns(fn, reps, inner):
@@ -46,20 +35,18 @@ def time_ns(fn, reps, inner):
 
 
 def bench(device, n, numel, reps, inner):
-    params, master, grads, m, v, steps, st = make_state(n, numel, device)
-
-    def stats():
-        ops.grad_stats_(grads, st["found_inf"], st["sum_sq"])
-
-    def adam():
-        ops.adam_step_(params, master, grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.999,
-                       eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
-                       inv_scale=st["inv_scale"], found_inf=st["found_inf"])
+    inp = op_inputs(device, [(numel,)] * n, param_dtype=torch.float16, master_weights=True,
+                    loss_scale=1.0, scalars=dict(found_inf=0.0, grad_sum_sq=0.0, inv_scale=1.0))
+    stats = inp.bind("grad_stats_")
+    adam = inp.bind("adam_step_", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                    decoupled_weight_decay=True)
+    update_scale = inp.bind("update_scale_", growth_factor=2.0, backoff_factor=0.5,
+                            growth_interval=2000)
 
     def step():  # a whole AdamW step as bench_step.py times it (the scalars' resets aside)
         stats()
         adam()
-        ops.update_scale_(st["scale"], st["growth"], st["hyst"], st["found_inf"], 2.0, 0.5, 2000)
+        update_scale()
 
     out = {}
     for name, fn in (("grad_stats_", stats), ("adam_step_", adam), ("whole step", step)):

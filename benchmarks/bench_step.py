@@ -8,7 +8,7 @@ loss-scale update. See issue 6 and ../../shared/DESIGN.md.
     make bench-step                                  # CPU results into benchmarks/results/
     PYTHONPATH=python python3 benchmarks/bench_step.py [--device cuda] [--quick]
 
-fusedamp side. Each configuration is built by one small function (``fusedamp_ops_*`` below).
+fusedamp side. Each configuration is built by one small function (``fusedamp_ops`` below).
 Until the Python engine exists it is the op sequence the engine will issue:
     grad_stats_   (found_inf + sum of squares; one read-only pass over the FP16/BF16 grads)
     adam_step_ / sgd_step_  (FP32 master weights; inv_scale, found_inf and, when clipping,
@@ -56,6 +56,9 @@ except ImportError:  # progress bars are a nicety, not a requirement
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+# The op tests' input builder: the benchmark times the inputs the tests check.
+sys.path.insert(0, str(REPO / "tests" / "python"))
+from op_inputs import op_inputs  # noqa: E402
 
 # Hyper-parameters shared by every configuration (torch's defaults where it has them).
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
@@ -203,80 +206,57 @@ def _split(flat: torch.Tensor, shapes, dtype, scale=1.0, device="cpu"):
     return out
 
 
-def _scaler_state(device):
-    f32 = dict(dtype=torch.float32, device=device)
-    return dict(scale=torch.full((1,), LOSS_SCALE, **f32), inv_scale=torch.empty(1, **f32),
-                found_inf=torch.zeros(1, **f32), sum_sq=torch.zeros(1, **f32),
-                growth=torch.zeros(1, dtype=torch.int32, device=device),
-                hyst=torch.ones(1, dtype=torch.int32, device=device))
+def _params_with_grads(spec, w, g, device, dtype, grad_scale):
+    """A model's parameters in `dtype` with their .grad (g × grad_scale, as backward leaves
+    them), and a pristine copy of the grads."""
+    params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, dtype, device=device)]
+    grads = _split(g, spec.shapes, dtype, grad_scale, device)
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    return params, grads, [x.clone() for x in grads]
 
 
-def fusedamp_ops_adamw(spec, w, g, device, dtype, clip):
-    """fusedamp AdamW through the ops: grad_stats_ → adam_step_ (master) → update_scale_."""
-    ops = torch.ops.fusedamp
-    master = _split(w, spec.shapes, torch.float32, device=device)
-    params = [m.to(dtype) for m in master]
-    grads = _split(g, spec.shapes, dtype, LOSS_SCALE, device)
-    pristine = [x.clone() for x in grads]
-    exp_avg = [torch.zeros_like(m) for m in master]
-    exp_avg_sq = [torch.zeros_like(m) for m in master]
-    steps = [torch.zeros((), device=device) for _ in master]
-    st = _scaler_state(device)
+def fusedamp_ops(opt_name):
+    """fusedamp through the ops: grad_stats_ → adam_step_ / sgd_step_ (FP32 master weights;
+    SGD with momentum) → update_scale_."""
     b1, b2 = BETAS
+    step_op, hyper = {
+        "adamw": ("adam_step_", dict(lr=LR, beta1=b1, beta2=b2, eps=EPS, weight_decay=WD,
+                                     decoupled_weight_decay=True)),
+        "sgd": ("sgd_step_", dict(lr=SGD_LR, momentum=MOMENTUM, dampening=0.0, weight_decay=0.0,
+                                  nesterov=False)),
+    }[opt_name]
 
-    def step():
-        st["found_inf"].zero_()
-        st["sum_sq"].zero_()
-        ops.grad_stats_(grads, st["found_inf"], st["sum_sq"])
-        torch.reciprocal(st["scale"], out=st["inv_scale"])
-        ops.adam_step_(params, master, grads, exp_avg, exp_avg_sq, steps, lr=LR, beta1=b1,
-                       beta2=b2, eps=EPS, weight_decay=WD, decoupled_weight_decay=True,
-                       inv_scale=st["inv_scale"], found_inf=st["found_inf"],
-                       grad_sum_sq=st["sum_sq"] if clip else None,
-                       max_grad_norm=MAX_NORM if clip else None)
-        ops.update_scale_(st["scale"], st["growth"], st["hyst"], st["found_inf"], 2.0, 0.5,
-                          GROWTH_INTERVAL)
+    def build(spec, w, g, device, dtype, clip):
+        inp = op_inputs(device, param_dtype=dtype, master_weights=True,
+                        moments=opt_name == "adamw", momentum=opt_name == "sgd",
+                        weights=_split(w, spec.shapes, torch.float32, device=device),
+                        grads=_split(g, spec.shapes, dtype, LOSS_SCALE, device),
+                        loss_scale=LOSS_SCALE,
+                        scalars=dict(inv_scale=1 / LOSS_SCALE, found_inf=0.0, grad_sum_sq=0.0))
+        pristine = [x.clone() for x in inp.grads]
+        grad_stats = inp.bind("grad_stats_")
+        optimizer_step = inp.bind(step_op, **hyper, max_grad_norm=MAX_NORM if clip else None)
+        update_scale = inp.bind("update_scale_", growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=GROWTH_INTERVAL)
 
-    return Runner(step, grads, pristine, [params, master, exp_avg, exp_avg_sq, steps, st],
-                  params[-1])
+        def step():
+            inp.found_inf.zero_()
+            inp.grad_sum_sq.zero_()
+            grad_stats()
+            torch.reciprocal(inp.scale, out=inp.inv_scale)
+            optimizer_step()
+            update_scale()
 
-
-def fusedamp_ops_sgd(spec, w, g, device, dtype, clip):
-    """fusedamp SGD (momentum) through the ops: grad_stats_ → sgd_step_ → update_scale_."""
-    ops = torch.ops.fusedamp
-    master = _split(w, spec.shapes, torch.float32, device=device)
-    params = [m.to(dtype) for m in master]
-    grads = _split(g, spec.shapes, dtype, LOSS_SCALE, device)
-    pristine = [x.clone() for x in grads]
-    bufs = [torch.zeros_like(m) for m in master]
-    steps = [torch.zeros((), device=device) for _ in master]
-    st = _scaler_state(device)
-
-    def step():
-        st["found_inf"].zero_()
-        st["sum_sq"].zero_()
-        ops.grad_stats_(grads, st["found_inf"], st["sum_sq"])
-        torch.reciprocal(st["scale"], out=st["inv_scale"])
-        ops.sgd_step_(params, master, grads, bufs, steps, lr=SGD_LR, momentum=MOMENTUM,
-                      dampening=0.0, weight_decay=0.0, nesterov=False,
-                      inv_scale=st["inv_scale"], found_inf=st["found_inf"],
-                      grad_sum_sq=st["sum_sq"] if clip else None,
-                      max_grad_norm=MAX_NORM if clip else None)
-        ops.update_scale_(st["scale"], st["growth"], st["hyst"], st["found_inf"], 2.0, 0.5,
-                          GROWTH_INTERVAL)
-
-    return Runner(step, grads, pristine, [params, master, bufs, steps, st], params[-1])
+        return Runner(step, inp.grads, pristine, [inp], inp.params[-1])
+    return build
 
 
 def fusedamp_api(opt_name):
     """fusedamp through its public classes (fusedamp.optim.*, fusedamp.GradScaler)."""
     def build(spec, w, g, device, dtype, clip):
         import fusedamp
-        params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, dtype, device=device)]
-        grads = _split(g, spec.shapes, dtype, LOSS_SCALE, device)
-        for p, gr in zip(params, grads):
-            p.grad = gr
-        pristine = [x.clone() for x in grads]
+        params, grads, pristine = _params_with_grads(spec, w, g, device, dtype, LOSS_SCALE)
         norm = MAX_NORM if clip else None
         if opt_name == "adamw":
             opt = fusedamp.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -298,12 +278,8 @@ def fusedamp_api(opt_name):
 def torch_amp(opt_name, impl, clip):
     """torch.amp.GradScaler + torch.optim on FP32 params with loss-scaled FP32 grads."""
     def build(spec, w, g, device, dtype, _clip):
-        params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, torch.float32,
-                                                        device=device)]
-        grads = _split(g, spec.shapes, torch.float32, LOSS_SCALE, device)
-        for p, gr in zip(params, grads):
-            p.grad = gr
-        pristine = [x.clone() for x in grads]
+        params, grads, pristine = _params_with_grads(spec, w, g, device, torch.float32,
+                                                     LOSS_SCALE)
         kw = {impl: True}
         if opt_name == "adamw":
             opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
@@ -326,12 +302,8 @@ def torch_amp(opt_name, impl, clip):
 
 def torch_bf16_fused(spec, w, g, device, dtype, clip):
     """BF16 params and grads, torch AdamW(fused=True), no scaler (and no master weights)."""
-    params = [torch.nn.Parameter(t) for t in _split(w, spec.shapes, torch.bfloat16,
-                                                    device=device)]
-    grads = _split(g, spec.shapes, torch.bfloat16, 1.0, device)  # bf16 needs no loss scale
-    for p, gr in zip(params, grads):
-        p.grad = gr
-    pristine = [x.clone() for x in grads]
+    # bf16 needs no loss scale
+    params, grads, pristine = _params_with_grads(spec, w, g, device, torch.bfloat16, 1.0)
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     return Runner(opt.step, grads, pristine, [params, opt], params[-1])
 
@@ -363,9 +335,8 @@ def make_configs(with_api: bool) -> list[Config]:
             for dt in ["fp16", "bf16"]:
                 extra = ("torch adamw fused bf16 (no scaler)",) if (
                     opt == "adamw" and dt == "bf16" and not clip) else ()
-                build = fusedamp_ops_adamw if opt == "adamw" else fusedamp_ops_sgd
                 cfgs.append(Config(f"fusedamp {opt} {dt}{c}", "fusedamp", opt, dt, clip,
-                                   f"fusedamp_{opt}", build, base + extra))
+                                   f"fusedamp_{opt}", fusedamp_ops(opt), base + extra))
                 if with_api:
                     cfgs.append(Config(f"fusedamp-api {opt} {dt}{c}", "fusedamp", opt, dt, clip,
                                        f"fusedamp_{opt}", fusedamp_api(opt), base + extra))

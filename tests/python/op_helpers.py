@@ -1,4 +1,5 @@
-"""Inputs and reference implementations shared by the op tests."""
+"""Values, reference implementations and comparisons shared by the op tests (op_inputs.py builds
+the ops' inputs from these values)."""
 import math
 import struct
 

@@ -5,20 +5,13 @@ import pytest
 import torch
 
 from op_helpers import assert_bitwise_equal, ops, randn_list, scalar, snapshot
+from op_inputs import op_inputs
 
 
-def _adam_setup(device, n=3, dtype=torch.float16):
-    master = randn_list(device, sizes=[(10,), (4, 5), (7,)][:n], seed=20)
-    params = [p.to(dtype) for p in master]
-    grads = [torch.randn_like(p) for p in params]
-    m = [torch.zeros_like(p) for p in master]
-    v = [torch.zeros_like(p) for p in master]
-    steps = [torch.zeros((), device=device) for _ in params]
-    return params, master, grads, m, v, steps
-
-
-ADAM_KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-               decoupled_weight_decay=True)
+def _fp16_master_inputs(device, **kw):
+    """Three FP16 params with FP32 master weights and FP16 grads (seeded)."""
+    return op_inputs(device, [(10,), (4, 5), (7,)], param_dtype=torch.float16,
+                     master_weights=True, seed=20, **kw)
 
 
 def _adam_cases(device):
@@ -66,14 +59,14 @@ def _adam_cases(device):
 @pytest.mark.parametrize("case", range(21))
 def test_adam_step_bad_input(device, case):
     name, mutate, message = _adam_cases(device)[case]
-    params, master, grads, m, v, steps = _adam_setup(device)
-    args = [list(params), list(master), list(grads), list(m), list(v), list(steps)]
-    kwargs = dict(ADAM_KW)
+    inp = _fp16_master_inputs(device)
+    args, kwargs = inp.args("adam_step_", weight_decay=0.0)
+    args = list(args)  # its lists are fresh copies: a case edits them, never inp's
     mutate(args, kwargs)
-    before = snapshot(params, master, grads, m, v, steps)
+    before = snapshot(*inp.tensors("adam_step_"))
     with pytest.raises(RuntimeError, match=re.escape(message)):
         ops.adam_step_(*args, **kwargs)
-    assert_bitwise_equal(before, snapshot(params, master, grads, m, v, steps))
+    assert_bitwise_equal(before, snapshot(*inp.tensors("adam_step_")))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -85,15 +78,15 @@ def test_adam_step_bad_input(device, case):
     (dict(momentum=0.9, bufs=False), "momentum_buffers has 0 tensors"),
 ])
 def test_sgd_step_bad_input(device, kwargs, message):
-    params, master, grads, _, _, steps = _adam_setup(device)
-    bufs = [torch.zeros_like(p) for p in master]
-    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
-    use_bufs = kwargs.pop("bufs", True)
+    inp = _fp16_master_inputs(device, moments=False, momentum=True)
+    kw = dict(lr=0.1, momentum=0.9)
     kw.update(kwargs)
-    before = snapshot(params, master, grads, bufs, steps)
+    if not kw.pop("bufs", True):
+        kw["momentum_buffers"] = []
+    before = snapshot(*inp.tensors("sgd_step_"))
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        ops.sgd_step_(params, master, grads, bufs if use_bufs else [], steps, **kw)
-    assert_bitwise_equal(before, snapshot(params, master, grads, bufs, steps))
+        inp.call("sgd_step_", **kw)
+    assert_bitwise_equal(before, snapshot(*inp.tensors("sgd_step_")))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -108,17 +101,17 @@ def test_sgd_step_bad_input(device, kwargs, message):
     (dict(scale_shape=(2,)), "scale must have exactly one element"),
 ])
 def test_update_scale_bad_input(device, kwargs, message):
-    scale = torch.full(kwargs.pop("scale_shape", (1,)), 1024.0, device=device)
-    gt = torch.zeros(1, dtype=kwargs.pop("tracker_dtype", torch.int32), device=device)
-    ht = torch.ones(1, dtype=torch.int32, device=device)
-    found = scalar(1.0, device)
-    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=10, hysteresis=1)
+    inp = op_inputs(device, [], loss_scale=1024.0, scalars=dict(found_inf=1.0))
+    kw = dict(growth_interval=10, hysteresis=1)
     kw.update(kwargs)
-    before = snapshot(scale, gt, ht, found)
+    if "scale_shape" in kw:
+        inp.scale = torch.full(kw.pop("scale_shape"), 1024.0, device=device)
+    if "tracker_dtype" in kw:
+        inp.growth_tracker = inp.growth_tracker.to(kw.pop("tracker_dtype"))
+    before = snapshot(*inp.tensors("update_scale_"))
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        ops.update_scale_(scale, gt, ht, found, kw.pop("growth_factor"), kw.pop("backoff_factor"),
-                          kw.pop("growth_interval"), **kw)
-    assert_bitwise_equal(before, snapshot(scale, gt, ht, found))
+        inp.call("update_scale_", **kw)
+    assert_bitwise_equal(before, snapshot(*inp.tensors("update_scale_")))
 
 
 @pytest.mark.parametrize("case,message", [
@@ -128,21 +121,20 @@ def test_update_scale_bad_input(device, kwargs, message):
     ("sparse grad", "sparse"),
 ])
 def test_grad_stats_and_unscale_bad_input(device, case, message):
-    grads = randn_list(device, sizes=[(10,), (3,)], seed=21)
-    found, sq = scalar(0.0, device), scalar(0.0, device)
-    flags = torch.zeros(2, device=device)
+    inp = op_inputs(device, grads=randn_list(device, sizes=[(10,), (3,)], seed=21),
+                    scalars=dict(found_inf=0.0, grad_sum_sq=0.0, tensor_flags=0.0, inv_scale=0.5))
     if case == "double grad":
-        grads[1] = grads[1].double()
+        inp.grads[1] = inp.grads[1].double()
     elif case == "flags too short":
-        flags = torch.zeros(1, device=device)
+        inp.tensor_flags = torch.zeros(1, device=device)
     elif case == "int found_inf":
-        found = torch.zeros(1, dtype=torch.int32, device=device)
+        inp.found_inf = torch.zeros(1, dtype=torch.int32, device=device)
     elif case == "sparse grad":
-        grads[0] = grads[0].to_sparse()
-    before = snapshot(grads, found, sq, flags)
+        inp.grads[0] = inp.grads[0].to_sparse()
+    before = snapshot(*inp.tensors("grad_stats_"))
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        ops.grad_stats_(grads, found, sq, flags)
+        inp.call("grad_stats_")
     if case != "flags too short":
         with pytest.raises(RuntimeError, match=re.escape(message)):
-            ops.unscale_and_check_(grads, found, scalar(0.5, device))
-    assert_bitwise_equal(before, snapshot(grads, found, sq, flags))
+            inp.call("unscale_and_check_")
+    assert_bitwise_equal(before, snapshot(*inp.tensors("grad_stats_")))

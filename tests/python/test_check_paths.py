@@ -6,73 +6,64 @@ import re
 import pytest
 import torch
 
-from op_helpers import assert_bitwise_equal, ops, snapshot
-
-KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-          decoupled_weight_decay=True)
+from op_helpers import assert_bitwise_equal, snapshot
+from op_inputs import op_inputs
 
 
-def _state(device, shapes, memory_format=torch.contiguous_format):
-    gen = torch.Generator().manual_seed(3)
-
-    def rand(s):
-        return torch.randn(s, generator=gen).to(device).contiguous(memory_format=memory_format)
-
-    master = [rand(s) for s in shapes]
-    params = [m.half() for m in master]
-    grads = [rand(s).half() for s in shapes]
-    m = [torch.zeros_like(x) for x in master]
-    v = [torch.zeros_like(x) for x in master]
-    steps = [torch.zeros((), device=device) for _ in shapes]
-    return [params, master, grads, m, v, steps]
+def _inputs(device, shapes, memory_format=torch.contiguous_format):
+    """FP16 params, FP32 master weights, FP16 grads and Adam state, each (but the 0-dim step
+    counts) in memory_format."""
+    inp = op_inputs(device, shapes, param_dtype=torch.float16, master_weights=True, seed=3)
+    return inp.map(lambda name, t: t if name == "steps" else
+                   t.contiguous(memory_format=memory_format))
 
 
 def test_channels_last_matches_contiguous(device):
     """Dense but not contiguous: declined by the fast path, accepted by the full checks."""
     shapes = [(2, 3, 4, 5)] * 3
-    cl = _state(device, shapes, torch.channels_last)
-    ref = _state(device, shapes)
-    assert not cl[0][0].is_contiguous()
-    for args in (cl, ref):
-        ops.adam_step_(*args, **KW)
-    for a, b in zip(cl[:5], ref[:5]):
-        for x, y in zip(a, b):
+    cl = _inputs(device, shapes, torch.channels_last)
+    ref = _inputs(device, shapes)
+    assert not cl.params[0].is_contiguous()
+    for inp in (cl, ref):
+        inp.call("adam_step_")
+    for name in ("params", "master_params", "grads", "exp_avgs", "exp_avg_sqs"):
+        for x, y in zip(getattr(cl, name), getattr(ref, name)):
             assert torch.equal(x.contiguous(), y)
 
 
 def test_strides_mismatch_still_rejected(device):
-    args = _state(device, [(2, 3, 4, 5)] * 3)
-    args[2][2] = args[2][2].contiguous(memory_format=torch.channels_last)
+    inp = _inputs(device, [(2, 3, 4, 5)] * 3)
+    inp.grads[2] = inp.grads[2].contiguous(memory_format=torch.channels_last)
     with pytest.raises(RuntimeError, match=re.escape("grads[2] has strides")):
-        ops.adam_step_(*args, **KW)
+        inp.call("adam_step_")
 
 
 @pytest.mark.parametrize("which", ["exp_avgs vs exp_avg_sqs", "grads vs master_params"])
 def test_partial_overlap_late_index(device, which):
     """Two views into one buffer at index 40 of 50: reported, and nothing modified."""
     n = 50
-    args = _state(device, [(8,)] * n)
+    inp = _inputs(device, [(8,)] * n)
     if which == "exp_avgs vs exp_avg_sqs":
         buf = torch.zeros(12, device=device)
-        args[3][40], args[4][40] = buf[:8], buf[4:]
+        inp.exp_avgs[40], inp.exp_avg_sqs[40] = buf[:8], buf[4:]
         message = "exp_avgs[40] and exp_avg_sqs[40] share memory"
     else:
         buf = torch.zeros(12, device=device)
-        args[1][40] = buf[:8]
-        args[2][40] = buf[4:].view(torch.float16)[:8]
+        inp.master_params[40] = buf[:8]
+        inp.grads[40] = buf[4:].view(torch.float16)[:8]
         message = "master_params[40] and grads[40] share memory"
-    before = snapshot(*args)
+    before = snapshot(*inp.tensors("adam_step_"))
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        ops.adam_step_(*args, **KW)
-    assert_bitwise_equal(before, snapshot(*args))
+        inp.call("adam_step_")
+    assert_bitwise_equal(before, snapshot(*inp.tensors("adam_step_")))
 
 
 def test_grad_list_fallback_messages(device):
-    grads = [torch.randn(8, device=device).half() for _ in range(20)]
-    grads[15] = torch.randn(8, 2, device=device).half()[:, 0]
-    found_inf, sum_sq = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    inp = op_inputs(device, [(8,)] * 20, grad_dtype=torch.float16,
+                    scalars=dict(found_inf=0.0, grad_sum_sq=0.0))
+    inp.grads[15] = torch.randn(8, 2, device=device).half()[:, 0]
     with pytest.raises(RuntimeError, match=re.escape("grads[15] must be non-overlapping")):
-        ops.grad_stats_(grads, found_inf, sum_sq)
-    grads[15] = torch.randn(8, device=device).double()
+        inp.call("grad_stats_")
+    inp.grads[15] = torch.randn(8, device=device).double()
     with pytest.raises(RuntimeError, match=re.escape("grads[15] has dtype Double")):
-        ops.grad_stats_(grads, found_inf, sum_sq)
+        inp.call("grad_stats_")

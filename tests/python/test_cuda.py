@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from op_helpers import ops
+from op_inputs import op_inputs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -58,19 +59,16 @@ def place(t, device, offset=0):
     return v
 
 
-def both(t, offset=0):
-    """(cpu copy, cuda copy) of a CPU tensor, each at the same element offset."""
-    return place(t, "cpu", offset), place(t, "cuda", offset)
+def on_both(inp, offsets={}):
+    """(cpu copy, cuda copy) of CPU op inputs; the tensors of field `name` start
+    offsets.get(name, 0) elements into their buffers, on both devices."""
+    return tuple(inp.map(lambda name, t: place(t, device, offsets.get(name, 0)))
+                 for device in ("cpu", "cuda"))
 
 
 def rand(shape, dtype, gen, scale=1.0, positive=False):
     x = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
     return (x.abs() if positive else x).to(dtype)
-
-
-def scalars(value):
-    return (torch.full((1,), value, dtype=torch.float32),
-            torch.full((1,), value, dtype=torch.float32, device="cuda"))
 
 
 def assert_same(cuda_list, cpu_list, exact=False, **tol):
@@ -105,27 +103,24 @@ def test_unscale_and_grad_stats_match_cpu(offset, poison):
     if poison:
         src[8].view(-1)[100_002] = float(poison)  # last element of a ragged last chunk
         src[5].view(-1)[0] = float(poison)
-    cpu, cuda = zip(*[both(t, offset) for t in src])
-    cpu, cuda = list(cpu), list(cuda)
+    cpu, cuda = on_both(op_inputs("cpu", grads=src, scalars=dict(
+        found_inf=0.0, grad_sum_sq=2.5, tensor_flags=0.0, inv_scale=3.0 / 1024.0)),
+        {"grads": offset})
 
-    found_c, found_g = scalars(0.0)
-    sq_c, sq_g = scalars(2.5)
-    flags_c, flags_g = torch.zeros(len(src)), torch.zeros(len(src), device="cuda")
-    before = [t.clone() for t in cuda]
-    ops.grad_stats_(cpu, found_c, sq_c, flags_c)
-    cuda_call(ops.grad_stats_, cuda, found_g, sq_g, flags_g)
-    assert found_g.item() == found_c.item() == (1.0 if poison else 0.0)
-    assert flags_g.cpu().tolist() == flags_c.tolist()
+    before = [t.clone() for t in cuda.grads]
+    cpu.call("grad_stats_")
+    cuda_call(cuda.call, "grad_stats_")
+    assert cuda.found_inf.item() == cpu.found_inf.item() == (1.0 if poison else 0.0)
+    assert cuda.tensor_flags.cpu().tolist() == cpu.tensor_flags.tolist()
     if not poison:
-        torch.testing.assert_close(sq_g.cpu(), sq_c, rtol=1e-5, atol=0)
-    for t, t0 in zip(cuda, before):  # grad_stats_ is read-only
+        torch.testing.assert_close(cuda.grad_sum_sq.cpu(), cpu.grad_sum_sq, rtol=1e-5, atol=0)
+    for t, t0 in zip(cuda.grads, before):  # grad_stats_ is read-only
         assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8))
 
-    inv_c, inv_g = scalars(3.0 / 1024.0)
-    ops.unscale_and_check_(cpu, found_c, inv_c)
-    cuda_call(ops.unscale_and_check_, cuda, found_g, inv_g)
-    assert found_g.item() == found_c.item()
-    assert_same(cuda, cpu, exact=True)  # one FP32 multiply per element: bit-exact
+    cpu.call("unscale_and_check_")
+    cuda_call(cuda.call, "unscale_and_check_")
+    assert cuda.found_inf.item() == cpu.found_inf.item()
+    assert_same(cuda.grads, cpu.grads, exact=True)  # one FP32 multiply per element: bit-exact
 
 
 def test_grad_stats_is_deterministic_and_accumulates():
@@ -149,66 +144,55 @@ def test_flags_and_found_inf_are_never_reset():
 
 
 # ------------------------------------------------------------ adam_step_
-def _adam_inputs(pdtype, gdtype, master, offsets, gen):
-    """CPU and CUDA copies of one Adam problem. offsets: element offset per list."""
-    lists = {"p": [], "mp": [], "g": [], "m": [], "v": [], "st": []}
-    for i, s in enumerate(SIZES):
-        p32 = rand(s, torch.float32, gen)
-        lists["p"].append(p32.to(pdtype))
-        lists["mp"].append(p32)
-        lists["g"].append(rand(s, gdtype, gen, scale=64.0))
-        lists["m"].append(rand(s, torch.float32, gen, scale=0.1))
-        lists["v"].append(rand(s, torch.float32, gen, scale=0.01, positive=True))
-        lists["st"].append(torch.full((), float(i % 5), dtype=torch.float32))
-    if not master:
-        lists["mp"] = []
-    cpu, cuda = {}, {}
-    for k, ts in lists.items():
-        off = offsets.get(k, 0)
-        pairs = [both(t, off) for t in ts]
-        cpu[k] = [a for a, _ in pairs]
-        cuda[k] = [b for _, b in pairs]
-    return cpu, cuda
+def _adam_problem(pdtype, gdtype, master, gen):
+    """One Adam problem on the CPU with non-zero state. Per size, in this order of draws: the
+    weight, the grad, both moments, and a step count of i % 5."""
+    draws = [(rand(s, torch.float32, gen), rand(s, gdtype, gen, scale=64.0),
+              rand(s, torch.float32, gen, scale=0.1),
+              rand(s, torch.float32, gen, scale=0.01, positive=True)) for s in SIZES]
+    weights, grads, m, v = (list(x) for x in zip(*draws))
+    inp = op_inputs("cpu", param_dtype=pdtype, master_weights=master, weights=weights,
+                    grads=grads, scalars=dict(lr_tensor=2e-3, inv_scale=1 / 64.0, found_inf=0.0,
+                                              grad_sum_sq=4.0e8))  # the clip is active
+    inp.exp_avgs, inp.exp_avg_sqs = m, v
+    inp.steps = [torch.full((), float(i % 5)) for i in range(len(SIZES))]
+    return inp
 
 
 @pytest.mark.parametrize("pdtype", ALL, ids=dtype_id)
 @pytest.mark.parametrize("grad_fp32", [False, True])
 @pytest.mark.parametrize("master", [False, True])
-@pytest.mark.parametrize("offsets", [{}, {"g": 1}, {"p": 3, "mp": 1, "m": 2, "v": 5}, {"g": 4}],
+@pytest.mark.parametrize("offsets", [{}, {"grads": 1},
+                                     {"params": 3, "master_params": 1, "exp_avgs": 2,
+                                      "exp_avg_sqs": 5}, {"grads": 4}],
                          ids=["aligned", "grad+1", "all-odd", "grad+4"])
 def test_adam_matches_cpu(pdtype, grad_fp32, master, offsets):
     if master and pdtype == torch.float32 and offsets:
         pytest.skip("FP32 master weights for FP32 params: covered by the aligned case")
     gen = torch.Generator().manual_seed(21)
     gdtype = torch.float32 if grad_fp32 else pdtype
-    cpu, cuda = _adam_inputs(pdtype, gdtype, master, offsets, gen)
-    lr_c, lr_g = scalars(2e-3)
-    inv_c, inv_g = scalars(1 / 64.0)
-    found_c, found_g = scalars(0.0)
-    sq_c, sq_g = scalars(4.0e8)  # a large norm: the clip coefficient is active
+    cpu, cuda = on_both(_adam_problem(pdtype, gdtype, master, gen), offsets)
     for step, (wd, decoupled, maximize) in enumerate([(0.01, True, False), (0.1, False, True),
                                                        (0.0, True, False)]):
         kw = dict(lr=1e-3, beta1=0.9, beta2=0.995, eps=1e-8, weight_decay=wd,
                   decoupled_weight_decay=decoupled, maximize=maximize)
-        extra_c = dict(lr_tensor=lr_c, inv_scale=inv_c, found_inf=found_c, grad_sum_sq=sq_c,
-                       max_grad_norm=1.0) if step != 2 else {}
-        extra_g = dict(lr_tensor=lr_g, inv_scale=inv_g, found_inf=found_g, grad_sum_sq=sq_g,
-                       max_grad_norm=1.0) if step != 2 else {}
-        ops.adam_step_(cpu["p"], cpu["mp"], cpu["g"], cpu["m"], cpu["v"], cpu["st"], **kw,
-                       **extra_c)
-        cuda_call(ops.adam_step_, cuda["p"], cuda["mp"], cuda["g"], cuda["m"], cuda["v"],
-                  cuda["st"], **kw, **extra_g)
+        if step != 2:
+            kw.update(max_grad_norm=1.0)
+        else:  # a plain step: none of the device scalars
+            kw.update(lr_tensor=None, inv_scale=None, found_inf=None)
+        cpu.call("adam_step_", **kw)
+        cuda_call(cuda.call, "adam_step_", **kw)
     # FP32 state: the same formula, only FMA contraction differs.
     tol = state_tol(pdtype, master)
-    assert_same(cuda["m"], cpu["m"], **tol)
-    assert_same(cuda["v"], cpu["v"], **tol)
-    assert_same(cuda["mp"], cpu["mp"], **tol)
+    assert_same(cuda.exp_avgs, cpu.exp_avgs, **tol)
+    assert_same(cuda.exp_avg_sqs, cpu.exp_avg_sqs, **tol)
+    assert_same(cuda.master_params, cpu.master_params, **tol)
     # Low-precision params may differ by one rounding step where FP32 values straddle it.
-    assert_same(cuda["p"], cpu["p"], **({"rtol": 1e-5, "atol": 1e-6}
-                                         if pdtype == torch.float32 else {}))
-    assert_same(cuda["st"], cpu["st"], exact=True)
+    assert_same(cuda.params, cpu.params, **({"rtol": 1e-5, "atol": 1e-6}
+                                            if pdtype == torch.float32 else {}))
+    assert_same(cuda.steps, cpu.steps, exact=True)
     if master:
-        for p, mp in zip(cuda["p"], cuda["mp"]):
+        for p, mp in zip(cuda.params, cuda.master_params):
             assert torch.equal(p, mp.to(pdtype))
 
 
@@ -218,14 +202,13 @@ def test_adam_channels_last_layout():
     g = rand((4, 6, 5, 7), torch.float32, gen).contiguous(memory_format=torch.channels_last)
     res = {}
     for dev in ["cpu", "cuda"]:
-        pp, gg = p.to(dev), g.to(dev)
-        m, v = torch.zeros_like(pp), torch.zeros_like(pp)
-        st = torch.zeros((), device=dev)
+        # Each device starts from its own copy of p (op_inputs copies weights and grads).
+        inp = op_inputs(dev, weights=[p], grads=[g])
         fn = cuda_call if dev == "cuda" else (lambda op, *a, **k: op(*a, **k))
         for _ in range(3):
-            fn(ops.adam_step_, [pp], [], [gg], [m], [v], [st], lr=1e-2, beta1=0.9, beta2=0.999,
-               eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True)
-        res[dev] = pp
+            fn(inp.call, "adam_step_", lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=0.0, decoupled_weight_decay=True)
+        res[dev] = inp.params[0]
     assert res["cuda"].is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(res["cuda"].cpu(), res["cpu"], rtol=1e-5, atol=1e-6)
 
@@ -234,12 +217,13 @@ def test_shared_step_tensor_counts_like_cpu():
     # The CPU adds 1 per list entry; the CUDA follow-up kernel must not lose increments.
     out = {}
     for dev in ["cpu", "cuda"]:
-        ps = [torch.ones(5, device=dev) for _ in range(4)]
-        st = torch.zeros((), device=dev)
+        ones = [torch.ones(5)] * 4
+        inp = op_inputs(dev, weights=ones, grads=ones, moments=False)
+        inp.steps = [torch.zeros((), device=dev)] * 4  # one step tensor for every entry
         fn = cuda_call if dev == "cuda" else (lambda op, *a, **k: op(*a, **k))
-        fn(ops.sgd_step_, ps, [], [torch.ones_like(p) for p in ps], [], [st] * 4, lr=0.1,
-           momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)
-        out[dev] = st.item()
+        fn(inp.call, "sgd_step_", lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+           nesterov=False)
+        out[dev] = inp.steps[0].item()
     assert out["cuda"] == out["cpu"] == 4.0
 
 
@@ -257,26 +241,22 @@ def test_sgd_matches_cpu(pdtype, grad_fp32, master, unaligned):
         gen = torch.Generator().manual_seed(31)
         off = 1 if unaligned else 0
         p32 = [rand(s, torch.float32, gen) for s in SIZES]
-        cpu_p, cuda_p = zip(*[both(p.to(pdtype), off) for p in p32])
-        cpu_mp, cuda_mp = (zip(*[both(p, 2 * off) for p in p32]) if master else ([], []))
-        cpu_b, cuda_b = (zip(*[both(torch.zeros_like(p), 3 * off) for p in p32])
-                         if cfg["momentum"] else ([], []))
-        cpu_st, cuda_st = zip(*[both(torch.zeros(())) for _ in p32])
-        cpu_p, cuda_p, cpu_mp, cuda_mp = list(cpu_p), list(cuda_p), list(cpu_mp), list(cuda_mp)
-        cpu_b, cuda_b, cpu_st, cuda_st = list(cpu_b), list(cuda_b), list(cpu_st), list(cuda_st)
+        inp = op_inputs("cpu", param_dtype=pdtype, master_weights=master, moments=False,
+                        momentum=cfg["momentum"] != 0, weights=p32, grads=[],  # drawn per step
+                        scalars=dict(inv_scale=0.5))
+        offsets = {"params": off, "master_params": 2 * off, "momentum_buffers": 3 * off}
+        cpu, cuda = on_both(inp, offsets)
         for step in range(3):  # step 0 initialises the momentum buffers
             grads = [rand(s, gdtype, gen) for s in SIZES]
-            cpu_g, cuda_g = zip(*[both(g, off) for g in grads])
-            inv_c, inv_g = scalars(0.5)
-            ops.sgd_step_(cpu_p, cpu_mp, list(cpu_g), cpu_b, cpu_st, lr=0.05, maximize=step == 1,
-                          inv_scale=inv_c, **cfg)
-            cuda_call(ops.sgd_step_, cuda_p, cuda_mp, list(cuda_g), cuda_b, cuda_st, lr=0.05,
-                      maximize=step == 1, inv_scale=inv_g, **cfg)
-        assert_same(cuda_b, cpu_b, **state_tol(pdtype, master))
-        assert_same(cuda_mp, cpu_mp, **state_tol(pdtype, master))
-        assert_same(cuda_p, cpu_p, **({"rtol": 1e-5, "atol": 1e-6}
-                                      if pdtype == torch.float32 else {}))
-        assert_same(cuda_st, cpu_st, exact=True)
+            cpu.grads = [place(g, "cpu", off) for g in grads]
+            cuda.grads = [place(g, "cuda", off) for g in grads]
+            cpu.call("sgd_step_", lr=0.05, maximize=step == 1, **cfg)
+            cuda_call(cuda.call, "sgd_step_", lr=0.05, maximize=step == 1, **cfg)
+        assert_same(cuda.momentum_buffers, cpu.momentum_buffers, **state_tol(pdtype, master))
+        assert_same(cuda.master_params, cpu.master_params, **state_tol(pdtype, master))
+        assert_same(cuda.params, cpu.params, **({"rtol": 1e-5, "atol": 1e-6}
+                                                if pdtype == torch.float32 else {}))
+        assert_same(cuda.steps, cpu.steps, exact=True)
 
 
 # ------------------------------------------------------------ many tensors
@@ -289,89 +269,75 @@ def test_more_tensors_than_one_launch_holds():
     p32 = [rand(s, torch.float32, gen) for s in sizes]
     grads = [rand(s, torch.float16, gen, scale=100.0) for s in sizes]
     grads[4321][0] = float("inf")
-    cpu_g, cuda_g = [g.clone() for g in grads], [g.cuda() for g in grads]
+    cpu = op_inputs("cpu", param_dtype=torch.float16, master_weights=True, momentum=True,
+                    weights=p32, grads=grads, scalars=dict(found_inf=0.0, grad_sum_sq=0.0,
+                                                           tensor_flags=0.0, inv_scale=1 / 128.0))
+    cuda = cpu.map(lambda _, t: t.cuda())
 
-    found_c, found_g = scalars(0.0)
-    sq_c, sq_g = scalars(0.0)
-    flags_c, flags_g = torch.zeros(n), torch.zeros(n, device="cuda")
-    ops.grad_stats_(cpu_g, found_c, sq_c, flags_c)
-    cuda_call(ops.grad_stats_, cuda_g, found_g, sq_g, flags_g)
-    assert found_g.item() == 1.0
-    assert torch.nonzero(flags_g).flatten().tolist() == [4321]
-    assert torch.equal(flags_g.cpu(), flags_c)
+    cpu.call("grad_stats_")
+    cuda_call(cuda.call, "grad_stats_")
+    assert cuda.found_inf.item() == 1.0
+    assert torch.nonzero(cuda.tensor_flags).flatten().tolist() == [4321]
+    assert torch.equal(cuda.tensor_flags.cpu(), cpu.tensor_flags)
 
     grads[4321][0] = 1.0
-    cpu_g, cuda_g = [g.clone() for g in grads], [g.cuda() for g in grads]
-    inv_c, inv_g = scalars(1 / 128.0)
-    found_c.zero_()
-    found_g.zero_()
-    ops.unscale_and_check_(cpu_g, found_c, inv_c)
-    cuda_call(ops.unscale_and_check_, cuda_g, found_g, inv_g)
-    assert found_g.item() == found_c.item() == 0.0
-    assert_same(cuda_g, cpu_g, exact=True)
+    cpu.grads, cuda.grads = [g.clone() for g in grads], [g.cuda() for g in grads]
+    cpu.found_inf.zero_()
+    cuda.found_inf.zero_()
+    cpu.call("unscale_and_check_")
+    cuda_call(cuda.call, "unscale_and_check_")
+    assert cuda.found_inf.item() == cpu.found_inf.item() == 0.0
+    assert_same(cuda.grads, cpu.grads, exact=True)
 
-    cpu_p = [p.half() for p in p32]
-    cuda_p = [p.half().cuda() for p in p32]
-    cpu_mp, cuda_mp = [p.clone() for p in p32], [p.cuda() for p in p32]
-    cpu_m, cuda_m = [torch.zeros_like(p) for p in p32], [torch.zeros_like(p).cuda() for p in p32]
-    cpu_v, cuda_v = [torch.zeros_like(p) for p in p32], [torch.zeros_like(p).cuda() for p in p32]
-    cpu_st, cuda_st = [torch.zeros(()) for _ in p32], [torch.zeros((), device="cuda") for _ in p32]
-    for _ in range(2):
-        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                  decoupled_weight_decay=True)
-        ops.adam_step_(cpu_p, cpu_mp, cpu_g, cpu_m, cpu_v, cpu_st, **kw, found_inf=found_c)
-        cuda_call(ops.adam_step_, cuda_p, cuda_mp, cuda_g, cuda_m, cuda_v, cuda_st, **kw,
-                  found_inf=found_g)
-    assert_same(cuda_mp, cpu_mp, rtol=1e-5, atol=1e-6)
-    assert_same(cuda_m, cpu_m, rtol=1e-5, atol=1e-7)
-    assert_same(cuda_p, cpu_p)
-    assert torch.stack(cuda_st).eq(2).all()
+    for _ in range(2):  # the grads are unscaled already: found_inf only
+        cpu.call("adam_step_", inv_scale=None)
+        cuda_call(cuda.call, "adam_step_", inv_scale=None)
+    assert_same(cuda.master_params, cpu.master_params, rtol=1e-5, atol=1e-6)
+    assert_same(cuda.exp_avgs, cpu.exp_avgs, rtol=1e-5, atol=1e-7)
+    assert_same(cuda.params, cpu.params)
+    assert torch.stack(cuda.steps).eq(2).all()
 
-    bufs_c = [torch.zeros_like(p) for p in p32]
-    bufs_g = [b.cuda() for b in bufs_c]
-    sgd_kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
-    ops.sgd_step_(cpu_p, cpu_mp, cpu_g, bufs_c, cpu_st, **sgd_kw)
-    cuda_call(ops.sgd_step_, cuda_p, cuda_mp, cuda_g, bufs_g, cuda_st, **sgd_kw)
-    assert_same(bufs_g, bufs_c, rtol=1e-5, atol=1e-6)
-    assert_same(cuda_mp, cpu_mp, rtol=1e-5, atol=1e-6)
-    assert torch.stack(cuda_st).eq(3).all()
+    sgd_kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+                  inv_scale=None, found_inf=None)
+    cpu.call("sgd_step_", **sgd_kw)
+    cuda_call(cuda.call, "sgd_step_", **sgd_kw)
+    assert_same(cuda.momentum_buffers, cpu.momentum_buffers, rtol=1e-5, atol=1e-6)
+    assert_same(cuda.master_params, cpu.master_params, rtol=1e-5, atol=1e-6)
+    assert torch.stack(cuda.steps).eq(3).all()
 
 
 # ------------------------------------------------------------ update_scale_
 def test_update_scale_matches_cpu_and_torch():
     gen = torch.Generator().manual_seed(3)
     seq = (torch.rand(500, generator=gen) < 0.2).tolist()
-    st = {}
-    for dev in ["cpu", "cuda"]:
-        st[dev] = (torch.full((1,), 2.0 ** 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
-                   torch.full((1,), 2, dtype=torch.int32, device=dev))
+    st = {dev: op_inputs(dev, [], loss_scale=2.0 ** 16, hysteresis=2) for dev in ["cpu", "cuda"]}
     founds = {dev: [torch.full((1,), float(f), device=dev) for f in seq] for dev in st}
-    ref = (torch.full((1,), 2.0 ** 16, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"))
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=7, hysteresis=2,
+              min_scale=1.0, max_scale=2.0 ** 20)
     for i in range(len(seq)):
-        ops.update_scale_(*st["cpu"], founds["cpu"][i], 2.0, 0.5, 7, 2, 1.0, 2.0 ** 20)
-        cuda_call(ops.update_scale_, *st["cuda"], founds["cuda"][i], 2.0, 0.5, 7, 2, 1.0, 2.0 ** 20)
-    for a, b in zip(st["cuda"], st["cpu"]):
-        assert torch.equal(a.cpu(), b)
+        st["cpu"].call("update_scale_", found_inf=founds["cpu"][i], **kw)
+        cuda_call(st["cuda"].call, "update_scale_", found_inf=founds["cuda"][i], **kw)
+    for (name, a), (_, b) in zip(st["cuda"].named_tensors(), st["cpu"].named_tensors()):
+        assert torch.equal(a.cpu(), b), name
     # hysteresis 1, no bounds, non-power-of-two factors: torch's CUDA kernel, bit for bit.
-    mine = (torch.full((1,), 2.0 ** 16, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
-            torch.ones(1, dtype=torch.int32, device="cuda"))
+    mine, ref = (op_inputs("cuda", [], loss_scale=2.0 ** 16) for _ in range(2))
     for i in range(len(seq)):
-        cuda_call(ops.update_scale_, *mine, founds["cuda"][i], 1.7, 0.3, 3)
-        torch._amp_update_scale_(ref[0], ref[1], founds["cuda"][i], 1.7, 0.3, 3)
-    assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1])
+        cuda_call(mine.call, "update_scale_", found_inf=founds["cuda"][i], growth_factor=1.7,
+                  backoff_factor=0.3, growth_interval=3)
+        torch._amp_update_scale_(ref.scale, ref.growth_tracker, founds["cuda"][i], 1.7, 0.3, 3)
+    assert torch.equal(mine.scale, ref.scale)
+    assert torch.equal(mine.growth_tracker, ref.growth_tracker)
 
 
 # ------------------------------------------------------------ devices and streams
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_runs_on_the_tensors_device():
-    p = torch.randn(1000, device="cuda:1")
-    ref = p.cpu()
-    g = torch.randn(1000, device="cuda:1")
-    st = torch.zeros((), device="cuda:1")
+    inp = op_inputs("cuda:1", [(1000,)], moments=False)
+    ref = inp.params[0].cpu()
     with torch.cuda.device(0):
-        cuda_call(ops.sgd_step_, [p], [], [g], [], [st], lr=0.5, momentum=0.0, dampening=0.0,
-                  weight_decay=0.0, nesterov=False)
-    torch.testing.assert_close(p.cpu(), ref - 0.5 * g.cpu())
+        cuda_call(inp.call, "sgd_step_", lr=0.5, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                  nesterov=False)
+    torch.testing.assert_close(inp.params[0].cpu(), ref - 0.5 * inp.grads[0].cpu())
 
 
 def test_runs_on_the_current_stream():
@@ -391,44 +357,33 @@ def test_runs_on_the_current_stream():
 # ------------------------------------------------------------ CUDA graphs
 def _make_state(gen, pdtype):
     sizes = [(1000,), (33, 17), (32769,), (5,)]
-    p32 = [rand(s, torch.float32, gen).cuda() for s in sizes]
-    return dict(
-        p=[p.to(pdtype) for p in p32], mp=[p.clone() for p in p32],
-        g=[torch.zeros(s, dtype=pdtype, device="cuda") for s in sizes],
-        m=[torch.zeros_like(p) for p in p32], v=[torch.zeros_like(p) for p in p32],
-        st=[torch.zeros((), device="cuda") for _ in p32],
-        scale=torch.full((1,), 2.0 ** 10, device="cuda"),
-        gt=torch.zeros(1, dtype=torch.int32, device="cuda"),
-        ht=torch.ones(1, dtype=torch.int32, device="cuda"),
-        found=torch.zeros(1, device="cuda"), sq=torch.zeros(1, device="cuda"),
-        inv=torch.ones(1, device="cuda"), lr=torch.full((1,), 1e-3, device="cuda"),
-        flags=torch.zeros(len(sizes), device="cuda"))
+    return op_inputs("cuda", param_dtype=pdtype, master_weights=True,
+                     weights=[rand(s, torch.float32, gen) for s in sizes],
+                     grads=[torch.zeros(s, dtype=pdtype) for s in sizes], loss_scale=2.0 ** 10,
+                     scalars=dict(found_inf=0.0, grad_sum_sq=0.0, inv_scale=1.0, lr_tensor=1e-3,
+                                  tensor_flags=0.0))
 
 
 def _step(s):
     """One whole training step after backward, all on the device."""
-    s["found"].zero_()
-    s["sq"].zero_()
-    torch.reciprocal(s["scale"], out=s["inv"])
-    ops.grad_stats_(s["g"], s["found"], s["sq"], s["flags"])
-    ops.adam_step_(s["p"], s["mp"], s["g"], s["m"], s["v"], s["st"], lr=0.0, beta1=0.9,
-                   beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
-                   lr_tensor=s["lr"], inv_scale=s["inv"], found_inf=s["found"],
-                   grad_sum_sq=s["sq"], max_grad_norm=5.0)
-    ops.update_scale_(s["scale"], s["gt"], s["ht"], s["found"], 2.0, 0.5, 3)
+    s.found_inf.zero_()
+    s.grad_sum_sq.zero_()
+    torch.reciprocal(s.scale, out=s.inv_scale)
+    s.call("grad_stats_")
+    s.call("adam_step_", lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+           decoupled_weight_decay=True, max_grad_norm=5.0)
+    s.call("update_scale_", growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
 
 @pytest.mark.parametrize("pdtype", LOW, ids=dtype_id)
 def test_whole_step_in_a_cuda_graph_equals_eager(pdtype):
     gen = torch.Generator().manual_seed(51)
     eager = _make_state(gen, pdtype)
-    graphed = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
-               for k, v in eager.items()}
+    graphed = eager.map(lambda _, t: t.clone())
 
     # Warm up on a side stream with throwaway copies (module loading, allocator), as torch
     # recommends before capturing.
-    scratch = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
-               for k, v in eager.items()}
+    scratch = eager.map(lambda _, t: t.clone())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -443,25 +398,23 @@ def test_whole_step_in_a_cuda_graph_equals_eager(pdtype):
 
     for it in range(12):
         grads = [rand(t.shape, torch.float32, gen, scale=2.0 ** 10).to(pdtype).cuda()
-                 for t in eager["g"]]
+                 for t in eager.grads]
         if it in (4, 5):
             grads[2].view(-1)[7] = float("inf")  # skipped steps: scale backs off
         lr = 1e-3 * (0.9 ** it)
         for s in (eager, graphed):
-            for dst, src in zip(s["g"], grads):
+            for dst, src in zip(s.grads, grads):
                 dst.copy_(src)
-            s["lr"].fill_(lr)
+            s.lr_tensor.fill_(lr)
         with sync_forbidden():
             _step(eager)
         graph.replay()
     torch.cuda.synchronize()
 
-    for k in eager:
-        a, b = eager[k], graphed[k]
-        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
-            assert torch.equal(x, y), k  # deterministic kernels: bit-identical
+    for (name, x), (_, y) in zip(eager.named_tensors(), graphed.named_tensors()):
+        assert torch.equal(x, y), name  # deterministic kernels: bit-identical
     # growth every 3 clean steps, backoff on steps 4 and 5: 1024 -> 2048 -> 1024 -> 512 ->
     # 1024 -> 2048
-    assert eager["scale"].item() == 2048.0
-    assert eager["flags"].tolist() == [0.0, 0.0, 1.0, 0.0]
-    assert all(s.item() == 10.0 for s in eager["st"])  # 12 steps, 2 skipped
+    assert eager.scale.item() == 2048.0
+    assert eager.tensor_flags.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert all(s.item() == 10.0 for s in eager.steps)  # 12 steps, 2 skipped

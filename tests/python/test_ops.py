@@ -7,6 +7,7 @@ import torch
 from op_helpers import (LOW, adam_reference_fp64, assert_bitwise_equal, max_abs_diff,
                         max_rel_error, ops, randn_list, scale_model, scalar, sgd_reference_fp64,
                         snapshot)
+from op_inputs import op_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -19,19 +20,20 @@ def _tag(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("poison", [None, "inf", "nan", "-inf"])
 def test_unscale_and_check_matches_torch(device, dtype, poison, record_diff):
-    grads = randn_list(device, dtype, scale=100.0, seed=1)
+    # inv_scale not a power of two: exercises rounding
+    inp = op_inputs(device, grads=randn_list(device, dtype, scale=100.0, seed=1),
+                    scalars=dict(inv_scale=1 / 1024.0 * 3, found_inf=0.0))
     if poison:
-        grads[4][517] = float(poison)
-    ref = [g.clone() for g in grads]
-    inv = scalar(1 / 1024.0 * 3, device)  # not a power of two: exercises rounding
-    found, found_ref = scalar(0.0, device), scalar(0.0, device)
-    ops.unscale_and_check_(grads, found, inv)
-    torch._amp_foreach_non_finite_check_and_unscale_(ref, found_ref, inv)
-    assert found.item() == found_ref.item() == (1.0 if poison else 0.0)
-    for g, r in zip(grads, ref):
+        inp.grads[4][517] = float(poison)
+    ref = [g.clone() for g in inp.grads]
+    found_ref = scalar(0.0, device)
+    inp.call("unscale_and_check_")
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, found_ref, inp.inv_scale)
+    assert inp.found_inf.item() == found_ref.item() == (1.0 if poison else 0.0)
+    for g, r in zip(inp.grads, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
     record_diff(f"unscale_and_check_ vs torch ({_tag(dtype)})", max_abs_diff(
-        [g.nan_to_num() for g in grads], [r.nan_to_num() for r in ref]))
+        [g.nan_to_num() for g in inp.grads], [r.nan_to_num() for r in ref]))
 
 
 def test_unscale_never_resets_found_inf(device):
@@ -55,16 +57,16 @@ def test_unscale_mixed_dtypes_and_empty_list(device):
 # ---------------------------------------------------------------- grad_stats_
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grad_stats_sum_of_squares(device, dtype, record_diff):
-    grads = randn_list(device, dtype, scale=3.0, seed=2)
-    found, sq = scalar(0.0, device), scalar(5.0, device)  # sum_sq accumulates
-    flags = torch.zeros(len(grads), device=device)
-    before = snapshot(grads)
-    ops.grad_stats_(grads, found, sq, flags)
-    assert_bitwise_equal(before, snapshot(grads))  # read-only
-    ref = 5.0 + sum((g.double() ** 2).sum().item() for g in grads)
-    rel = abs(sq.item() - ref) / ref
+    inp = op_inputs(device, grads=randn_list(device, dtype, scale=3.0, seed=2),
+                    scalars=dict(found_inf=0.0, grad_sum_sq=5.0,  # sum_sq accumulates
+                                 tensor_flags=0.0))
+    before = snapshot(inp.grads)
+    inp.call("grad_stats_")
+    assert_bitwise_equal(before, snapshot(inp.grads))  # read-only
+    ref = 5.0 + sum((g.double() ** 2).sum().item() for g in inp.grads)
+    rel = abs(inp.grad_sum_sq.item() - ref) / ref
     assert rel < 1e-5, rel
-    assert found.item() == 0.0 and flags.sum().item() == 0
+    assert inp.found_inf.item() == 0.0 and inp.tensor_flags.sum().item() == 0
     record_diff(f"grad_stats_ sum_sq rel. error vs fp64 ({_tag(dtype)})", rel)
 
 
@@ -84,14 +86,13 @@ def test_grad_stats_fp16_scaled_to_2_24(device, record_diff):
 
 @pytest.mark.parametrize("poison", ["inf", "nan"])
 def test_grad_stats_flags_which_tensor(device, poison):
-    grads = randn_list(device, torch.float16, seed=3)
-    grads[2][3] = float(poison)
-    grads[6][40000] = float(poison)  # the last element of the last chunk
-    found, sq = scalar(0.0, device), scalar(0.0, device)
-    flags = torch.zeros(len(grads), device=device)
-    ops.grad_stats_(grads, found, sq, flags)
-    assert found.item() == 1.0
-    assert flags.tolist() == [0, 0, 1, 0, 0, 0, 1]
+    inp = op_inputs(device, grads=randn_list(device, torch.float16, seed=3),
+                    scalars=dict(found_inf=0.0, grad_sum_sq=0.0, tensor_flags=0.0))
+    inp.grads[2][3] = float(poison)
+    inp.grads[6][40000] = float(poison)  # the last element of the last chunk
+    inp.call("grad_stats_")
+    assert inp.found_inf.item() == 1.0
+    assert inp.tensor_flags.tolist() == [0, 0, 1, 0, 0, 0, 1]
 
 
 # ---------------------------------------------------------------- update_scale_
@@ -102,16 +103,14 @@ def test_update_scale_matches_torch(device, interval, factors):
     gen = torch.Generator().manual_seed(interval)
     found_seq = (torch.rand(3000, generator=gen) < 0.15).tolist()
     found_seq[100:140] = [True] * 40  # a long overflow burst drives the scale down hard
-    scale, ref_scale = scalar(2.0 ** 16, device), scalar(2.0 ** 16, device)
-    gt = torch.zeros(1, dtype=torch.int32, device=device)
-    ref_gt = gt.clone()
-    ht = torch.ones(1, dtype=torch.int32, device=device)
+    mine, ref = (op_inputs(device, [], loss_scale=2.0 ** 16) for _ in range(2))
     for i, f in enumerate(found_seq):
         fi = scalar(float(f), device)
-        ops.update_scale_(scale, gt, ht, fi, growth, backoff, interval)
-        torch._amp_update_scale_(ref_scale, ref_gt, fi, growth, backoff, interval)
-        assert scale.item() == ref_scale.item(), (i, scale.item(), ref_scale.item())
-        assert gt.item() == ref_gt.item()
+        mine.call("update_scale_", found_inf=fi, growth_factor=growth, backoff_factor=backoff,
+                  growth_interval=interval)
+        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, growth, backoff, interval)
+        assert mine.scale.item() == ref.scale.item(), (i, mine.scale.item(), ref.scale.item())
+        assert mine.growth_tracker.item() == ref.growth_tracker.item()
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2, 4])
@@ -122,80 +121,71 @@ def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
     found_seq = (torch.rand(2000, generator=gen) < 0.3).tolist()
     found_seq[500:560] = [True] * 60
     found_seq[800:900] = [False] * 100
-    scale = scalar(2.0 ** 16, device)
-    gt = torch.zeros(1, dtype=torch.int32, device=device)
-    ht = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
+    inp = op_inputs(device, [], loss_scale=2.0 ** 16, hysteresis=hysteresis)
     model = scale_model(found_seq, 2.0 ** 16, 2.0, 0.5, 5, hysteresis, min_scale, max_scale)
     for i, (f, (s, g, h)) in enumerate(zip(found_seq, model)):
-        ops.update_scale_(scale, gt, ht, scalar(float(f), device), 2.0, 0.5, 5, hysteresis,
-                          min_scale, max_scale)
-        assert (scale.item(), gt.item(), ht.item()) == (s, g, h), i
+        inp.call("update_scale_", found_inf=scalar(float(f), device), growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=5, hysteresis=hysteresis,
+                 min_scale=min_scale, max_scale=max_scale)
+        scale = inp.scale.item()
+        assert (scale, inp.growth_tracker.item(), inp.hysteresis_tracker.item()) == (s, g, h), i
         if min_scale is not None:
-            assert scale.item() >= min_scale
+            assert scale >= min_scale
         if max_scale is not None:
-            assert scale.item() <= max_scale
+            assert scale <= max_scale
 
 
 def test_hysteresis_tolerates_isolated_overflows(device):
-    scale = scalar(1024.0, device)
-    gt = torch.zeros(1, dtype=torch.int32, device=device)
-    ht = torch.full((1,), 3, dtype=torch.int32, device=device)
+    inp = op_inputs(device, [], loss_scale=1024.0, hysteresis=3)
     for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row
-        ops.update_scale_(scale, gt, ht, scalar(float(f), device), 2.0, 0.5, 1000, 3)
-    assert scale.item() == 1024.0
+        inp.call("update_scale_", found_inf=scalar(float(f), device), growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
+    assert inp.scale.item() == 1024.0
     for _ in range(3):
-        ops.update_scale_(scale, gt, ht, scalar(1.0, device), 2.0, 0.5, 1000, 3)
-    assert scale.item() == 512.0
+        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
+    assert inp.scale.item() == 512.0
 
 
 # ---------------------------------------------------------------- adam_step_ (FP32 vs torch)
-def _adam_state(params):
-    return ([torch.zeros_like(p, dtype=torch.float32) for p in params],
-            [torch.zeros_like(p, dtype=torch.float32) for p in params],
-            [torch.zeros((), device=p.device) for p in params])
-
-
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("wd,maximize", [(0.0, False), (0.05, False), (0.01, True)])
 def test_adam_fp32_matches_torch(device, decoupled, wd, maximize, record_diff):
-    params = randn_list(device, seed=4)
-    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    inp = op_inputs(device, seed=4)
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     opt = cls(ref, lr=3e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=wd, maximize=maximize,
               foreach=False)
-    m, v, steps = _adam_state(params)
     for step in range(60):
-        grads = randn_list(device, seed=100 + step)
-        for r, g in zip(ref, grads):
+        inp.grads = randn_list(device, seed=100 + step)
+        for r, g in zip(ref, inp.grads):
             r.grad = g.clone()
         opt.step()
-        ops.adam_step_(params, [], grads, m, v, steps, lr=3e-3, beta1=0.85, beta2=0.99, eps=1e-7,
-                       weight_decay=wd, decoupled_weight_decay=decoupled, maximize=maximize)
-    diff = max_abs_diff(params, [r.detach() for r in ref])
+        inp.call("adam_step_", lr=3e-3, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=wd,
+                 decoupled_weight_decay=decoupled, maximize=maximize)
+    diff = max_abs_diff(inp.params, [r.detach() for r in ref])
     record_diff(f"adam_step_ fp32 vs torch.optim.{cls.__name__}", diff)
-    for p, r in zip(params, ref):
+    for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
-    for s in steps:
+    for s in inp.steps:
         assert s.item() == 60.0
 
 
 def test_adam_lr_tensor_follows_schedule(device):
-    params = randn_list(device, seed=5, sizes=[(100,), (33,)])
-    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    inp = op_inputs(device, [(100,), (33,)], seed=5, scalars=dict(lr_tensor=1e-2))
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
     opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    m, v, steps = _adam_state(params)
-    lr_t = scalar(1e-2, device)
     for step in range(12):
-        grads = randn_list(device, seed=200 + step, sizes=[(100,), (33,)])
-        for r, g in zip(ref, grads):
+        inp.grads = randn_list(device, seed=200 + step, sizes=[(100,), (33,)])
+        for r, g in zip(ref, inp.grads):
             r.grad = g.clone()
-        lr_t.fill_(opt.param_groups[0]["lr"])
+        inp.lr_tensor.fill_(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-        ops.adam_step_(params, [], grads, m, v, steps, lr=123.0, beta1=0.9, beta2=0.999,
-                       eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True, lr_tensor=lr_t)
-    for p, r in zip(params, ref):
+        inp.call("adam_step_", lr=123.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 decoupled_weight_decay=True)
+    for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -204,22 +194,20 @@ def test_adam_lr_tensor_follows_schedule(device):
                                                          (0.9, 0.1, False), (0.8, 0.0, True)])
 @pytest.mark.parametrize("wd,maximize", [(0.0, False), (1e-3, True)])
 def test_sgd_fp32_matches_torch(device, momentum, dampening, nesterov, wd, maximize, record_diff):
-    params = randn_list(device, seed=6)
-    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    inp = op_inputs(device, seed=6, moments=False, momentum=momentum != 0)
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
     opt = torch.optim.SGD(ref, lr=0.05, momentum=momentum, dampening=dampening, nesterov=nesterov,
                           weight_decay=wd, maximize=maximize, foreach=False)
-    bufs = [torch.zeros_like(p) for p in params] if momentum else []
-    steps = [torch.zeros((), device=device) for _ in params]
     for step in range(60):
-        grads = randn_list(device, seed=300 + step)
-        for r, g in zip(ref, grads):
+        inp.grads = randn_list(device, seed=300 + step)
+        for r, g in zip(ref, inp.grads):
             r.grad = g.clone()
         opt.step()
-        ops.sgd_step_(params, [], grads, bufs, steps, lr=0.05, momentum=momentum,
-                      dampening=dampening, weight_decay=wd, nesterov=nesterov, maximize=maximize)
-    diff = max_abs_diff(params, [r.detach() for r in ref])
+        inp.call("sgd_step_", lr=0.05, momentum=momentum, dampening=dampening, weight_decay=wd,
+                 nesterov=nesterov, maximize=maximize)
+    diff = max_abs_diff(inp.params, [r.detach() for r in ref])
     record_diff("sgd_step_ fp32 vs torch.optim.SGD", diff)
-    for p, r in zip(params, ref):
+    for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -231,40 +219,39 @@ def test_adam_master_weights_track_fp64(device, low, grad_fp32, record_diff):
     same algorithm on the same (rounded) gradients. The tolerance is tied to what FP32 can do:
     torch.optim.AdamW in FP32 on the same gradients, measured against the same FP64 run."""
     dtype = LOW[low]
+    loss_scale = 2.0 ** 12
     init = randn_list("cpu", torch.float32, seed=7)
-    master = [p.clone().to(device) for p in init]
-    params = [p.to(dtype).to(device) for p in init]
-    m, v, steps = _adam_state(params)
+    inp = op_inputs(device, param_dtype=dtype, master_weights=True, weights=init,
+                    scalars=dict(inv_scale=1 / loss_scale, found_inf=0.0, grad_sum_sq=0.0))
     torch32 = [torch.nn.Parameter(p.clone()) for p in init]
     opt32 = torch.optim.AdamW(torch32, lr=1e-3, weight_decay=0.01, foreach=False)
     ref_p = [p.double() for p in init]
     ref_m = [torch.zeros_like(p) for p in ref_p]
     ref_v = [torch.zeros_like(p) for p in ref_p]
-    loss_scale = 2.0 ** 12
     for step in range(1, 51):
         true_grads = randn_list("cpu", torch.float64, seed=400 + step, scale=1e-3)
         gdtype = torch.float32 if grad_fp32 else dtype
         grads = [(g * loss_scale).to(gdtype) for g in true_grads]  # what backward produces
-        found, sq = scalar(0.0, device), scalar(0.0, device)
-        dev_grads = [g.to(device) for g in grads]
-        ops.grad_stats_(dev_grads, found, sq)
-        ops.adam_step_(params, master, dev_grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.999,
-                       eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
-                       inv_scale=scalar(1 / loss_scale, device), found_inf=found)
+        inp.found_inf.zero_()
+        inp.grad_sum_sq.zero_()
+        inp.grads = [g.to(device) for g in grads]
+        inp.call("grad_stats_")
+        inp.call("adam_step_", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                 decoupled_weight_decay=True)
         for p, mm, vv, g in zip(ref_p, ref_m, ref_v, grads):
             adam_reference_fp64(p, mm, vv, g.double() / loss_scale, step, 1e-3, 0.9, 0.999, 1e-8,
                                 0.01, True)
         for p, g in zip(torch32, grads):
             p.grad = g.float() / loss_scale
         opt32.step()
-    rel = max_rel_error(master, ref_p)
+    rel = max_rel_error(inp.master_params, ref_p)
     torch_rel = max_rel_error([p.detach() for p in torch32], ref_p)
     record_diff(f"adam_step_ master ({low} params) vs fp64, 50 steps [rel]", rel)
     record_diff(f"  torch.optim.AdamW fp32 vs the same fp64 run [rel]", torch_rel)
     record_diff(f"adam_step_ master ({low} params) vs fp64, 50 steps [abs]",
-                max_abs_diff(master, ref_p))
+                max_abs_diff(inp.master_params, ref_p))
     assert rel <= 2 * torch_rel + 1e-7, (rel, torch_rel)
-    for p, mp in zip(params, master):
+    for p, mp in zip(inp.params, inp.master_params):
         assert torch.equal(p, mp.to(dtype))  # model weights are the rounded master weights
 
 
@@ -272,10 +259,8 @@ def test_adam_master_weights_track_fp64(device, low, grad_fp32, record_diff):
 def test_sgd_master_weights_track_fp64(device, low, record_diff):
     dtype = LOW[low]
     init = randn_list("cpu", torch.float32, seed=8)
-    master = [p.clone().to(device) for p in init]
-    params = [p.to(dtype).to(device) for p in init]
-    bufs = [torch.zeros_like(p) for p in master]
-    steps = [torch.zeros((), device=device) for _ in params]
+    inp = op_inputs(device, param_dtype=dtype, master_weights=True, moments=False, momentum=True,
+                    weights=init)
     torch32 = [torch.nn.Parameter(p.clone()) for p in init]
     opt32 = torch.optim.SGD(torch32, lr=1e-3, momentum=0.9, weight_decay=1e-4, nesterov=True,
                             foreach=False)
@@ -283,19 +268,20 @@ def test_sgd_master_weights_track_fp64(device, low, record_diff):
     ref_b = [torch.zeros_like(p) for p in ref_p]
     for step in range(50):
         grads = [g.to(dtype) for g in randn_list("cpu", torch.float32, seed=500 + step)]
-        ops.sgd_step_(params, master, [g.to(device) for g in grads], bufs, steps, lr=1e-3,
-                      momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True)
+        inp.grads = [g.to(device) for g in grads]
+        inp.call("sgd_step_", lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=1e-4,
+                 nesterov=True)
         for p, b, g in zip(ref_p, ref_b, grads):
             sgd_reference_fp64(p, b, g.double(), step == 0, 1e-3, 0.9, 0.0, 1e-4, True)
         for p, g in zip(torch32, grads):
             p.grad = g.float()
         opt32.step()
-    rel = max_rel_error(master, ref_p)
+    rel = max_rel_error(inp.master_params, ref_p)
     torch_rel = max_rel_error([p.detach() for p in torch32], ref_p)
     record_diff(f"sgd_step_ master ({low} params) vs fp64, 50 steps [rel]", rel)
     record_diff(f"  torch.optim.SGD fp32 vs the same fp64 run [rel]", torch_rel)
     assert rel <= 2 * torch_rel + 1e-7, (rel, torch_rel)
-    for p, mp in zip(params, master):
+    for p, mp in zip(inp.params, inp.master_params):
         assert torch.equal(p, mp.to(dtype))
 
 
@@ -303,26 +289,25 @@ def test_sgd_master_weights_track_fp64(device, low, record_diff):
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 @pytest.mark.parametrize("loss_scale", [1.0, 2.0 ** 10])
 def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_diff):
-    params = randn_list(device, seed=9)
-    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    inp = op_inputs(device, seed=9,
+                    scalars=dict(inv_scale=1 / loss_scale, found_inf=0.0, grad_sum_sq=0.0))
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
     opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
-    m, v, steps = _adam_state(params)
     for step in range(20):
         grads = randn_list(device, seed=600 + step)
-        scaled = [g * loss_scale for g in grads]
-        for r, g in zip(ref, scaled):
+        inp.grads = [g * loss_scale for g in grads]
+        for r, g in zip(ref, inp.grads):
             r.grad = g.clone() / loss_scale
         torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
         opt.step()
-        found, sq = scalar(0.0, device), scalar(0.0, device)
-        ops.grad_stats_(scaled, found, sq)
-        ops.adam_step_(params, [], scaled, m, v, steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=1e-2, decoupled_weight_decay=True,
-                       inv_scale=scalar(1 / loss_scale, device), found_inf=found, grad_sum_sq=sq,
-                       max_grad_norm=max_norm)
-    diff = max_abs_diff(params, [r.detach() for r in ref])
+        inp.found_inf.zero_()
+        inp.grad_sum_sq.zero_()
+        inp.call("grad_stats_")
+        inp.call("adam_step_", lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 decoupled_weight_decay=True, max_grad_norm=max_norm)
+    diff = max_abs_diff(inp.params, [r.detach() for r in ref])
     record_diff("adam_step_ + fused clipping vs clip_grad_norm_ + AdamW (fp32)", diff)
-    for p, r in zip(params, ref):
+    for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=2e-5, atol=2e-6)
 
 
@@ -331,27 +316,29 @@ def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_di
 @pytest.mark.parametrize("poison", ["inf", "nan"])
 def test_skipped_step_is_bitwise_noop(device, low, poison):
     dtype = LOW.get(low, torch.float32)
-    master = randn_list(device, seed=10)
-    params = [p.to(dtype, copy=True) for p in master]
-    m, v, steps = _adam_state(params)
-    bufs = [torch.randn_like(p) for p in master]
-    sgd_steps = [torch.full((), 3.0, device=device) for _ in params]
-    for s in steps:
+    inp = op_inputs(device, param_dtype=dtype, master_weights=True, momentum=True, seed=10,
+                    grads=randn_list(device, dtype, seed=11),
+                    scalars=dict(inv_scale=0.5, found_inf=0.0, grad_sum_sq=0.0))
+    inp.momentum_buffers = [torch.randn_like(p) for p in inp.master_params]
+    sgd_steps = [torch.full((), 3.0, device=device) for _ in inp.params]
+    for s in inp.steps:
         s.fill_(7.0)
-    m = [torch.randn_like(x) for x in m]
-    v = [torch.rand_like(x) for x in v]
-    grads = randn_list(device, dtype, seed=11)
-    grads[5][17] = float(poison)
-    found, sq = scalar(0.0, device), scalar(0.0, device)
-    ops.grad_stats_(grads, found, sq)
-    assert found.item() == 1.0
-    before = snapshot(params, master, m, v, steps, bufs, sgd_steps, grads)
-    ops.adam_step_(params, master, grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                   weight_decay=0.1, decoupled_weight_decay=True, inv_scale=scalar(0.5, device),
-                   found_inf=found, grad_sum_sq=sq, max_grad_norm=1.0)
-    ops.sgd_step_(params, master, grads, bufs, sgd_steps, lr=0.1, momentum=0.9, dampening=0.0,
-                  weight_decay=0.1, nesterov=False, inv_scale=scalar(0.5, device), found_inf=found)
-    assert_bitwise_equal(before, snapshot(params, master, m, v, steps, bufs, sgd_steps, grads))
+    inp.exp_avgs = [torch.randn_like(x) for x in inp.exp_avgs]
+    inp.exp_avg_sqs = [torch.rand_like(x) for x in inp.exp_avg_sqs]
+    inp.grads[5][17] = float(poison)
+    inp.call("grad_stats_")
+    assert inp.found_inf.item() == 1.0
+
+    def state():
+        return snapshot(inp.params, inp.master_params, inp.exp_avgs, inp.exp_avg_sqs, inp.steps,
+                        inp.momentum_buffers, sgd_steps, inp.grads)
+
+    before = state()
+    inp.call("adam_step_", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+             decoupled_weight_decay=True, max_grad_norm=1.0)
+    inp.call("sgd_step_", steps=sgd_steps, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.1,
+             nesterov=False)
+    assert_bitwise_equal(before, state())
 
 
 def test_empty_lists_are_noops(device):
