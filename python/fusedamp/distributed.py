@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._library import _C
 from .flat_shard import FlatShard
-from .optim import amp_handover, closure_loss, pack_param_groups
+from .optim import StepResults, amp_handover, closure_loss, pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
@@ -37,7 +37,7 @@ def optimizer_state_bytes(optimizer) -> int:
                for v in s.values() if isinstance(v, torch.Tensor))
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StepResults, torch.optim.Optimizer):
     """ZeRO stage-1 AdamW/Adam/SGD with FP32 master weights over ``process_group``.
 
     ``ShardedOptimizer(params, optimizer="adamw", process_group=None, *, lr=1e-3,
@@ -108,12 +108,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     world_size = property(lambda self: self._world)
     rank = property(lambda self: self._rank)
-    last_step_applied = property(lambda self: self._engine.last_step_applied(),
-                                 doc="1.0 if the last step was applied (every rank), 0.0 if not")
-    skipped_steps = property(lambda self: self._engine.skipped_steps(),
-                             doc="Number of skipped steps (device int64 tensor)")
-    grad_sum_sq = property(lambda self: self._engine.grad_sum_sq(),
-                           doc="Global sum of squares of the last step's (scaled) gradients")
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (master weights, moments and step counts of

@@ -27,10 +27,30 @@ import torch
 from ._library import _C
 from .diagnostics import History
 
-__all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer"]
+__all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class StepResults:
+    """What an optimizer over the engine (``self._engine``) tells of its last step: device
+    tensors, read on the host only when the caller chooses to."""
+
+    @property
+    def last_step_applied(self):
+        """1.0 if the last step was applied (on every rank), 0.0 if skipped; None before."""
+        return self._engine.last_step_applied()
+
+    @property
+    def skipped_steps(self):
+        """Number of skipped steps (int64); None before the first step."""
+        return self._engine.skipped_steps()
+
+    @property
+    def grad_sum_sq(self):
+        """Sum of squares of the last step's (scaled) gradients, over all groups (and ranks)."""
+        return self._engine.grad_sum_sq()
+
+
+class FusedOptimizer(StepResults, torch.optim.Optimizer):
     """Common machinery; see AdamW, Adam and SGD."""
 
     _engine_cls = None  # set by subclasses
@@ -94,22 +114,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         first (one synchronisation). Steps after an explicit scaler.unscale_() without
         clipping are not recorded (no norm pass ran)."""
         return self._grad_norms.values()
-
-    # ---- step accounting (device tensors; reading them is the caller's choice) ---------
-    @property
-    def last_step_applied(self):
-        """1.0 if the last step was applied, 0.0 if skipped (device tensor; None before)."""
-        return self._engine.last_step_applied()
-
-    @property
-    def skipped_steps(self):
-        """Number of skipped steps (device int64 tensor; None before the first step)."""
-        return self._engine.skipped_steps()
-
-    @property
-    def grad_sum_sq(self):
-        """Sum of squares of the last step's (scaled) gradients (device tensor)."""
-        return self._engine.grad_sum_sq()
 
     # ---- state ----------------------------------------------------------------------
     @property
