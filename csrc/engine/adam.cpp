@@ -57,6 +57,8 @@ struct AlgorithmOf<AdamOptions> {
       o.betas(std::make_tuple(std::get<0>(o.betas()), v));
     } else if (name == "eps") {
       o.eps(v);
+    } else if (name == "decoupled_weight_decay") {
+      o.decoupled_weight_decay(v != 0.0);
     } else {
       return false;
     }
@@ -67,6 +69,7 @@ struct AlgorithmOf<AdamOptions> {
     if (name == "beta1") return std::get<0>(o.betas());
     if (name == "beta2") return std::get<1>(o.betas());
     if (name == "eps") return o.eps();
+    if (name == "decoupled_weight_decay") return o.decoupled_weight_decay() ? 1.0 : 0.0;
     return std::nullopt;
   }
 

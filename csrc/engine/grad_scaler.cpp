@@ -8,9 +8,10 @@
 #include <fusedamp/optim/optimizer.h>
 #include <torch/optim/optimizer.h>
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "scaler_grads.h"
 
 
 namespace fusedamp {
@@ -31,35 +32,6 @@ std::vector<at::Tensor> params_with_grads(const torch::optim::Optimizer& opt) {
 
 c10::Device first_device(at::TensorList params, const c10::Device& fallback) {
   return params.empty() ? fallback : params.front().device();
-}
-
-// Runs `op(grads, flag)` once per device over the gradients of `params` (grouped by device, in
-// order) and returns the flags summed on `target`: nonzero where any device saw inf/NaN.
-template <typename Op>
-at::Tensor flag_over_devices(at::TensorList params, const c10::Device& target, const Op& op) {
-  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
-  for (const auto& p : params) {
-    const auto& g = p.grad();
-    auto it = std::find_if(by_device.begin(), by_device.end(),
-                           [&](const auto& e) { return e.first == g.device(); });
-    if (it == by_device.end()) {
-      by_device.emplace_back(g.device(), std::vector<at::Tensor>{});
-      it = by_device.end() - 1;
-    }
-    it->second.push_back(g);
-  }
-  // 0-dim, as torch.amp's flags: torch's fused optimizers combine them with 0-dim step counts.
-  auto total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(target));
-  for (auto& [device, grads] : by_device) {
-    auto flag = device == target
-                    ? total
-                    : at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-    op(grads, flag);
-    if (device != target) {
-      total.add_(flag.to(target, /*non_blocking=*/true));
-    }
-  }
-  return total;
 }
 
 }  // namespace
@@ -89,19 +61,18 @@ void GradScaler::ensure_state(const c10::Device& device) {
   }
 }
 
-at::Tensor GradScaler::scale(const at::Tensor& loss) {
+at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!opts_.enabled()) {
-    return loss;
+    return outputs;
   }
-  TORCH_CHECK(loss.defined(), kWho, "::scale: the loss is an undefined tensor");
-  TORCH_CHECK(loss.numel() == 1, kWho,
-              "::scale: the loss must be a scalar (one element), got a tensor of shape ",
-              loss.sizes(), "; reduce it first (e.g. .mean())");
-  TORCH_CHECK(loss.is_floating_point(), kWho, "::scale: the loss must be floating point, got ",
-              loss.scalar_type());
-  ensure_state(loss.device());
-  const auto s = scale_.device() == loss.device() ? scale_ : scale_.to(loss.device(), true);
-  return loss * s.reshape(loss.sizes());
+  TORCH_CHECK(outputs.defined(), kWho, "::scale: the tensor is undefined");
+  TORCH_CHECK(outputs.is_floating_point(), kWho, "::scale: the tensor must be floating point, got ",
+              outputs.scalar_type());
+  ensure_state(outputs.device());
+  // The scale as a 0-dim tensor, as torch.amp's: a scalar FP16 loss gives an FP32 result, a
+  // tensor of outputs keeps its dtype (type promotion).
+  const auto s = scale_.device() == outputs.device() ? scale_ : scale_.to(outputs.device(), true);
+  return outputs * s.reshape({});
 }
 
 void GradScaler::begin_iteration(const c10::Device& fallback) {
@@ -143,11 +114,7 @@ void GradScaler::unscale_(OptimizerKey key, at::TensorList params) {
   auto& r = record_unscale(key);
   begin_iteration(first_device(params, c10::Device(c10::kCPU)));
   at::NoGradGuard no_grad;
-  r.found_inf = flag_over_devices(params, scale_.device(), [&](auto& grads, auto& flag) {
-    const auto& d = flag.device();
-    ops::unscale_and_check_(grads, flag, d == inv_scale_.device() ? inv_scale_
-                                                                  : inv_scale_.to(d, true));
-  });
+  r.found_inf = detail::unscale_grads(params, inv_scale_, scale_.device());
   r.stage = Stage::kUnscaled;
 }
 
@@ -160,11 +127,8 @@ GradScaler::AmpHandover GradScaler::begin_amp_step(OptimizerKey key,
   if (r.stage == Stage::kReady) {
     h.grad_scale = scale_.reshape({});  // 0-dim view, as torch.amp hands its scale over
     at::NoGradGuard no_grad;
-    r.found_inf = params_to_check.empty()
-                      ? zero_flag()
-                      : flag_over_devices(params_to_check, scale_.device(), [](auto& g, auto& f) {
-                          ops::grad_stats_(g, f, at::zeros_like(f));
-                        });
+    r.found_inf = params_to_check.empty() ? zero_flag()
+                                          : detail::check_grads(params_to_check, scale_.device());
   }
   h.found_inf = r.found_inf;
   return h;

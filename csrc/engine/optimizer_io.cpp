@@ -51,28 +51,25 @@ void Optimizer::set_param_state(const at::Tensor& param, const StateDict& state,
   plan_->invalidate();
 }
 
-void Optimizer::set_param_states(const std::vector<at::Tensor>& params,
-                                 const std::vector<StateDict>& states) {
+void Optimizer::load_param_states(const std::vector<at::Tensor>& params,
+                                  const std::vector<StateDict>& states) {
   TORCH_CHECK(params.size() == states.size(), "fusedamp::optim::", kind(),
-              ": set_param_states got ", params.size(), " parameters and ", states.size(),
+              ": load_param_states got ", params.size(), " parameters and ", states.size(),
               " states");
   at::NoGradGuard no_grad;
   std::unordered_map<const c10::TensorImpl*, size_t> index_of;
   for (const auto& p : all_params()) {
     index_of.emplace(p.unsafeGetTensorImpl(), index_of.size());
   }
-  std::vector<ParamState> built;
-  built.reserve(params.size());
+  std::unordered_map<const c10::TensorImpl*, ParamState> fresh;
   for (size_t k = 0; k < params.size(); ++k) {
     const auto it = index_of.find(params[k].unsafeGetTensorImpl());
-    TORCH_CHECK(it != index_of.end(), "fusedamp::optim::", kind(), ": set_param_states: entry ",
-                k, " is not a parameter of this optimizer");
-    built.push_back(detail::ParamStateStore::from_dict(kind(), params[k], it->second, states[k],
-                                                       known_slots(), /*copy=*/true));
+    TORCH_CHECK(it != index_of.end(), "fusedamp::optim::", kind(),
+                ": load_param_states: entry ", k, " is not a parameter of this optimizer");
+    fresh[params[k].unsafeGetTensorImpl()] = detail::ParamStateStore::from_dict(
+        kind(), params[k], it->second, states[k], known_slots(), /*copy=*/true);
   }
-  for (size_t k = 0; k < params.size(); ++k) {  // everything is checked: commit
-    states_->set(params[k], std::move(built[k]));
-  }
+  states_->replace_all(std::move(fresh));  // everything is checked: commit
   plan_->invalidate();
 }
 

@@ -131,7 +131,7 @@ void bind_optim(py::module_& m) {
       .def("param_state", &Optimizer::param_state)
       .def("set_param_state", &Optimizer::set_param_state, py::arg("param"), py::arg("state"),
            py::arg("copy") = true)
-      .def("set_param_states", &Optimizer::set_param_states)
+      .def("load_param_states", &Optimizer::load_param_states)
       .def("all_params", &Optimizer::all_params);
 
   py::class_<optim::Adam, Optimizer>(m, "Adam")

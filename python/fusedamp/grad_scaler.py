@@ -45,10 +45,11 @@ class GradScaler:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self._enabled = bool(enabled)
-        self._engine = _C.GradScaler(str(device), float(init_scale), float(growth_factor),
-                                     float(backoff_factor), int(growth_interval), self._enabled,
-                                     int(hysteresis), None if min_scale is None else float(min_scale),
-                                     None if max_scale is None else float(max_scale))
+        self._engine_args = (str(device), float(init_scale), float(growth_factor),
+                             float(backoff_factor), int(growth_interval), self._enabled,
+                             int(hysteresis), None if min_scale is None else float(min_scale),
+                             None if max_scale is None else float(max_scale))
+        self._engine = _C.GradScaler(*self._engine_args)
         self._history = History() if history else None  # scale after each update()
 
     # ---- the iteration -----------------------------------------------------------------
@@ -149,6 +150,22 @@ class GradScaler:
 
     def is_enabled(self):
         return self._enabled
+
+    # ---- pickling, deepcopy, torch.save (as torch.amp's: between iterations) -----------------
+    def __getstate__(self):
+        if self._enabled and self._engine.in_iteration():
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning of "
+                                 "an iteration, or at the end after scaler.update().")
+        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        state["_state_dict"] = self.state_dict()
+        return state
+
+    def __setstate__(self, state):
+        state_dict = state.pop("_state_dict")
+        self.__dict__.update(state)
+        self._engine = _C.GradScaler(*self._engine_args)
+        if state_dict:
+            self.load_state_dict(state_dict)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self):

@@ -20,6 +20,8 @@ Extra arguments over torch's:
 """
 from __future__ import annotations
 
+import warnings
+from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -72,11 +74,17 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self._engine = engine
 
     def _check_group(self, group):
-        """What only the Python side can see: torch.optim arguments fusedamp does not do."""
+        """What only the Python side can see: torch.optim arguments fusedamp does not do, or
+        accepts without them meaning anything (its step is always one fused, capturable pass)."""
         if group.get("amsgrad", False):
             raise ValueError("fusedamp: amsgrad is not supported")
         if group.get("differentiable", False):
             raise ValueError("fusedamp: differentiable=True is not supported")
+        for name in ("foreach", "fused", "capturable"):
+            if group.get(name):
+                warnings.warn(f"fusedamp: {name}={group[name]!r} has no effect: fusedamp's step is "
+                              "always one fused pass that never syncs with the host",
+                              stacklevel=4)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -90,7 +98,9 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
                 self._engine = old
                 raise
             state = [(p, s) for p, s in state if s]
-            self._engine.set_param_states([p for p, _ in state], [s for _, s in state])
+            self._engine.load_param_states([p for p, _ in state], [s for _, s in state])
+            if old.skipped_steps() is not None:
+                self._engine.set_skipped_steps(old.skipped_steps())
 
     # ---- the step --------------------------------------------------------------------
     @torch.no_grad()
@@ -118,11 +128,11 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     # ---- state ----------------------------------------------------------------------
     @property
     def state(self):
-        # torch.optim keeps per-parameter state in self.state; here it lives in the engine and
-        # is exposed as the tensors themselves (no copies).
+        # torch.optim keeps per-parameter state in self.state (a defaultdict); here it lives in
+        # the engine and is exposed as the tensors themselves (no copies).
         if getattr(self, "_engine", None) is None:
-            return self.__dict__.setdefault("_pre_state", {})
-        out = {}
+            return self.__dict__.setdefault("_pre_state", defaultdict(dict))
+        out = defaultdict(dict)
         for g in self.param_groups:
             for p in g["params"]:
                 s = self._engine.param_state(p)
@@ -135,6 +145,8 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self.__dict__["_pre_state"] = value
 
     def state_dict(self):
+        """torch.optim's layout (per-parameter state by index, packed param groups), plus the
+        engine's skipped-step counter (torch.optim ignores the extra key)."""
         index, groups = pack_param_groups(self.param_groups)
         state = {}
         for g in self.param_groups:
@@ -142,9 +154,13 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
                 s = self._engine.param_state(p)
                 if s:
                     state[index[id(p)]] = {k: v.clone() for k, v in s.items()}
-        return {"state": state, "param_groups": groups}
+        skipped = self._engine.skipped_steps()
+        return {"state": state, "param_groups": groups,
+                "skipped_steps": None if skipped is None else skipped.clone()}
 
     def load_state_dict(self, state_dict):
+        """Loads fusedamp's or torch.optim's state dict (the same kind of optimizer). Everything
+        is checked before anything changes; parameters without an entry get no state."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("fusedamp: loaded state dict has a different number of param groups")
@@ -152,20 +168,42 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             if len(mine["params"]) != len(theirs["params"]):
                 raise ValueError("fusedamp: loaded state dict contains a parameter group that "
                                  "doesn't match the size of optimizer's group")
+        merged = [dict(mine, **{k: v for k, v in theirs.items() if k != "params"})
+                  for mine, theirs in zip(self.param_groups, groups)]
+        for group in merged:
+            self._check_group(group)
+        self._engine_cls.validate(merged)
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in groups for i in g["params"]]
-        entries = [(p, state_dict["state"][i]) for i, p in zip(ids, params)
+        entries = [(p, _from_torch_state(state_dict["state"][i])) for i, p in zip(ids, params)
                    if i in state_dict["state"]]
-        # The engine checks every entry before it sets any.
-        self._engine.set_param_states([p for p, _ in entries], [dict(s) for _, s in entries])
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
+        # The engine checks every entry before it replaces anything.
+        self._engine.load_param_states([p for p, _ in entries], [s for _, s in entries])
+        self.param_groups[:] = merged
         self._engine.sync_options(self.param_groups)
+        if state_dict.get("skipped_steps") is not None:
+            self._engine.set_skipped_steps(state_dict["skipped_steps"])
 
+    # ---- pickling (as torch.optim: the parameters travel with the optimizer) ------------
     def __getstate__(self):
-        raise TypeError("fusedamp optimizers are not picklable; use state_dict()")
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_pre_state")}
+        state["_engine_state"] = self.state_dict()
+        return state
+
+    def __setstate__(self, state):
+        engine_state = state.pop("_engine_state")
+        super().__setstate__(state)
+        self._build_engine()
+        self.load_state_dict(engine_state)
+
+
+def _from_torch_state(state):
+    """A parameter's state in torch.optim's spelling, in fusedamp's: torch's SGD keeps no step
+    count (a momentum buffer exists once a step ran) and may hold a None buffer."""
+    state = {k: v for k, v in state.items() if v is not None}
+    if "step" not in state and "momentum_buffer" in state:
+        state["step"] = torch.ones(())
+    return state
 
 
 def closure_loss(closure):
@@ -202,18 +240,15 @@ def _defaults_of(arguments):
 
 
 class Adam(FusedOptimizer):
-    """torch.optim.Adam (L2 weight decay) with FP32 master weights; see the module doc."""
+    """torch.optim.Adam (L2 weight decay, or decoupled as AdamW's with
+    decoupled_weight_decay=True) with FP32 master weights; see the module doc."""
 
     _engine_cls = _C.Adam
-    _decoupled = False
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_weights=True, max_grad_norm=None,
-                 skip_nonfinite=True, decoupled_weight_decay=None):
-        if decoupled_weight_decay is not None and bool(decoupled_weight_decay) != self._decoupled:
-            raise ValueError("fusedamp: use fusedamp.optim.AdamW for decoupled weight decay")
-        del decoupled_weight_decay  # not a group option: the class says it
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 master_weights=True, max_grad_norm=None, skip_nonfinite=True):
         super().__init__(params, _defaults_of(locals()))
 
 
@@ -221,11 +256,15 @@ class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay) with FP32 master weights."""
 
     _engine_cls = _C.AdamW
-    _decoupled = True
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=1e-2, amsgrad=False, **kwargs):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+                 weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None, master_weights=True,
+                 max_grad_norm=None, skip_nonfinite=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
 
 
 class SGD(FusedOptimizer):

@@ -135,14 +135,17 @@ TEST_CASE("min_scale and max_scale bound the scale", "[scaler]") {
   CHECK(scaler.get_scale() == 32);  // never above max_scale
 }
 
-TEST_CASE("scale(): loss times the device scale; a non-scalar loss is rejected", "[scaler]") {
+TEST_CASE("scale(): outputs times the device scale, with torch's type promotion", "[scaler]") {
   fusedamp::GradScaler scaler(fusedamp::GradScalerOptions().init_scale(4));
   auto loss = at::full({}, 1.5, at::kHalf);
   auto s = scaler.scale(loss);
   CHECK(s.scalar_type() == at::kFloat);  // FP16 loss promoted to FP32, as torch does
   CHECK(s.dim() == 0);
   CHECK(s.item<float>() == 6.f);
-  CHECK_THROWS_WITH(scaler.scale(at::ones({3})), Catch::Contains("must be a scalar"));
+  // Any tensor of outputs, as torch.amp: its dtype is kept (the scale is a 0-dim tensor).
+  auto outputs = scaler.scale(at::ones({3}, at::kHalf));
+  CHECK(outputs.scalar_type() == at::kHalf);
+  CHECK(at::equal(outputs, at::full({3}, 4.f, at::kHalf)));
   CHECK_THROWS_AS(scaler.scale(at::ones({1}, at::kInt)), c10::Error);
   fusedamp::GradScaler off(fusedamp::GradScalerOptions().enabled(false));
   auto l = at::ones({3});

@@ -210,9 +210,13 @@ def test_bad_arguments_raise_clear_errors(device):
         fusedamp.optim.SGD(ps, nesterov=True)
     with pytest.raises(RuntimeError, match="growth_factor"):
         fusedamp.GradScaler(device, growth_factor=1.0)
-    scaler = fusedamp.GradScaler(device)
-    with pytest.raises(RuntimeError):
-        scaler.scale(torch.ones(3, device=device))  # the loss must be a scalar
+    # Not an error: scale() multiplies any tensor of outputs, with torch.amp's type promotion.
+    ours, theirs = fusedamp.GradScaler(device), torch.amp.GradScaler(device)
+    for t in (torch.ones(3, device=device, dtype=torch.float16), torch.ones((), device=device,
+                                                                          dtype=torch.float16)):
+        if theirs.is_enabled():
+            a, b = ours.scale(t), theirs.scale(t)
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_diagnostics_grad_norm_history_and_nonfinite_names(device):

@@ -60,9 +60,9 @@ class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
-  // loss * scale (the scale cast to the loss's dtype by type promotion: an FP16 loss gives an
-  // FP32 result, as torch does). `loss` must hold one element. Disabled: returns `loss`.
-  at::Tensor scale(const at::Tensor& loss);
+  // outputs * scale, with torch.amp's type promotion (the scale is a 0-dim FP32 tensor: a scalar
+  // FP16 loss gives an FP32 result, a tensor of FP16 outputs stays FP16). Disabled: `outputs`.
+  at::Tensor scale(const at::Tensor& outputs);
 
   // ---- the iteration, for C++ optimizers --------------------------------------------------
   // Unscales the optimizer's grads in place (they are then true gradients, e.g. for manual

@@ -29,7 +29,7 @@ struct AdamWOptions : public AdamOptions {
 
 extern template class OptimizerOf<AdamOptions>;
 
-// Option names beyond the shared ones (optimizer.h): beta1, beta2, eps.
+// Option names beyond the shared ones (optimizer.h): beta1, beta2, eps, decoupled_weight_decay.
 class Adam : public OptimizerOf<AdamOptions> {
  public:
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,

@@ -128,9 +128,10 @@ class Optimizer : public torch::optim::Optimizer {
   // its strides; copy=false: the tensors themselves are kept (they must already be FP32 on the
   // param's device with its shape and strides — e.g. views into a caller's flat buffers).
   void set_param_state(const at::Tensor& param, const StateDict& state, bool copy = true);
-  // set_param_state for many parameters at once: every entry is checked before any is set.
-  void set_param_states(const std::vector<at::Tensor>& params,
-                        const std::vector<StateDict>& states);
+  // Replaces the whole per-parameter state (a checkpoint's load): the listed parameters get
+  // copies of theirs, every other parameter none. Every entry is checked before any is set.
+  void load_param_states(const std::vector<at::Tensor>& params,
+                         const std::vector<StateDict>& states);
   // All parameters, in param-group order (the index used by save()/load()).
   std::vector<at::Tensor> all_params() const;
 
