@@ -127,6 +127,16 @@ void GradScaler::load(torch::serialize::InputArchive& a) {
   }
 }
 
+void GradScaler::load_state(const GradScalerOptions& options, double scale,
+                            int64_t growth_tracker, int64_t hysteresis_tracker) {
+  validate(options);
+  check_state(scale, growth_tracker, hysteresis_tracker);
+  TORCH_CHECK(options.enabled() == opts_.enabled() && options.device() == opts_.device(), kWho,
+              "::load_state: enabled and device are not part of a state");
+  opts_ = options;
+  load_state(scale, growth_tracker, hysteresis_tracker);
+}
+
 void GradScaler::load_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
   check_state(scale, growth_tracker, hysteresis_tracker);
   if (!scale_.defined()) {

@@ -63,7 +63,15 @@ void bind_grad_scaler(py::module_& m) {
       .def("set_growth_factor", &GradScaler::set_growth_factor)
       .def("set_backoff_factor", &GradScaler::set_backoff_factor)
       .def("set_growth_interval", &GradScaler::set_growth_interval)
-      .def("load_state", &GradScaler::load_state)
+      .def("load_state_dict",
+           [](GradScaler& s, double growth_factor, double backoff_factor, int64_t growth_interval,
+              double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
+             auto options = s.options();
+             options.growth_factor(growth_factor)
+                 .backoff_factor(backoff_factor)
+                 .growth_interval(growth_interval);
+             s.load_state(options, scale, growth_tracker, hysteresis_tracker);
+           })
       // Options and counters for state_dict(); the counters sync with the device.
       .def("options_growth_factor", [](const GradScaler& s) { return s.options().growth_factor(); })
       .def("options_backoff_factor",

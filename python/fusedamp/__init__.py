@@ -4,7 +4,9 @@
   with fusedamp optimizers; hysteresis and bounds).
 - ``fusedamp.optim.AdamW / Adam / SGD``: torch.optim optimizers with FP32 master weights,
   fused clipping and on-device skipping.
-- ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer.
+- ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer;
+  ``fusedamp.restore(model)`` undoes it; ``fusedamp.master_weights(model, optimizer)`` /
+  ``fp32_state_dict`` give the FP32 model behind a master-weight run.
 - ``fusedamp.distributed.ShardedOptimizer``: ZeRO stage-1 master-weight optimizer over
   torch.distributed.
 - The operators: ``torch.ops.fusedamp.*`` (``fusedamp.ops``).
@@ -14,7 +16,8 @@ import torch as _torch
 from ._library import _C, cmake_prefix_path, library_path  # noqa: F401
 from . import optim  # noqa: F401
 from . import distributed  # noqa: F401
-from .convert import convert_module, is_norm_layer  # noqa: F401
+from .convert import convert_module, is_norm_layer, restore  # noqa: F401
+from .export import fp32_state_dict, master_weights  # noqa: F401
 from .diagnostics import History, nonfinite_grads  # noqa: F401
 from .grad_scaler import GradScaler  # noqa: F401
 from .initialize import initialize  # noqa: F401

@@ -15,8 +15,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-#: Module types that stay FP32. Any module whose class name ends in "Norm" (RMSNorm variants of
-#: third-party models such as LlamaRMSNorm or T5LayerNorm) is treated the same way.
+#: Module types that stay FP32: torch's normalisation layers (and their subclasses, e.g. timm's
+#: LayerNorm2d). Third-party norm layers that do not derive from them are recognised by what they
+#: are (see is_norm_layer), never by a name on a container.
 NORM_TYPES = tuple(
     t for t in (
         nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
@@ -26,8 +27,18 @@ NORM_TYPES = tuple(
 
 
 def is_norm_layer(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return isinstance(module, NORM_TYPES) or name.endswith("Norm") or name.endswith("Norm2d")
+    """True for torch's norm layers and for modules that are built as one: a leaf module (no
+    submodules) whose parameters are an affine weight (and bias) of one 1-D shape, of a class
+    named as a norm (transformers' LlamaRMSNorm and T5LayerNorm, apex's FusedLayerNorm, ...).
+    A wrapper such as ViT's ``PreNorm(dim, fn)`` holds submodules and is not one."""
+    if isinstance(module, NORM_TYPES):
+        return True
+    if "Norm" not in type(module).__name__ or next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    return (bool(params) and set(params) <= {"weight", "bias"}
+            and len({tuple(p.shape) for p in params.values()}) == 1
+            and params["weight" if "weight" in params else "bias"].dim() == 1)
 
 
 def _cast_floating(obj, dtype):
@@ -61,15 +72,26 @@ class _CastHooks:
         return _cast_floating(output, self.outputs_to)
 
 
-def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
-                   cast_inputs: bool = True, fp32_outputs: bool = True) -> nn.Module:
-    """Casts ``model`` in place to ``dtype``, keeping normalisation layers FP32; returns it."""
+def check_convertible(model: nn.Module, dtype: torch.dtype) -> None:
+    """Raises (changing nothing) unless convert_module(model, dtype) can run."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"fusedamp: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     if getattr(model, "_fusedamp_dtype", None) is not None:
-        raise RuntimeError("fusedamp: this model was already converted by fusedamp")
+        raise RuntimeError("fusedamp: this model was already converted by fusedamp "
+                           "(fusedamp.restore(model) undoes it)")
+    for name, p in model.named_parameters():
+        if p.is_complex():
+            raise ValueError(f"fusedamp: parameter {name!r} is complex ({p.dtype}); mixed "
+                             "precision with master weights supports real floating parameters")
+
+
+def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
+                   cast_inputs: bool = True, fp32_outputs: bool = True) -> nn.Module:
+    """Casts ``model`` in place to ``dtype``, keeping normalisation layers FP32; returns it.
+    ``fusedamp.restore(model)`` undoes it."""
+    check_convertible(model, dtype)
     norm_layers = [m for m in model.modules() if is_norm_layer(m)]
-    norms = {sub for m in norm_layers for sub in m.modules()}
+    norms = set(norm_layers)
     for module in model.modules():
         target = torch.float32 if module in norms else dtype
         for name, p in module.named_parameters(recurse=False):
@@ -80,6 +102,7 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != target:
                 module._buffers[name] = b.to(target)
+    handles = []
     for module in norm_layers:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             # Native batch norm takes FP16/BF16 input with FP32 weights and statistics (CPU and
@@ -87,12 +110,42 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
             # is saved for backward.
             continue
         hooks = _CastHooks(torch.float32, dtype)
-        module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
-        module.register_forward_hook(hooks.post, with_kwargs=True)
+        handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(hooks.post, with_kwargs=True))
     boundary = _CastHooks(dtype, torch.float32)
     if cast_inputs:
-        model.register_forward_pre_hook(boundary.pre, with_kwargs=True)
+        handles.append(model.register_forward_pre_hook(boundary.pre, with_kwargs=True))
     if fp32_outputs:
-        model.register_forward_hook(boundary.post, with_kwargs=True)
+        handles.append(model.register_forward_hook(boundary.post, with_kwargs=True))
     model._fusedamp_dtype = dtype
+    model._fusedamp_hooks = handles
+    return model
+
+
+def restore(model: nn.Module, dtype: torch.dtype = torch.float32,
+            weights: dict | None = None) -> nn.Module:
+    """Undoes convert_module: removes its casting hooks and casts every floating parameter and
+    buffer to ``dtype`` (FP32 by default), in place; the model is a plain module again (it
+    may be cast, saved or converted again as any other). ``weights``: FP32 values to give the
+    parameters first, by parameter name (fusedamp.master_weights(model, optimizer) gives the
+    training state with every bit the FP16/BF16 weights lack)."""
+    named = dict(model.named_parameters())
+    if weights is not None:
+        unknown = set(weights) - set(named)
+        if unknown:
+            raise KeyError(f"fusedamp.restore: not parameters of the model: {sorted(unknown)}")
+    for handle in getattr(model, "_fusedamp_hooks", ()):
+        handle.remove()
+    model.__dict__.pop("_fusedamp_hooks", None)
+    model.__dict__.pop("_fusedamp_dtype", None)
+    with torch.no_grad():
+        for name, p in named.items():
+            if weights is not None and name in weights:
+                p.data = weights[name].detach().to(device=p.device, dtype=dtype).clone()
+            elif p.is_floating_point():
+                p.data = p.data.to(dtype)
+    for module in model.modules():
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
     return model

@@ -200,9 +200,9 @@ class GradScaler:
                 raise ValueError(f"fusedamp.GradScaler.load_state_dict: checkpoint has {key}="
                                  f"{state_dict[key]!r}, this scaler {mine!r}; construct the "
                                  "scaler with the checkpoint's value")
-        self.set_growth_factor(state_dict["growth_factor"])
-        self.set_backoff_factor(state_dict["backoff_factor"])
-        self.set_growth_interval(state_dict["growth_interval"])
-        self._engine.load_state(float(state_dict["scale"]), int(state_dict["_growth_tracker"]),
-                                int(state_dict.get("_hysteresis_tracker",
-                                                   self._engine.options_hysteresis())))
+        # The engine checks every value before it replaces any.
+        self._engine.load_state_dict(
+            float(state_dict["growth_factor"]), float(state_dict["backoff_factor"]),
+            int(state_dict["growth_interval"]), float(state_dict["scale"]),
+            int(state_dict["_growth_tracker"]),
+            int(state_dict.get("_hysteresis_tracker", self._engine.options_hysteresis())))

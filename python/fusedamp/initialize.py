@@ -1,67 +1,94 @@
 """fusedamp.initialize: wrap an existing model and optimizer for master-weight training."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from .convert import convert_module
+from .convert import check_convertible, convert_module
 from .grad_scaler import GradScaler
 from .optim import SGD, Adam, AdamW, FusedOptimizer
 
-_HYPER = {
-    torch.optim.AdamW: (AdamW, ("lr", "betas", "eps", "weight_decay", "maximize")),
-    torch.optim.Adam: (Adam, ("lr", "betas", "eps", "weight_decay", "maximize")),
-    torch.optim.SGD: (SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov",
-                            "maximize")),
-}
+_FUSED = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
+# torch.optim's AdamW records decoupled_weight_decay=True in its defaults; fusedamp's AdamW
+# has it by construction (it takes no such argument).
+_IMPLIED = {AdamW: {"decoupled_weight_decay": True}}
 
 
 def _fused_class(optimizer):
-    # AdamW is a subclass of Adam in recent torch: match the most derived first.
-    for cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
-        if type(optimizer) is cls:
-            return cls
-    raise TypeError(f"fusedamp.initialize: unsupported optimizer {type(optimizer).__name__} "
-                    "(supported: torch.optim.AdamW, Adam, SGD)")
+    # AdamW is a subclass of Adam in recent torch: match the exact class.
+    fused = _FUSED.get(type(optimizer))
+    if fused is None:
+        raise TypeError(f"fusedamp.initialize: unsupported optimizer {type(optimizer).__name__} "
+                        "(supported: torch.optim.AdamW, Adam, SGD)")
+    return fused
+
+
+def _fused_arguments(optimizer, fused_cls, engine_args):
+    """The fused optimizer's constructor arguments: every default of `optimizer` (so groups
+    added later inherit the user's), or an error naming one fusedamp's class would not honour."""
+    accepted = inspect.signature(fused_cls.__init__).parameters
+    kwargs = {}
+    for name, value in optimizer.defaults.items():
+        if name in accepted:
+            kwargs[name] = value
+        elif _IMPLIED.get(fused_cls, {}).get(name, object()) != value:
+            raise ValueError(f"fusedamp.initialize: {type(optimizer).__name__}({name}={value!r}) "
+                             f"has no equivalent in {fused_cls.__module__}.{fused_cls.__name__}")
+    kwargs.update(engine_args)
+    return kwargs
+
+
+def _has_lr_scheduler(optimizer):
+    # torch's LR schedulers wrap optimizer.step when they are created (to warn on a wrong
+    # call order); a scheduler made before initialize would keep driving the old optimizer.
+    return getattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched", False)
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                dtype: torch.dtype = torch.float16, *, loss_scaling=None, max_grad_norm=None,
                init_scale=2.0 ** 16, growth_interval=2000, hysteresis=1, min_scale=None,
-               max_scale=None, skip_nonfinite=True):
+               max_scale=None, skip_nonfinite=True, master_weights=True):
     """Prepares ``model`` and ``optimizer`` for mixed-precision training with FP32 master
     weights. Returns ``(model, optimizer, scaler)``:
 
     - the model, cast in place to ``dtype`` except normalisation layers (FP32), with floating
-      inputs cast at its entry and FP32 outputs;
+      inputs cast at its entry and FP32 outputs (``fusedamp.restore(model)`` undoes it);
     - a fusedamp optimizer of the same kind (AdamW/Adam/SGD) over the same param groups with
-      the same hyper-parameters (LR schedulers must be created on it, or re-pointed to it);
+      every hyper-parameter of the given one (or a ValueError naming one it cannot honour);
+      LR schedulers must be created on it (one created before is an error);
     - a fusedamp.GradScaler on the model's device, enabled for FP16 and, unless
       ``loss_scaling=True``, disabled for BF16 (whose range needs no scaling). Non-finite
       gradients skip the step either way (``skip_nonfinite``).
+    Everything is checked before the model or the optimizer is touched.
     """
-    cls = _fused_class(optimizer)
+    fused_cls = _fused_class(optimizer)
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError("fusedamp.initialize: call it before the first optimizer step "
                          "(the optimizer already holds state)")
+    if _has_lr_scheduler(optimizer):
+        raise ValueError("fusedamp.initialize: an LR scheduler was created on this optimizer; "
+                         "create it on the optimizer initialize returns")
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    model_params = {id(p) for p in model.parameters()}
-    if not params <= model_params:
+    if not params <= {id(p) for p in model.parameters()}:
         raise ValueError("fusedamp.initialize: the optimizer holds tensors that are not "
                          "parameters of the model")
-    convert_module(model, dtype)
-    fused_cls, names = _HYPER[cls]
-    groups = []
-    for g in optimizer.param_groups:
-        group = {k: g[k] for k in names if k in g}
-        group["params"] = list(g["params"])
-        group["max_grad_norm"] = max_grad_norm
-        groups.append(group)
-    fused = fused_cls(groups, skip_nonfinite=skip_nonfinite)
+    check_convertible(model, dtype)
+    engine_args = dict(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                       master_weights=master_weights)
+    kwargs = _fused_arguments(optimizer, fused_cls, engine_args)
+    groups = [dict(g, **engine_args) for g in optimizer.param_groups]
+    for group in groups:
+        FusedOptimizer.check_group(group)
+    fused_cls._engine_cls.validate(groups)
     device = next(model.parameters()).device
     enabled = (dtype == torch.float16) if loss_scaling is None else bool(loss_scaling)
     scaler = GradScaler(device=device, init_scale=init_scale, growth_interval=growth_interval,
                         enabled=enabled, hysteresis=hysteresis, min_scale=min_scale,
                         max_scale=max_scale)
+    # Everything is checked: commit.
+    convert_module(model, dtype)
+    fused = fused_cls([{k: v for k, v in g.items()} for g in groups], **kwargs)
     return model, fused, scaler
 
 

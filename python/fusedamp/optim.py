@@ -67,13 +67,14 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
 
     def _build_engine(self):
         for group in self.param_groups:
-            self._check_group(group)
+            self.check_group(group)
         engine = self._engine_cls([list(g["params"]) for g in self.param_groups])
         engine.sync_options(self.param_groups)
         engine.check_options()  # ValueError before anything is kept
         self._engine = engine
 
-    def _check_group(self, group):
+    @staticmethod
+    def check_group(group):
         """What only the Python side can see: torch.optim arguments fusedamp does not do, or
         accepts without them meaning anything (its step is always one fused, capturable pass)."""
         if group.get("amsgrad", False):
@@ -171,7 +172,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         merged = [dict(mine, **{k: v for k, v in theirs.items() if k != "params"})
                   for mine, theirs in zip(self.param_groups, groups)]
         for group in merged:
-            self._check_group(group)
+            self.check_group(group)
         self._engine_cls.validate(merged)
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in groups for i in g["params"]]

@@ -120,8 +120,11 @@ class GradScaler {
   // Every counter and the options (scale, growth and hysteresis trackers as tensors).
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
-  // The Python wrapper's state_dict path: replaces the state (validated first).
+  // The Python wrapper's state_dict path: replaces the counters (validated first).
   void load_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
+  // The same with new options, all validated before anything is replaced.
+  void load_state(const GradScalerOptions& options, double scale, int64_t growth_tracker,
+                  int64_t hysteresis_tracker);
 
  private:
   enum class Stage { kReady, kUnscaled, kStepped };
