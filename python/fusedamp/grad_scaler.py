@@ -18,6 +18,7 @@ torch's. The scale history is kept on the device (``scale_history()``).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -87,6 +88,16 @@ class GradScaler:
             self._engine.end_step(key)
             return result
         checks_itself = getattr(optimizer, "_step_checks_nonfinite", False)
+        if not checks_itself and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            # torch's older contract, still honoured by torch.amp: the scaler itself is passed.
+            warnings.warn("GradScaler is going to stop passing itself as a keyword argument to "
+                          "the passed optimizer. In the near future GradScaler registers "
+                          "`grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer "
+                          "and let the optimizer use them directly.", FutureWarning, stacklevel=2)
+            try:
+                return optimizer.step(*args, **dict(kwargs, grad_scaler=self))
+            finally:
+                self._engine.end_step(key)
         grad_scale, found_inf = self._engine.begin_amp_step(
             key, [] if checks_itself else _params_with_grads(optimizer))
         # As torch: a scale the user already set on the optimizer multiplies ours.

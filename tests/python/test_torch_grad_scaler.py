@@ -132,42 +132,18 @@ VARIANTS = [
 
 # ---- expected failures: (test, glob over the case id, precise cause) -----------------------
 # Case ids are "<variant>" or "<variant>-<other axes>". Test names and ids as in pytest's ids.
-_NON_DENSE = ("fusedamp's unscale_and_check_ (csrc/op_checks.cpp check_dense) rejects grads that "
-              "are not non-overlapping-and-dense, e.g. g[:, :5] ('must be non-overlapping and "
-              "dense'); torch's _amp_foreach_non_finite_check_and_unscale_ unscales them with its "
-              "per-tensor fallback, and so does torch's GradScaler.unscale_ (the perfect-storm "
-              "part fails the same way through fusedamp.GradScaler.unscale_)")
 _GRAD_LEFT_SCALED = ("after a scaled step fusedamp.optim leaves p.grad *scaled* (e.g. 256 "
                      "instead of 2 at scale 128); torch's fused optimizers and GradScaler leave "
                      "the unscaled gradient (DESIGN.md promises the same): adam_step_/sgd_step_ take grads "
                      "read-only and csrc/engine/optimizer.cpp never writes the unscaled grad back")
-_NO_PICKLE = ("fusedamp.GradScaler cannot be pickled: TypeError \"cannot pickle "
-              "'fusedamp._C.GradScaler' object\" (no __getstate__/__setstate__ in "
-              "python/fusedamp/grad_scaler.py, no pickle support on the _C.GradScaler binding); "
-              "torch.amp.GradScaler pickles its options and scale state")
+_OP_LAYOUTS = ("torch.ops.fusedamp.unscale_and_check_ rejects gradients that are not dense "
+               "(csrc/op_checks.cpp check_dense) or float64 ones; torch's op falls back to a "
+               "per-tensor kernel for them (fusedamp.GradScaler.unscale_ already does)")
 XFAIL = [
-    ("test_grad_scaling_unscale", "fusedamp_*-float32", _NON_DENSE),
-    ("test_grad_scaling_unscale", "fusedamp_*-float64",
-     "fusedamp's unscale_and_check_ rejects float64 grads ('has dtype Double; supported are "
-     "float32, float16 and bfloat16', csrc/op_checks.cpp); torch's op unscales float64 grads. "
-     "Then: " + _NON_DENSE),
-    ("test_grad_scaling_unscale_sparse", "fusedamp_*",
-     "fusedamp.GradScaler.unscale_ raises on a sparse gradient ('grads[0] is sparse (or not "
-     "strided); only dense tensors are supported', csrc/op_checks.cpp check_dense via "
-     "csrc/engine/grad_scaler.cpp); torch unscales sparse COO grads (values only) and detects "
-     "inf/NaN in them, including the FP16 uncoalesced-overflow case"),
-    ("test_grad_scaling_autocast", "fusedamp_scaler-SGD-*", _NO_PICKLE),
-    ("test_grad_scaling_autocast", "fusedamp_all-SGD-*",
-     _GRAD_LEFT_SCALED + "; then " + _NO_PICKLE),
+    ("test_grad_scaling_unscale", "fusedamp_*", _OP_LAYOUTS),
+    ("test_grad_scaling_autocast", "fusedamp_all-SGD-*", _GRAD_LEFT_SCALED),
     ("test_grad_scaling_clipping", "fusedamp_all", _GRAD_LEFT_SCALED),
     ("test_grad_scaling_penalty", "fusedamp_all", _GRAD_LEFT_SCALED),
-    ("test_grad_scaler_pass_itself", "fusedamp_*",
-     "fusedamp.GradScaler.step does not speak torch's (deprecated) grad_scaler protocol: for an "
-     "optimizer whose step() has a 'grad_scaler' keyword torch passes the scaler itself "
-     "(grad_scaler=self, with a FutureWarning) and sets no grad_scale/found_inf; fusedamp "
-     "calls step() with grad_scaler=None and sets grad_scale/found_inf "
-     "(python/fusedamp/grad_scaler.py GradScaler.step)"),
-    ("test_pickle_gradscaler", "fusedamp_*", _NO_PICKLE),
     ("test_grad_scaling_autocast_fused_optimizers", "fusedamp_all-Adam*",
      _GRAD_LEFT_SCALED + "; then fusedamp.optim.Adam/AdamW reject amsgrad=True (ValueError "
      "'fusedamp: amsgrad is not supported', python/fusedamp/optim.py _check_group), the "

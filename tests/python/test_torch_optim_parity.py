@@ -88,16 +88,6 @@ XFAIL = [
      "fusedamp.optim rejects differentiable=True: ValueError 'fusedamp: differentiable=True "
      f"is not supported' ({_OPTIM_PY} FusedOptimizer._check_group); torch accepts it (same "
      "numbers, the step is recorded by autograd)"),
-    (None, lambda kind, kw: kw.get("decoupled_weight_decay", False),
-     "fusedamp.optim.Adam rejects decoupled_weight_decay=True: ValueError 'fusedamp: use "
-     f"fusedamp.optim.AdamW for decoupled weight decay' ({_OPTIM_PY} Adam.__init__); torch "
-     "2.11's Adam(decoupled_weight_decay=True) is AdamW"),
-    ("test_migration", lambda kind, kw: kind == "SGD" and kw.get("momentum", 0) != 0,
-     "a torch.optim.SGD state_dict (momentum != 0) cannot be loaded into fusedamp.optim.SGD: "
-     "RuntimeError \"fusedamp::optim::SGD: state of parameter 0 has no 'step'\" "
-     "(csrc/engine/param_state_store.cpp requires 'step'); torch's SGD keeps only "
-     "'momentum_buffer' per parameter (and no state at all without momentum). The other "
-     "direction works"),
 ]
 
 
