@@ -223,6 +223,10 @@ double Optimizer::group_option(size_t group, const std::string& name) const {
   return *v;
 }
 
+bool Optimizer::has_group_option(size_t group, const std::string& name) const {
+  return own_option(checked_group(group), name).has_value();
+}
+
 void Optimizer::set_group_lr(size_t group, double lr) {
   checked_group(group).set_lr(lr);
 }

@@ -64,12 +64,19 @@ void sync_options(Optimizer& opt, const py::list& groups) {
       if (name == "max_grad_norm" && value.is_none()) {
         opt.set_group_max_grad_norm(i, std::nullopt);
       } else if (name == "betas") {
+        TORCH_CHECK_TYPE(py::isinstance<py::sequence>(value) && py::len(value) == 2,
+                         "param group ", i, ": betas must be a pair of numbers, got ",
+                         py::str(value).cast<std::string>());
         const auto betas = value.cast<std::pair<double, double>>();
         opt.set_group_option(i, "beta1", betas.first);
         opt.set_group_option(i, "beta2", betas.second);
       } else if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
                  py::isinstance<py::float_>(value)) {
         opt.try_set_group_option(i, name, value.cast<double>());
+      } else {
+        // A value the engine would read, of a type it cannot take: never ignore it silently.
+        TORCH_CHECK_TYPE(!opt.has_group_option(i, name), "param group ", i, ": '", name,
+                         "' must be a number, got ", py::str(value).cast<std::string>());
       }
     }
   }

@@ -106,6 +106,7 @@ class Optimizer : public torch::optim::Optimizer {
   // groups carry extra keys, e.g. a scheduler's "initial_lr").
   bool try_set_group_option(size_t group, const std::string& name, double value);
   double group_option(size_t group, const std::string& name) const;
+  bool has_group_option(size_t group, const std::string& name) const;
   void set_group_lr(size_t group, double lr);
   double group_lr(size_t group) const;
   // Clipping of group i by the global gradient norm; nullopt: no clipping.

@@ -1,0 +1,271 @@
+"""Master weights that never lie (issue 12): initialize keeps the user's algorithm, norm layers
+are found by what they are, nothing changes when a call fails, and there is a way back to a
+plain FP32 model. Every test runs on every device present."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fusedamp
+
+
+def _mlp(device, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3)).to(device)
+
+
+def _snapshot(model, optimizer=None):
+    """Every parameter, buffer and hyper-parameter a failed call must leave as it was."""
+    out = {"params": {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()},
+           "buffers": {n: b.clone() for n, b in model.named_buffers()},
+           "hooks": (len(model._forward_pre_hooks), len(model._forward_hooks)),
+           "converted": getattr(model, "_fusedamp_dtype", None)}
+    if optimizer is not None:
+        out["groups"] = [{k: v for k, v in g.items() if k != "params"}
+                         for g in optimizer.param_groups]
+        out["state"] = {id(p): {k: v.clone() for k, v in s.items()}
+                        for p, s in optimizer.state.items()}
+    return out
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if key in ("params",):
+            for name in a[key]:
+                assert a[key][name][0] == b[key][name][0], name
+                assert torch.equal(a[key][name][1], b[key][name][1]), name
+        elif key in ("buffers",):
+            for name in a[key]:
+                assert torch.equal(a[key][name], b[key][name]), name
+        elif key == "state":
+            assert a[key].keys() == b[key].keys()
+            for pid in a[key]:
+                for name, t in a[key][pid].items():
+                    assert torch.equal(t, b[key][pid][name]), name
+        else:
+            assert a[key] == b[key], key
+
+
+# ---- initialize keeps the user's algorithm ---------------------------------------------------
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.8, 0.95), weight_decay=0.1,
+                                decoupled_weight_decay=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, maximize=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-3, dtype=torch.float64)),
+], ids=["Adam-decoupled", "AdamW-maximize", "SGD-nesterov", "Adam-tensor-lr"])
+def test_initialize_trains_the_users_algorithm(device, make_opt):
+    """The FP32 masters follow torch's FP32 run of the same optimizer on the same gradients
+    (FP16 values, which FP32 holds exactly, fed to both as .grad) within FP32 rounding."""
+    model = _mlp(device)
+    reference = copy.deepcopy(model).float()
+    ref_opt = make_opt(list(reference.parameters()))
+    model, opt, _ = fusedamp.initialize(model, make_opt(list(model.parameters())),
+                                        torch.float16, skip_nonfinite=False)
+    assert type(opt).__name__ == type(ref_opt).__name__
+    with torch.no_grad():  # both start from the FP16 weights (the masters' starting point)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            r.copy_(p.float())
+    torch.manual_seed(1)
+    for _ in range(20):
+        for p, r in zip(model.parameters(), reference.parameters()):
+            g = torch.randn(p.shape, device=device).to(p.dtype)
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    weights = fusedamp.master_weights(model, opt)
+    for (name, r) in reference.named_parameters():
+        torch.testing.assert_close(weights[name], r.detach(), rtol=2e-6, atol=2e-6)
+
+
+def test_initialize_keeps_defaults_for_added_groups_and_refuses_an_early_scheduler(device):
+    model = _mlp(device)
+    extra = nn.Parameter(torch.randn(4, device=device))
+    model.register_parameter("extra", extra)
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "extra"],
+                            lr=5e-4, weight_decay=0.2, betas=(0.85, 0.98))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="LR scheduler"):
+        fusedamp.initialize(model, opt, torch.float16)
+    _assert_same(before, _snapshot(model))
+    del sched
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "extra"],
+                            lr=5e-4, weight_decay=0.2, betas=(0.85, 0.98))
+    model, fused, _ = fusedamp.initialize(model, opt, torch.float16, max_grad_norm=2.0)
+    fused.add_param_group({"params": [extra]})
+    added = fused.param_groups[-1]
+    assert (added["lr"], added["weight_decay"], added["betas"], added["max_grad_norm"]) == (
+        5e-4, 0.2, (0.85, 0.98), 2.0)
+
+
+def test_initialize_refuses_what_it_cannot_honour(device):
+    """differentiable=True asks for a step autograd can differentiate; the fused step cannot
+    be: a clear error naming it, and the model untouched."""
+    model = _mlp(device)
+    opt = torch.optim.Adam(model.parameters(), differentiable=True)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="differentiable"):
+        fusedamp.initialize(model, opt, torch.float16)
+    _assert_same(before, _snapshot(model, opt))
+
+
+# ---- norm layers by what they are -----------------------------------------------------------
+class PreNorm(nn.Module):
+    """ViT-style wrapper: a norm and a block. Not a norm layer itself."""
+
+    def __init__(self, dim, fn):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.norm(x))
+
+
+class ThirdPartyRMSNorm(nn.Module):
+    """An RMSNorm that does not derive from torch's (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (self.weight * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_norm_layers_by_type_not_by_container_name(device):
+    model = nn.Sequential(PreNorm(16, nn.Sequential(nn.Linear(16, 64), nn.GELU(),
+                                                    nn.Linear(64, 16))),
+                          ThirdPartyRMSNorm(16), nn.Linear(16, 4)).to(device)
+    fusedamp.convert_module(model, torch.bfloat16)
+    fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {"0.norm.weight", "0.norm.bias", "1.weight"}
+    assert model(torch.randn(2, 16, device=device)).dtype == torch.float32
+    transformers = pytest.importorskip("transformers")
+    llama_norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
+    assert fusedamp.is_norm_layer(llama_norm)
+
+
+# ---- nothing changes when a call fails ------------------------------------------------------
+@pytest.mark.parametrize("case", ["complex", "init_scale", "growth_interval", "max_grad_norm",
+                                  "max_grad_norm_nan", "dtype"])
+def test_initialize_is_atomic(device, case):
+    model = _mlp(device)
+    kwargs, dtype = {}, torch.float16
+    if case == "complex":
+        model.register_parameter("c", nn.Parameter(torch.zeros(2, dtype=torch.complex64,
+                                                               device=device)))
+    elif case == "init_scale":
+        kwargs = dict(init_scale=0.0)
+    elif case == "growth_interval":
+        kwargs = dict(growth_interval=0)
+    elif case == "max_grad_norm":
+        kwargs = dict(max_grad_norm=-1.0)
+    elif case == "max_grad_norm_nan":
+        kwargs = dict(max_grad_norm=math.nan)
+    else:
+        dtype = torch.float64
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = _snapshot(model, opt)
+    with pytest.raises((ValueError, RuntimeError)):
+        fusedamp.initialize(model, opt, dtype, loss_scaling=True, **kwargs)
+    _assert_same(before, _snapshot(model, opt))
+    if case != "complex":  # a retry with good arguments works: nothing was half done
+        fusedamp.initialize(model, opt, torch.float16)
+
+
+def _trained(device, steps=3):
+    model = _mlp(device)
+    model, opt, scaler = fusedamp.initialize(model, torch.optim.AdamW(model.parameters()),
+                                             torch.float16, loss_scaling=True)
+    scaler = fusedamp.GradScaler(device, init_scale=256.0)
+    for _ in range(steps):
+        scaler.scale(model(torch.randn(4, 6, device=device)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize("corrupt", ["late_bad_shape", "lr_string", "betas_out_of_range",
+                                     "negative_eps"])
+def test_optimizer_load_state_dict_is_atomic(device, corrupt):
+    model, opt, _ = _trained(device)
+    sd = opt.state_dict()
+    if corrupt == "late_bad_shape":
+        last = max(sd["state"])
+        sd["state"][last]["exp_avg"] = torch.zeros(7, device=device)
+    elif corrupt == "lr_string":
+        sd["param_groups"][0]["lr"] = "abc"
+    elif corrupt == "betas_out_of_range":
+        sd["param_groups"][0]["betas"] = (0.9, 1.5)
+    else:
+        sd["param_groups"][0]["eps"] = -1.0
+    # The state of the earlier parameters is changed in the checkpoint too: it must not land.
+    first = min(sd["state"])
+    sd["state"][first] = {k: v + 1 for k, v in sd["state"][first].items()}
+    before = _snapshot(model, opt)
+    with pytest.raises((ValueError, RuntimeError, TypeError)):
+        opt.load_state_dict(sd)
+    _assert_same(before, _snapshot(model, opt))
+
+
+def test_scaler_load_state_dict_is_atomic(device):
+    _, _, scaler = _trained(device)
+    sd = scaler.state_dict()
+    before = scaler.state_dict()
+    for bad in (dict(sd, scale=math.nan, growth_factor=3.0, backoff_factor=0.25),
+                dict(sd, growth_interval=0, growth_factor=4.0),
+                dict(sd, _growth_tracker=-1, backoff_factor=0.1)):
+        with pytest.raises(RuntimeError):
+            scaler.load_state_dict(bad)
+        assert scaler.state_dict() == before
+
+
+# ---- a way back ------------------------------------------------------------------------------
+def test_restore_gives_a_plain_module_and_the_fp32_masters(device):
+    model, opt, _ = _trained(device)
+    weights = fusedamp.master_weights(model, opt)
+    sd = fusedamp.fp32_state_dict(model, opt)
+    for name, p in model.named_parameters():
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(sd[name], weights[name])
+        master = opt.state[p].get("master_param")
+        if master is not None:
+            assert torch.equal(weights[name], master)  # the masters' bits, not the rounding
+    fusedamp.restore(model, weights=weights)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), weights[name])
+    x = torch.randn(2, 6, device=device)
+    assert model(x).dtype == torch.float32
+    model.to(torch.bfloat16)  # once crashed: the casting hooks stayed behind
+    assert model(x.bfloat16()).dtype == torch.bfloat16
+    fusedamp.convert_module(model, torch.float16)  # and can be converted again
+
+
+def test_tensor_lr_of_any_float_dtype_follows_its_scheduler(device):
+    """A float64 tensor lr updated in place by a scheduler drives the fused step."""
+    model = _mlp(device)
+    reference = copy.deepcopy(model)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    opt = fusedamp.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=torch.tensor(0.1, dtype=torch.float64))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    for _ in range(4):
+        for p, r in zip(model.parameters(), reference.parameters()):
+            p.grad = torch.ones_like(p)
+            r.grad = torch.ones_like(r)
+        opt.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-6)
+    assert opt.param_groups[0]["lr"] is lr or float(opt.param_groups[0]["lr"]) == 0.1 / 16
