@@ -132,6 +132,8 @@ class ShardEngine:
         self._params = [list(g) for g in groups]
         self._mesh, self._group = _reduction_group([p for g in self._params for p in g])
         self._locals = [[_local(p) for p in g] for g in self._params]
+        self._index = {id(p): (gi, i) for gi, g in enumerate(self._params)
+                       for i, p in enumerate(g)}
         self._engine = engine_cls(self._locals)
         self._param_groups = None  # torch.optim's group dicts, as last synced
 
@@ -210,11 +212,10 @@ class ShardEngine:
 
     # ---- state: DTensors out, DTensors or full tensors in ---------------------------------
     def _local_of(self, p):
-        for ps, ls in zip(self._params, self._locals):
-            for q, local in zip(ps, ls):
-                if q is p:
-                    return local
-        raise KeyError("fusedamp.optim: not a parameter of this optimizer")
+        where = self._index.get(id(p))
+        if where is None or self._params[where[0]][where[1]] is not p:
+            raise KeyError("fusedamp.optim: not a parameter of this optimizer")
+        return self._locals[where[0]][where[1]]
 
     def param_state(self, p):
         local = self._local_of(p)

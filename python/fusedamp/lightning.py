@@ -99,6 +99,7 @@ class FusedAmpPrecision(Precision):
                                           else bool(loss_scaling)))
         self._device = None
         self._pending_state = None  # a checkpoint's scaler state loaded before connect
+        self._base_norms = {}  # id(optimizer) -> its groups' own max_grad_norm
 
     # ---- the model ---------------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -208,9 +209,11 @@ class FusedAmpPrecision(Precision):
         """Norm clipping becomes the fused step's max_grad_norm (the gradients are still
         scaled here; the step clips by the unscaled global norm)."""
         self._check_clipping(clip_val, gradient_clip_algorithm)
-        norm = clip_val if clip_val and clip_val > 0 else self.max_grad_norm
-        for group in optimizer.param_groups:
-            group["max_grad_norm"] = norm
+        # Without a clip value this step, each group has the max_grad_norm it was given.
+        base = self._base_norms.setdefault(
+            id(optimizer), [g.get("max_grad_norm") for g in optimizer.param_groups])
+        for group, norm in zip(optimizer.param_groups, base):
+            group["max_grad_norm"] = clip_val if clip_val and clip_val > 0 else norm
 
     @staticmethod
     def _check_clipping(clip_val, algorithm):

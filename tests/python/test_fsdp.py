@@ -23,6 +23,7 @@ import os
 
 import pytest
 import torch
+import fusedamp
 
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
@@ -155,3 +156,51 @@ def test_torch_optimizer_under_fusedamp_scaler_is_refused(ranks):
 
 def test_every_scenario_ran(ranks):
     assert set(SCENARIOS) <= set(ranks[0])
+
+
+# ---------------------------------------------------------------- in this process, 1 rank
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_plain_tensors_and_follows_new_local_tensors(one_rank_mesh):
+    """On one rank the DTensor path is the plain one, bit for bit; when FSDP2 gives a
+    parameter a new local tensor (as its reset_sharded_param does after a .to() or a load),
+    the optimizer moves to it with its state."""
+    from fsdp_worker import global_batch, loss_of, make_model, shard
+
+    sharded = shard(make_model(), one_rank_mesh, None)
+    plain = make_model()
+    opts = [fusedamp.optim.AdamW(m.parameters(), lr=1e-2, max_grad_norm=0.5)
+            for m in (sharded, plain)]
+    for step in range(4):
+        if step == 2:  # a new local tensor, taken over by FSDP2 as after a load or .to()
+            from torch.distributed.fsdp import fully_shard
+
+            group = fully_shard.state(sharded[0])._fsdp_param_group
+            fsdp_param = next(f for f in group.fsdp_params if f.sharded_param is sharded[0].weight)
+            old = sharded[0].weight._local_tensor
+            sharded[0].weight._local_tensor = old.clone()
+            fsdp_param.reset_sharded_param()
+            assert sharded[0].weight._local_tensor is not old
+        x, y = global_batch(step)
+        for m, opt in zip((sharded, plain), opts):
+            loss_of(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(sharded.parameters(), plain.parameters()):
+            assert torch.equal(a.to_local(), b), step
+    state = opts[0].state[sharded[0].weight]
+    assert type(state["exp_avg"]).__name__ == "DTensor" and int(state["step"]) == 4
+    assert torch.equal(state["exp_avg"].to_local(), opts[1].state[plain[0].weight]["exp_avg"])
