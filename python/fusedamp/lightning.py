@@ -98,6 +98,7 @@ class FusedAmpPrecision(Precision):
                                  enabled=(self.dtype == torch.float16 if loss_scaling is None
                                           else bool(loss_scaling)))
         self._device = None
+        self._module = None  # weakref to the converted module
         self._pending_state = None  # a checkpoint's scaler state loaded before connect
         self._base_norms = {}  # id(optimizer) -> its groups' own max_grad_norm
 
@@ -109,17 +110,19 @@ class FusedAmpPrecision(Precision):
         elif done != self.dtype:
             raise RuntimeError(f"FusedAmpPrecision({self.precision!r}): the module was already "
                                f"converted to {done} by fusedamp")
-        self._device = _device_of(module) or self._device
+        self._module = weakref.ref(module)
         return module
+
+    def _current_device(self):
+        # Where the converted module is now (Trainer and Fabric move it after converting it).
+        module = self._module() if self._module is not None else None
+        device = _device_of(module) if module is not None else None
+        return device or self._device or torch.device("cpu")
 
     def forward_context(self):
         if not self.autocast:
             return contextlib.nullcontext()
-        device = self._device or torch.device("cpu")
-        return torch.autocast(device.type, dtype=self.dtype, cache_enabled=False)
-
-    def module_init_context(self):
-        return contextlib.nullcontext()
+        return torch.autocast(self._current_device().type, dtype=self.dtype, cache_enabled=False)
 
     # ---- optimizers, schedulers, scaler (Trainer) --------------------------------------------
     def connect(self, model, optimizers, lr_schedulers):
@@ -138,7 +141,7 @@ class FusedAmpPrecision(Precision):
 
     def _ensure_scaler(self):
         if self.scaler is None:
-            self.scaler = GradScaler(self._device or "cpu", **self._scaler_args)
+            self.scaler = GradScaler(self._current_device(), **self._scaler_args)
         if self._pending_state is not None:
             self.scaler.load_state_dict(self._pending_state)
             self._pending_state = None

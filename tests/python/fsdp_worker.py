@@ -10,6 +10,7 @@ OUT_DIR/rank{RANK}.pt. The first Linear has 33 output rows, so its shards are un
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -96,9 +97,11 @@ def train_steps(model, opt, scaler, steps, first, rank, world, inf_step, record)
             model[0].weight.grad.to_local()[0, 0] = float("inf")
         if step == UNSCALE_STEP and scaler.is_enabled():
             scaler.unscale_(opt)
-        scaler.step(opt)
+        with count_collectives() as calls:
+            scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        record["collectives"].append(list(calls))
         record["params"].append(full_params(model))
         record["applied"].append(float(opt.last_step_applied))
         record["scales"].append(scaler.get_scale())
@@ -106,7 +109,32 @@ def train_steps(model, opt, scaler, steps, first, rank, world, inf_step, record)
 
 
 def new_record():
-    return {"params": [], "applied": [], "scales": [], "norms": []}
+    return {"params": [], "applied": [], "scales": [], "norms": [], "collectives": []}
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """The names of the torch.distributed collectives called inside the block."""
+    import torch.distributed as dist
+
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "broadcast", "reduce", "all_to_all_single", "barrier")
+    saved = {n: getattr(dist, n) for n in names}
+    calls = []
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for n, fn in saved.items():
+        setattr(dist, n, counting(n, fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
 
 
 def run_scenario(name, mesh, rank, world):

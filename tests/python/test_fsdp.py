@@ -73,6 +73,8 @@ def _check_decisions(ranks, name, ref):
         assert run["applied"] == ref["applied"], (run["applied"], ref["applied"])
         assert run["scales"] == ref["scales"]
         assert run["skipped_steps"] == ref["applied"].count(0.0)
+        # The step's one collective: [found_inf, sum_sq] summed over the mesh.
+        assert run["collectives"] == [["all_reduce"]] * STEPS, run["collectives"]
         for step in range(STEPS):  # gathered parameters: the same on every rank
             for x, y in zip(run["params"][step], ranks[0][name]["params"][step]):
                 assert torch.equal(x, y)
