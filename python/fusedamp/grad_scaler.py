@@ -25,12 +25,15 @@ import torch
 
 from ._library import _C
 from .diagnostics import History
+from .fsdp import check_plain_step, local_grad_views
 
 __all__ = ["GradScaler"]
 
 
 def _params_with_grads(optimizer):
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    # DTensor (FSDP2) parameters: their local shards, carrying the local gradient shards.
+    return local_grad_views([p for g in optimizer.param_groups for p in g["params"]
+                             if p.grad is not None])
 
 
 class GradScaler:
@@ -82,6 +85,7 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         key = id(optimizer)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            check_plain_step([p for g in optimizer.param_groups for p in g["params"]])
             result = None
             if self._engine.begin_plain_step(key, _params_with_grads(optimizer)):
                 result = optimizer.step(*args, **kwargs)

@@ -28,6 +28,7 @@ import torch
 
 from ._library import _C
 from .diagnostics import History
+from .fsdp import make_engine
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 
@@ -68,7 +69,8 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def _build_engine(self):
         for group in self.param_groups:
             self.check_group(group)
-        engine = self._engine_cls([list(g["params"]) for g in self.param_groups])
+        # DTensor (FSDP2) parameters: the engine steps their local shards (fsdp.py).
+        engine = make_engine(self._engine_cls, [list(g["params"]) for g in self.param_groups])
         engine.sync_options(self.param_groups)
         engine.check_options()  # ValueError before anything is kept
         self._engine = engine

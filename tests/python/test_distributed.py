@@ -39,8 +39,9 @@ TOL_FP16 = {"adamw": 2e-3, "sgd": 2e-4}
 TOL_FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def _launch(world, backend, out_dir, load_path=""):
-    """Starts `world` ranks, waits for all of them (bounded) and returns their results."""
+def _launch(world, backend, out_dir, load_path="", worker=WORKER):
+    """Starts `world` ranks of `worker`, waits for all of them (bounded) and returns their
+    results."""
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
@@ -50,7 +51,7 @@ def _launch(world, backend, out_dir, load_path=""):
         log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, str(rank), str(world), init_file, backend, out_dir]
+            [sys.executable, worker, str(rank), str(world), init_file, backend, out_dir]
             + ([load_path] if load_path else []), stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:

@@ -1,0 +1,254 @@
+"""fusedamp's optimizers and scaler on FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 makes every parameter it manages a DTensor: each rank holds a shard (its *local tensor*)
+and, after backward, the matching shard of the reduced gradient. fusedamp's operators take
+plain tensors, so the C++ engine steps the local shards, and this module puts the one
+collective a global decision needs between the engine's phases (as distributed.py does):
+
+  1. gather_grads        the local gradient shards (bound to the local tensors for the step)
+  2. compute_grad_stats  FP32[2] = [found_inf, sum of squares] of this rank's shards, summed
+                         over the mesh's shard dimension in ONE all-reduce (no host sync), so
+                         every rank skips alike and clips by the global norm
+  3. apply_update        the fused update of the local shards
+
+With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16 or torch.float16,
+reduce_dtype=torch.float32)`` the sharded parameters are FP32: they ARE the master weights
+(the engine keeps no second copy; master_weights has nothing to do for FP32 tensors), and the
+gradient shards are FP32. A model sharded in FP16/BF16 without a policy gets FP32 masters of
+its local shards only.
+
+Optimizer state is reported as DTensors laid out like their parameters (what
+torch.distributed.checkpoint expects); ``load_state_dict`` takes those, or full tensors, which
+each rank slices locally.
+
+Supported layouts: every parameter a DTensor on one mesh, sharded (Shard) over the same mesh
+dimensions and replicated over the others (FSDP; HSDP's replicate dimension is left out of the
+reduction, its ranks hold identical gradients). Parameters that are plain tensors next to
+DTensors are refused: their gradients are per rank and would be counted once per rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+except ImportError:  # torch built without distributed
+    DTensor = None
+
+__all__ = ["has_dtensors", "make_engine", "local_grad_views", "check_plain_step"]
+
+
+def has_dtensors(tensors) -> bool:
+    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+
+
+def make_engine(engine_cls, groups):
+    """The engine for these param groups: the C++ engine itself for plain tensors, a
+    ShardEngine over the local shards for DTensor parameters."""
+    if has_dtensors(p for g in groups for p in g):
+        return ShardEngine(engine_cls, groups)
+    return engine_cls(groups)
+
+
+def _local(p):
+    # Under no_grad DTensor.to_local() is the local tensor object itself (no autograd node).
+    with torch.no_grad():
+        return p.to_local()
+
+
+def local_grad_views(params):
+    """For a loss scaler that unscales or checks gradients itself: each DTensor parameter is
+    replaced by an alias of its local shard carrying the local gradient shard (plain tensors
+    pass unchanged). The aliases live only as long as the caller holds them."""
+    if not has_dtensors(params):
+        return params
+    views = []
+    for p in params:
+        if isinstance(p, DTensor):
+            v = _local(p).detach()
+            v.grad = _local(p.grad)
+            p = v
+        views.append(p)
+    return views
+
+
+def check_plain_step(params):
+    """A scaler steps an optimizer without torch's AMP protocol only after reading found_inf
+    on the host; with DTensor gradients that flag would hold this rank's shards only, and the
+    ranks could disagree."""
+    if has_dtensors(params):
+        raise NotImplementedError(
+            "fusedamp.GradScaler: this optimizer does not take grad_scale/found_inf in its step "
+            "(torch's AMP protocol), so the scaler would decide on this rank's gradient shards "
+            "alone; over DTensor (FSDP2) parameters use fusedamp.optim.AdamW/Adam/SGD, which "
+            "reduce found_inf over the mesh")
+
+
+def _reduction_group(params):
+    """The process group over which per-shard sums become global ones, or None when every
+    parameter is replicated (nothing to reduce)."""
+    if not all(isinstance(p, DTensor) for p in params):
+        raise ValueError("fusedamp.optim: the parameters mix DTensors (FSDP2 shards) and plain "
+                         "tensors; put every parameter of the model under fully_shard, or give "
+                         "the plain ones to a separate optimizer")
+    meshes = {p.device_mesh for p in params}
+    if len(meshes) != 1:
+        raise NotImplementedError("fusedamp.optim: DTensor parameters on different device "
+                                  "meshes in one optimizer are not supported")
+    mesh = meshes.pop()
+    sharded_dims = set()
+    for p in params:
+        for placement in p.placements:
+            if not (placement.is_shard() or isinstance(placement, Replicate)):
+                raise NotImplementedError(f"fusedamp.optim: parameter placement {placement} is "
+                                          "not supported (Shard or Replicate)")
+        sharded_dims.add(tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
+    if len(sharded_dims) != 1:
+        raise NotImplementedError("fusedamp.optim: the DTensor parameters are sharded over "
+                                  f"different mesh dimensions {sorted(sharded_dims)}")
+    dims = sharded_dims.pop()
+    if not dims:
+        return mesh, None
+    if len(dims) == 1:
+        return mesh, mesh.get_group(dims[0])
+    if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return mesh, dist.group.WORLD
+    raise NotImplementedError("fusedamp.optim: parameters sharded over several dimensions of "
+                              "a mesh smaller than the world are not supported")
+
+
+def _needs_stats(group) -> bool:
+    return group.get("skip_nonfinite", True) or group.get("max_grad_norm") is not None
+
+
+class ShardEngine:
+    """The C++ engine (``engine_cls``) over the local shards of DTensor parameters, with the
+    engine's interface: what optim.FusedOptimizer calls. Parameters in and state out are the
+    DTensors; everything else is relayed to the engine."""
+
+    def __init__(self, engine_cls, groups):
+        self._engine_cls = engine_cls
+        self._params = [list(g) for g in groups]
+        self._mesh, self._group = _reduction_group([p for g in self._params for p in g])
+        self._locals = [[_local(p) for p in g] for g in self._params]
+        self._index = {id(p): (gi, i) for gi, g in enumerate(self._params)
+                       for i, p in enumerate(g)}
+        self._engine = engine_cls(self._locals)
+        self._param_groups = None  # torch.optim's group dicts, as last synced
+
+    def __getattr__(self, name):  # results, options, checks: the engine's own
+        return getattr(self.__dict__["_engine"], name)
+
+    # ---- the step -------------------------------------------------------------------------
+    def sync_options(self, param_groups):
+        self._param_groups = param_groups
+        self._engine.sync_options(param_groups)
+
+    def step(self):
+        needs_stats = any(_needs_stats(g) for g in self._param_groups or ())
+        self._phases(None, None, scaled=False, stats=needs_stats)
+
+    def step_amp(self, grad_scale, found_inf):
+        # found_inf is reduced even when the gradients were unscaled already (scaler.unscale_
+        # checked this rank's shards only), so the statistics pass always runs.
+        self._phases(grad_scale, found_inf, scaled=True, stats=True)
+
+    @torch.no_grad()
+    def _phases(self, grad_scale, found_inf, scaled, stats):
+        self._follow_local_tensors()
+        self._bind_grads()
+        try:
+            engine = self._engine
+            has_grads = engine.gather_grads()
+            if stats:
+                if has_grads:
+                    sums = engine.compute_grad_stats(found_inf)
+                else:  # nothing to step here; the collective is everyone's
+                    sums = torch.zeros(2, device=self._device())
+                    if found_inf is not None:
+                        sums[0] = found_inf.reshape(())
+                if self._group is not None:
+                    dist.all_reduce(sums, group=self._group)
+                if not has_grads and found_inf is not None:
+                    found_inf.copy_(sums[0].reshape(found_inf.shape))
+            if has_grads:
+                engine.apply_update(grad_scale, found_inf, scaled=scaled)
+        finally:
+            self._release_grads()
+
+    def _device(self):
+        return next(p for g in self._locals for p in g).device
+
+    def _bind_grads(self):
+        for ps, ls in zip(self._params, self._locals):
+            for p, local in zip(ps, ls):
+                local.grad = None if p.grad is None else _local(p.grad)
+
+    def _release_grads(self):
+        # The DTensor gradient keeps the shard (the step unscaled it in place); the alias must
+        # not keep it alive after zero_grad.
+        for ls in self._locals:
+            for local in ls:
+                local.grad = None
+
+    def _follow_local_tensors(self):
+        """FSDP2 may give a parameter a new local tensor (e.g. a load_state_dict(assign=True)
+        or a .to() after sharding): the engine then moves to the new ones, with its state."""
+        if all(_local(p) is local for ps, ls in zip(self._params, self._locals)
+               for p, local in zip(ps, ls)):
+            return
+        old, old_locals = self._engine, self._locals
+        self._locals = [[_local(p) for p in g] for g in self._params]
+        moved = [(new, old.param_state(prev))
+                 for nl, ol in zip(self._locals, old_locals) for new, prev in zip(nl, ol)]
+        moved = [(t, s) for t, s in moved if s]
+        self._engine = self._engine_cls(self._locals)
+        if self._param_groups is not None:
+            self._engine.sync_options(self._param_groups)
+        self._engine.load_param_states([t for t, _ in moved], [s for _, s in moved])
+        if old.skipped_steps() is not None:
+            self._engine.set_skipped_steps(old.skipped_steps())
+
+    # ---- state: DTensors out, DTensors or full tensors in ---------------------------------
+    def _local_of(self, p):
+        where = self._index.get(id(p))
+        if where is None or self._params[where[0]][where[1]] is not p:
+            raise KeyError("fusedamp.optim: not a parameter of this optimizer")
+        return self._locals[where[0]][where[1]]
+
+    def param_state(self, p):
+        local = self._local_of(p)
+        state = self._engine.param_state(local)
+        return {name: (DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+                       if t.shape == local.shape and name != "step" else t)
+                for name, t in state.items()}
+
+    def _to_local_state(self, p, state):
+        out = {}
+        for name, v in state.items():
+            if name == "step" or not isinstance(v, torch.Tensor):
+                out[name] = v
+                continue
+            if isinstance(v, DTensor):
+                if v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):
+                    v = v.redistribute(p.device_mesh, p.placements)
+            elif tuple(v.shape) == tuple(p.shape):  # a full tensor: this rank's slice of it
+                v = distribute_tensor(v.to(_local(p).device), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+            else:
+                raise ValueError(f"fusedamp.optim: state {name!r} has shape {tuple(v.shape)}, "
+                                 f"the DTensor parameter {tuple(p.shape)}")
+            out[name] = _local(v)
+        return out
+
+    def set_param_state(self, p, state, copy=True):
+        self._engine.set_param_state(self._local_of(p), self._to_local_state(p, state), copy)
+
+    def load_param_states(self, params, states):
+        self._engine.load_param_states([self._local_of(p) for p in params],
+                                       [self._to_local_state(p, s) for p, s in zip(params, states)])
+
+    def all_params(self):
+        return [p for g in self._params for p in g]
