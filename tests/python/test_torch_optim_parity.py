@@ -84,17 +84,18 @@ XFAIL = [
      f"supported' ({_OPTIM_PY} FusedOptimizer._check_group); torch keeps max_exp_avg_sq and "
      "divides by its sqrt (no max_exp_avg_sq state slot in csrc/include/fusedamp/optim/"
      "param_state.h, no amsgrad in adam_step_)"),
-    (None, lambda kind, kw: kw.get("differentiable", False),
-     "fusedamp.optim rejects differentiable=True: ValueError 'fusedamp: differentiable=True "
-     f"is not supported' ({_OPTIM_PY} FusedOptimizer._check_group); torch accepts it (same "
-     "numbers, the step is recorded by autograd)"),
 ]
 
 
-def cases(test):
+def cases(test, differentiable=False):
+    """The configurations with (differentiable=True) or without differentiable: fusedamp refuses
+    it on purpose — the fused step cannot be recorded by autograd — and says so (README,
+    Differences from torch.amp), so those configurations are tested for that refusal."""
     out = []
     for kind in _KINDS:
         for cfg in _configs(kind):
+            if bool(cfg.kwargs.get("differentiable", False)) != differentiable:
+                continue
             ident = f"{kind}-{_ident(cfg.desc)}"
             reasons = [r for t, applies, r in XFAIL
                        if t in (None, test) and applies(kind, cfg.kwargs)]
@@ -228,3 +229,12 @@ def test_migration(tc, device, kind, kwargs):
         elif step == MIGRATE_AT[1]:  # fusedamp -> torch
             opt, sched = _restart(torch_cls, model, _reference_kwargs(kwargs, device), opt, sched)
     _check_state(tc, opt, model, ref_opt, ref_model)
+
+
+@pytest.mark.parametrize("kind,kwargs", cases("test_differentiable_refused", differentiable=True))
+def test_differentiable_refused(device, kind, kwargs):
+    """differentiable=True asks for a step autograd can differentiate through (meta-learning);
+    fusedamp's fused step cannot be, so it refuses clearly rather than silently not recording."""
+    model, _ = _problem(device)
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        _KINDS[kind](model.parameters(), **_on(kwargs, device))
