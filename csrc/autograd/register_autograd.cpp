@@ -1,0 +1,226 @@
+// The Autograd and ADInplaceOrView kernels of fusedamp's operators: what torch's own in-place
+// ops have, written out unboxed (without them every call took torch's boxed autograd fallback,
+// which boxes each tensor list into IValues: most of an op's host time with many tensors).
+//
+//   Autograd          the ops update optimizer state in place and are not differentiable: a
+//                     mutated tensor that requires grad is refused while grad mode is on (as
+//                     torch refuses an in-place op on a leaf that requires grad); then below.
+//   ADInplaceOrView   below, then every mutated tensor's version counter is bumped, as for any
+//                     in-place op, so autograd notices a parameter changed after it was saved
+//                     for backward (e.g. a step between forward and backward).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+
+namespace fusedamp::autograd {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+// One mutated argument: a list or a single tensor.
+struct Mutated {
+  TensorList list;
+  const Tensor* single = nullptr;
+  Mutated(TensorList l) : list(l) {}  // NOLINT(google-explicit-constructor)
+  Mutated(const Tensor& t) : single(&t) {}  // NOLINT(google-explicit-constructor)
+  template <typename F>
+  void each(const F& f) const {
+    if (single != nullptr) {
+      f(*single);
+    }
+    for (const auto& t : list) {
+      f(t);
+    }
+  }
+};
+
+void refuse_in_grad_mode(const char* op, std::initializer_list<Mutated> mutated) {
+  if (!c10::GradMode::is_enabled()) {
+    return;
+  }
+  for (const auto& m : mutated) {
+    m.each([&](const Tensor& t) {
+      TORCH_CHECK(!t.defined() || !t.requires_grad(), op,
+                  ": updates tensors in place and is not differentiable, but a tensor it "
+                  "modifies requires grad; call it under torch.no_grad() (as an optimizer "
+                  "step runs)");
+    });
+  }
+}
+
+void bump_versions(std::initializer_list<Mutated> mutated) {
+  for (const auto& m : mutated) {
+    m.each([](const Tensor& t) {
+      if (t.defined()) {
+        torch::autograd::impl::bump_version(t);
+      }
+    });
+  }
+}
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
+}
+
+// ---- unscale_and_check_ --------------------------------------------------------------------
+using UnscaleSig = void(TensorList, const Tensor&, const Tensor&);
+const c10::TypedOperatorHandle<UnscaleSig>& unscale_op() {
+  static const auto op = find<UnscaleSig>("fusedamp::unscale_and_check_");
+  return op;
+}
+
+void unscale_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
+                      const Tensor& inv_scale) {
+  refuse_in_grad_mode("fusedamp::unscale_and_check_", {grads, found_inf});
+  unscale_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, inv_scale);
+}
+
+void unscale_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
+                  const Tensor& inv_scale) {
+  unscale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+  bump_versions({grads, found_inf});
+}
+
+// ---- grad_stats_ ---------------------------------------------------------------------------
+using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&);
+const c10::TypedOperatorHandle<StatsSig>& stats_op() {
+  static const auto op = find<StatsSig>("fusedamp::grad_stats_");
+  return op;
+}
+
+void stats_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
+                    const Tensor& sum_sq, const OptTensor& flags) {
+  refuse_in_grad_mode("fusedamp::grad_stats_", {found_inf, sum_sq});
+  stats_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, sum_sq, flags);
+}
+
+void stats_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
+                const Tensor& sum_sq, const OptTensor& flags) {
+  stats_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, sum_sq, flags);
+  bump_versions({found_inf, sum_sq});
+  if (flags) {
+    bump_versions({*flags});
+  }
+}
+
+// ---- update_scale_ -------------------------------------------------------------------------
+using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
+                      int64_t, int64_t, std::optional<double>, std::optional<double>);
+const c10::TypedOperatorHandle<ScaleSig>& scale_op() {
+  static const auto op = find<ScaleSig>("fusedamp::update_scale_");
+  return op;
+}
+
+void scale_autograd(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
+                    const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
+                    double backoff_factor, int64_t interval, int64_t hysteresis_steps,
+                    std::optional<double> min_scale, std::optional<double> max_scale) {
+  refuse_in_grad_mode("fusedamp::update_scale_", {scale, growth, hysteresis});
+  scale_op().redispatch(ks & c10::after_autograd_keyset, scale, growth, hysteresis, found_inf,
+                        growth_factor, backoff_factor, interval, hysteresis_steps, min_scale,
+                        max_scale);
+}
+
+void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
+                const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
+                double backoff_factor, int64_t interval, int64_t hysteresis_steps,
+                std::optional<double> min_scale, std::optional<double> max_scale) {
+  scale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, scale, growth, hysteresis,
+                        found_inf, growth_factor, backoff_factor, interval, hysteresis_steps,
+                        min_scale, max_scale);
+  bump_versions({scale, growth, hysteresis});
+}
+
+// ---- adam_step_ ----------------------------------------------------------------------------
+using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
+                     double, double, double, double, double, bool, bool, const OptTensor&,
+                     const OptTensor&, const OptTensor&, const OptTensor&,
+                     std::optional<double>);
+const c10::TypedOperatorHandle<AdamSig>& adam_op() {
+  static const auto op = find<AdamSig>("fusedamp::adam_step_");
+  return op;
+}
+
+void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
+                   TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                   TensorList steps, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled, bool maximize, const OptTensor& lr_t,
+                   const OptTensor& inv_scale, const OptTensor& found_inf,
+                   const OptTensor& sum_sq, std::optional<double> max_norm) {
+  refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps});
+  adam_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, exp_avgs,
+                       exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
+                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm);
+}
+
+void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
+               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
+               double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+               bool maximize, const OptTensor& lr_t, const OptTensor& inv_scale,
+               const OptTensor& found_inf, const OptTensor& sum_sq,
+               std::optional<double> max_norm) {
+  adam_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, exp_avgs,
+                       exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
+                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm);
+  bump_versions({params, masters, exp_avgs, exp_avg_sqs, steps});
+}
+
+// ---- sgd_step_ -----------------------------------------------------------------------------
+using SgdSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, double, double,
+                    double, double, bool, bool, const OptTensor&, const OptTensor&,
+                    const OptTensor&, const OptTensor&, std::optional<double>);
+const c10::TypedOperatorHandle<SgdSig>& sgd_op() {
+  static const auto op = find<SgdSig>("fusedamp::sgd_step_");
+  return op;
+}
+
+void sgd_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
+                  TensorList bufs, TensorList steps, double lr, double momentum,
+                  double dampening, double weight_decay, bool nesterov, bool maximize,
+                  const OptTensor& lr_t, const OptTensor& inv_scale, const OptTensor& found_inf,
+                  const OptTensor& sum_sq, std::optional<double> max_norm) {
+  refuse_in_grad_mode("fusedamp::sgd_step_", {params, masters, bufs, steps});
+  sgd_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, bufs, steps, lr,
+                      momentum, dampening, weight_decay, nesterov, maximize, lr_t, inv_scale,
+                      found_inf, sum_sq, max_norm);
+}
+
+void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
+              TensorList bufs, TensorList steps, double lr, double momentum, double dampening,
+              double weight_decay, bool nesterov, bool maximize, const OptTensor& lr_t,
+              const OptTensor& inv_scale, const OptTensor& found_inf, const OptTensor& sum_sq,
+              std::optional<double> max_norm) {
+  sgd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, bufs,
+                      steps, lr, momentum, dampening, weight_decay, nesterov, maximize, lr_t,
+                      inv_scale, found_inf, sum_sq, max_norm);
+  bump_versions({params, masters, bufs, steps});
+}
+
+}  // namespace
+}  // namespace fusedamp::autograd
+
+TORCH_LIBRARY_IMPL(fusedamp, Autograd, m) {
+  using namespace fusedamp::autograd;
+  m.impl("unscale_and_check_", &unscale_autograd);
+  m.impl("grad_stats_", &stats_autograd);
+  m.impl("update_scale_", &scale_autograd);
+  m.impl("adam_step_", &adam_autograd);
+  m.impl("sgd_step_", &sgd_autograd);
+}
+
+TORCH_LIBRARY_IMPL(fusedamp, ADInplaceOrView, m) {
+  using namespace fusedamp::autograd;
+  m.impl("unscale_and_check_", &unscale_view);
+  m.impl("grad_stats_", &stats_view);
+  m.impl("update_scale_", &scale_view);
+  m.impl("adam_step_", &adam_view);
+  m.impl("sgd_step_", &sgd_view);
+}
