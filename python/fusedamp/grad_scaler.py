@@ -69,10 +69,19 @@ class GradScaler:
             return {k: self.scale(v) for k, v in outputs.items()}
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
+    def _require_scale(self, funcname):
+        # torch.amp's check and words: the iteration starts with scale(), which creates the
+        # scale on the loss's device (a loaded state_dict alone does not count in torch).
+        if self._engine.scale_tensor() is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  This may indicate "
+                                 "your script did not use scaler.scale(loss or outputs) earlier "
+                                 "in the iteration.")
+
     def unscale_(self, optimizer):
         """Divides the optimizer's gradients by the scale, in place (e.g. before manual
         clipping), recording inf/NaN. At most once per optimizer per iteration."""
         if self._enabled:
+            self._require_scale("unscale_")
             self._engine.unscale_(id(optimizer), _params_with_grads(optimizer))
 
     def step(self, optimizer, *args, **kwargs):
@@ -83,6 +92,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._require_scale("step")
         key = id(optimizer)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             check_plain_step([p for g in optimizer.param_groups for p in g["params"]])

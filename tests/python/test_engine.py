@@ -125,6 +125,7 @@ def test_skipped_step_is_bitwise_noop_and_counted(device, dtype):
     params = _model_params(device, dtype, seed=5)
     opt = fusedamp.optim.AdamW(params, lr=1e-2, max_grad_norm=1.0)
     scaler = fusedamp.GradScaler(device, enabled=dtype == torch.float16)
+    scaler.scale(torch.ones((), device=device))  # an iteration starts with scale(), as in torch
     for step in range(3):
         for p, g in zip(params, _grads(device, dtype, step)):
             p.grad = g.to(dtype)
