@@ -266,6 +266,7 @@ def fusedamp_api(opt_name):
                                      max_grad_norm=norm)
         scaler = fusedamp.GradScaler(device, init_scale=LOSS_SCALE,
                                      growth_interval=GROWTH_INTERVAL)
+        scaler.scale(torch.ones((), device=device))  # what backward's scale(loss) initialises
 
         def step():
             scaler.step(opt)

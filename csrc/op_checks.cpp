@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "hyper_params.h"
+#include "tensor_facts.h"
+
 namespace fusedamp::checks {
 namespace {
 
@@ -12,130 +15,136 @@ bool is_float_kind(c10::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-// A 1-element FP32 (or int32) state tensor on `device`.
-void check_scalar(const char* op, const char* name, const Tensor& t, c10::ScalarType dtype,
-                  const c10::Device& device) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense tensor");
-  TORCH_CHECK(t.sym_numel() == 1, op, ": ", name, " must have exactly one element, got ",
-              t.sym_numel());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
+// Every check below decides on facts alone, inline and without a message; the message of a
+// failed check is built by a raise_* function, out of line, so that the hot path stays small.
+
+// ---- one-element state tensors (found_inf, inv_scale, steps[i], ...) ------------------------
+
+[[noreturn]] C10_NOINLINE void raise_scalar(const char* op, const char* name, const Tensor& t,
+                                            ScalarFlaw flaw, c10::ScalarType dtype,
+                                            const c10::Device& device) {
+  TORCH_CHECK(flaw != ScalarFlaw::kUndefined, op, ": ", name, " is undefined");
+  TORCH_CHECK(flaw != ScalarFlaw::kNotStrided, op, ": ", name, " must be a dense tensor");
+  TORCH_CHECK(flaw != ScalarFlaw::kNotOneElement, op, ": ", name,
+              " must have exactly one element, got ", t.sym_numel());
+  TORCH_CHECK(flaw != ScalarFlaw::kDtype, op, ": ", name, " must be ", dtype, ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(),
-              " but the other tensors are on ", device);
+  TORCH_CHECK(false, op, ": ", name, " is on ", t.device(), " but the other tensors are on ",
+              device);
 }
 
+C10_ALWAYS_INLINE void check_scalar(const char* op, const char* name, const Tensor& t,
+                                    c10::ScalarType dtype, const c10::Device& device) {
+  const ScalarFlaw flaw = scalar_flaw(t, dtype, device);
+  if (C10_UNLIKELY(flaw != ScalarFlaw::kNone)) {
+    raise_scalar(op, name, t, flaw, dtype, device);
+  }
+}
+
+// ---- the tensors of a list (see tensor_facts.h) ---------------------------------------------
+
 // Kernels walk each tensor as one flat block of memory.
-void check_dense(const char* op, const char* list, size_t i, const Tensor& t,
-                 const c10::Device& device) {
-  TORCH_CHECK(t.defined(), op, ": ", list, "[", i, "] is undefined");
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", list, "[", i,
+[[noreturn]] C10_NOINLINE void raise_flaw(const char* op, const char* list, size_t i,
+                                          const TensorFacts& f, const c10::Device& device) {
+  const Tensor& t = *f.tensor;
+  TORCH_CHECK(f.flaw != Flaw::kUndefined, op, ": ", list, "[", i, "] is undefined");
+  TORCH_CHECK(f.flaw != Flaw::kNotStrided, op, ": ", list, "[", i,
               "] is sparse (or not strided); only dense tensors are supported");
-  TORCH_CHECK(t.device() == device, op, ": ", list, "[", i, "] is on ", t.device(),
+  TORCH_CHECK(f.flaw != Flaw::kOtherDevice, op, ": ", list, "[", i, "] is on ", t.device(),
               " but ", "the first tensor is on ", device, "; all tensors must share one device");
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", list, "[", i,
+  TORCH_CHECK(false, op, ": ", list, "[", i,
               "] must be non-overlapping and dense (e.g. contiguous); got sizes ", t.sym_sizes(),
               " strides ", t.sym_strides());
 }
 
-void check_same_layout(const char* op, const char* list, size_t i, const Tensor& t,
-                       const Tensor& ref) {
-  TORCH_CHECK(t.sym_sizes() == ref.sym_sizes(), op, ": ", list, "[", i, "] has shape ",
-              t.sym_sizes(), " but params[", i, "] has shape ", ref.sym_sizes());
-  TORCH_CHECK(t.sym_numel() <= 1 || t.sym_strides() == ref.sym_strides(), op, ": ", list, "[", i,
-              "] has strides ", t.sym_strides(), " but params[", i, "] has strides ",
-              ref.sym_strides());
-}
-
-// Tensors without real memory (meta, FakeTensor under torch.compile) cannot overlap.
-bool has_memory(const Tensor& t) {
-  return t.has_storage() && t.storage().data() != nullptr;
-}
-
-bool overlaps(const Tensor& a, const Tensor& b) {
-  if (!has_memory(a) || !has_memory(b) || a.numel() == 0 || b.numel() == 0) {
-    return false;
+C10_ALWAYS_INLINE void check_dense(const char* op, const char* list, size_t i,
+                                   const TensorFacts& f, const c10::Device& device) {
+  if (C10_UNLIKELY(f.flaw != Flaw::kNone)) {
+    raise_flaw(op, list, i, f, device);
   }
-  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
-  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
-  const auto* a1 = a0 + a.numel() * a.element_size();
-  const auto* b1 = b0 + b.numel() * b.element_size();
-  return a0 < b1 && b0 < a1;
 }
 
-void check_no_overlap(const char* op, size_t i, const Tensor& a, const char* an, const Tensor& b,
-                      const char* bn) {
-  TORCH_CHECK(!overlaps(a, b), op, ": ", an, "[", i, "] and ", bn, "[", i,
+// What a list's dtype must be, as its message says it.
+enum class DtypeRule : uint8_t {
+  kLikeParams0,  // params: params[0]'s
+  kLikeGrads0,   // grads of a step: grads[0]'s
+  kFloat32,      // master weights and optimizer state
+  kFloatKind,    // grads of unscale_and_check_ / grad_stats_: FP32, FP16 or BF16
+};
+
+[[noreturn]] C10_NOINLINE void raise_dtype(const char* op, const char* list, size_t i,
+                                           c10::ScalarType got, c10::ScalarType want,
+                                           DtypeRule rule) {
+  switch (rule) {
+    case DtypeRule::kLikeParams0:
+      TORCH_CHECK(false, op, ": params[", i, "] has dtype ", got, " but params[0] has ", want,
+                  "; one call takes one params dtype");
+    case DtypeRule::kLikeGrads0:
+      TORCH_CHECK(false, op, ": grads[", i, "] has dtype ", got, " but grads[0] has ", want);
+    case DtypeRule::kFloat32:
+      TORCH_CHECK(false, op, ": ", list, "[", i, "] must be float32, got ", got);
+    case DtypeRule::kFloatKind:
+      break;
+  }
+  TORCH_CHECK(false, op, ": ", list, "[", i, "] has dtype ", got,
+              "; supported are float32, float16 and bfloat16");
+}
+
+C10_ALWAYS_INLINE void check_dtype(const char* op, const char* list, size_t i,
+                                   const TensorFacts& f, c10::ScalarType want, DtypeRule rule) {
+  const bool right = rule == DtypeRule::kFloatKind ? is_float_kind(f.dtype) : f.dtype == want;
+  if (C10_UNLIKELY(!right)) {
+    raise_dtype(op, list, i, f.dtype, want, rule);
+  }
+}
+
+// Where t or params[i] has symbolic sizes (torch.compile), their layouts are compared through
+// the symbolic-aware accessors, out of line.
+C10_NOINLINE bool same_sizes_symbolic(const Tensor& t, const Tensor& params) {
+  return t.sym_sizes() == params.sym_sizes();
+}
+
+C10_NOINLINE bool same_strides_symbolic(const Tensor& t, const Tensor& params) {
+  return t.sym_numel() <= 1 || t.sym_strides() == params.sym_strides();
+}
+
+[[noreturn]] C10_NOINLINE void raise_layout(const char* op, const char* list, size_t i,
+                                            const Tensor& t, const Tensor& params, bool shape) {
+  TORCH_CHECK(!shape, op, ": ", list, "[", i, "] has shape ", t.sym_sizes(), " but params[", i,
+              "] has shape ", params.sym_sizes());
+  TORCH_CHECK(false, op, ": ", list, "[", i, "] has strides ", t.sym_strides(), " but params[",
+              i, "] has strides ", params.sym_strides());
+}
+
+// t has params[i]'s shape and (unless it has at most one element) strides.
+C10_ALWAYS_INLINE void check_same_layout(const char* op, const char* list, size_t i,
+                                         const TensorFacts& t, const TensorFacts& params) {
+  const Tensor& a = *t.tensor;
+  const Tensor& b = *params.tensor;
+  const c10::TensorImpl& ai = *a.unsafeGetTensorImpl();
+  const c10::TensorImpl& bi = *b.unsafeGetTensorImpl();
+  const bool concrete = C10_LIKELY(t.concrete && params.concrete);
+  if (C10_UNLIKELY(!(concrete ? ai.sizes().equals(bi.sizes()) : same_sizes_symbolic(a, b)))) {
+    raise_layout(op, list, i, a, b, /*shape=*/true);
+  }
+  if (C10_UNLIKELY(!(concrete ? ai.numel() <= 1 || ai.strides().equals(bi.strides())
+                              : same_strides_symbolic(a, b)))) {
+    raise_layout(op, list, i, a, b, /*shape=*/false);
+  }
+}
+
+[[noreturn]] C10_NOINLINE void raise_overlap(const char* op, size_t i, const char* a_list,
+                                             const char* b_list) {
+  TORCH_CHECK(false, op, ": ", a_list, "[", i, "] and ", b_list, "[", i,
               "] share memory; each must be its own tensor");
 }
 
-// ---- fast path ------------------------------------------------------------------------
-// The checks above build nothing until they fail, but each of them still walks torch's
-// generic (symbolic-aware) accessors, and the overlap test re-derives both byte ranges for
-// every pair; with many small tensors that is most of an op's host time. The fast path below
-// reads each tensor once with the plain accessors and accepts it only when it is *obviously*
-// valid (a conservative test: whatever it accepts the full checks accept too). Anything else,
-// e.g. a non-contiguous but dense tensor, symbolic sizes (torch.compile), or a real mistake,
-// goes through the full checks for that index, which raise exactly the message they always
-// have. Earlier indices passed the fast test, so the first error reported is unchanged.
-
-// Defined, strided, on `device`, of `dtype`, contiguous (hence non-overlapping and dense),
-// with concrete sizes and strides that sizes()/strides() may read.
-inline bool plain_dense(const Tensor& t, const c10::Device& device, c10::ScalarType dtype) {
-  if (!t.defined()) {
-    return false;
+C10_ALWAYS_INLINE void check_no_overlap(const char* op, size_t i, const TensorFacts& a,
+                                        const char* a_list, const TensorFacts& b,
+                                        const char* b_list) {
+  if (C10_UNLIKELY(!disjoint(a.span, b.span))) {
+    raise_overlap(op, i, a_list, b_list);
   }
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  return !impl->has_symbolic_sizes_strides() && !impl->is_nested() &&
-         !impl->is_python_dispatch() && impl->layout() == at::kStrided &&
-         impl->dtype() == dtype && impl->device() == device && impl->is_contiguous();
-}
-
-// check_same_layout(t, ref) for two tensors that passed plain_dense.
-inline bool same_layout_plain(const Tensor& t, const Tensor& ref) {
-  const c10::TensorImpl* a = t.unsafeGetTensorImpl();
-  const c10::TensorImpl* b = ref.unsafeGetTensorImpl();
-  return a->sizes().equals(b->sizes()) && (a->numel() <= 1 || a->strides().equals(b->strides()));
-}
-
-// The bytes a tensor covers, as overlaps() sees them: empty when it has no memory or no
-// elements (such a range overlaps nothing).
-struct Span {
-  const char* lo = nullptr;
-  const char* hi = nullptr;
-};
-
-// The span of a tensor that passed plain_dense: overlaps()'s bytes, from the TensorImpl
-// fields that const_data_ptr() itself combines (storage data + storage offset * item size).
-inline Span span_of_plain(const Tensor& t) {
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  Span s;
-  const int64_t n = impl->numel();
-  if (n != 0 && impl->has_storage()) {
-    const auto* base = static_cast<const char*>(impl->storage().data());
-    if (base != nullptr) {
-      const auto item = static_cast<int64_t>(impl->dtype().itemsize());
-      s.lo = base + impl->storage_offset() * item;
-      s.hi = s.lo + n * item;
-    }
-  }
-  return s;
-}
-
-// !overlaps(a, b) from precomputed spans.
-inline bool disjoint(const Span& a, const Span& b) {
-  return a.lo == nullptr || b.lo == nullptr || !(a.lo < b.hi && b.lo < a.hi);
-}
-
-// check_scalar(t, kFloat, device) for a tensor with concrete sizes.
-inline bool plain_float_scalar(const Tensor& t, const c10::Device& device) {
-  if (!t.defined()) {
-    return false;
-  }
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  return !impl->has_symbolic_sizes_strides() && !impl->is_python_dispatch() &&
-         impl->layout() == at::kStrided && impl->numel() == 1 &&
-         impl->dtype() == at::kFloat && impl->device() == device;
 }
 
 void check_list_length(const char* op, const char* name, TensorList l, size_t n) {
@@ -143,126 +152,102 @@ void check_list_length(const char* op, const char* name, TensorList l, size_t n)
 }
 
 void check_finite_nonneg(const char* op, const char* name, double v) {
-  TORCH_CHECK(std::isfinite(v) && v >= 0.0, op, ": invalid ", name, " ", v,
+  TORCH_CHECK(hyper::finite_nonneg(v), op, ": invalid ", name, " ", v,
               " (must be finite and >= 0)");
 }
 
 void check_beta(const char* op, const char* name, double v) {
-  TORCH_CHECK(v >= 0.0 && v < 1.0, op, ": invalid ", name, " ", v, " (must be in [0, 1))");
+  TORCH_CHECK(hyper::valid_beta(v), op, ": invalid ", name, " ", v, " (must be in [0, 1))");
 }
 
 void check_grad_list(const char* op, TensorList grads, const c10::Device& device) {
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined() && is_float_kind(grads[i].scalar_type()) &&
-        plain_dense(grads[i], device, grads[i].scalar_type())) {
-      continue;  // certainly passes the checks below
-    }
-    check_dense(op, "grads", i, grads[i], device);
-    TORCH_CHECK(is_float_kind(grads[i].scalar_type()), op, ": grads[", i,
-                "] has dtype ", grads[i].scalar_type(),
-                "; supported are float32, float16 and bfloat16");
+    const TensorFacts g = facts_of(grads[i], device);
+    check_dense(op, "grads", i, g, device);
+    check_dtype(op, "grads", i, g, c10::ScalarType::Undefined, DtypeRule::kFloatKind);
   }
 }
 
-using StateLists = std::initializer_list<std::pair<const char*, TensorList>>;
+// The per-parameter FP32 state lists of a step (moments or momentum buffers), which must
+// mirror params.
+struct StateLists {
+  static constexpr size_t kMax = 2;  // adam: exp_avgs, exp_avg_sqs; sgd: momentum_buffers
+  const char* names[kMax] = {};
+  TensorList lists[kMax];
+  size_t count = 0;
 
-// The full checks of index i of a step's lists (the reference; raises the precise message).
-void check_step_index(const char* op, size_t i, TensorList params, TensorList master_params,
-                      TensorList grads, TensorList steps, StateLists state,
-                      const c10::Device& device, c10::ScalarType pdtype,
-                      c10::ScalarType gdtype) {
-  const Tensor& p = params[i];
+  StateLists(std::initializer_list<std::pair<const char*, TensorList>> named) {
+    TORCH_INTERNAL_ASSERT(named.size() <= kMax);
+    for (const auto& list : named) {
+      names[count] = list.first;
+      lists[count++] = list.second;
+    }
+  }
+};
+
+// The checks of index i of a step's lists. All facts are read first, in one pass over the
+// index's tensors (their memory is then fetched together, not one cache miss at a time), then
+// judged. The order of the checks decides which mistake a call with several reports: each
+// tensor's own facts, its shape and strides against params[i], then its memory against the
+// tensors before it, and a state list's also against the later state lists; steps[i] last.
+C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList params,
+                                        TensorList master_params, TensorList grads,
+                                        TensorList steps, const StateLists& state,
+                                        const c10::Device& device, c10::ScalarType pdtype,
+                                        c10::ScalarType gdtype) {
+  const bool has_master = !master_params.empty();
+  const size_t n = state.count;
+  TensorFacts p, g, mp{}, s[StateLists::kMax];
+  read_facts(params[i], device, /*with_span=*/true, p);
+  read_facts(grads[i], device, /*with_span=*/true, g);
+  if (has_master) {
+    read_facts(master_params[i], device, /*with_span=*/true, mp);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    read_facts(state.lists[k][i], device, /*with_span=*/true, s[k]);
+  }
+  const char* const* names = state.names;
+
   check_dense(op, "params", i, p, device);
-  TORCH_CHECK(p.scalar_type() == pdtype, op, ": params[", i, "] has dtype ", p.scalar_type(),
-              " but params[0] has ", pdtype, "; one call takes one params dtype");
-  check_dense(op, "grads", i, grads[i], device);
-  TORCH_CHECK(grads[i].scalar_type() == gdtype, op, ": grads[", i, "] has dtype ",
-              grads[i].scalar_type(), " but grads[0] has ", gdtype);
-  check_same_layout(op, "grads", i, grads[i], p);
-  check_no_overlap(op, i, grads[i], "grads", p, "params");
-  if (!master_params.empty()) {
-    const Tensor& mp = master_params[i];
+  check_dtype(op, "params", i, p, pdtype, DtypeRule::kLikeParams0);
+  check_dense(op, "grads", i, g, device);
+  check_dtype(op, "grads", i, g, gdtype, DtypeRule::kLikeGrads0);
+  check_same_layout(op, "grads", i, g, p);
+  check_no_overlap(op, i, g, "grads", p, "params");
+  if (has_master) {
     check_dense(op, "master_params", i, mp, device);
-    TORCH_CHECK(mp.scalar_type() == at::kFloat, op, ": master_params[", i,
-                "] must be float32, got ", mp.scalar_type());
+    check_dtype(op, "master_params", i, mp, at::kFloat, DtypeRule::kFloat32);
     check_same_layout(op, "master_params", i, mp, p);
     check_no_overlap(op, i, mp, "master_params", p, "params");
-    check_no_overlap(op, i, mp, "master_params", grads[i], "grads");
+    check_no_overlap(op, i, mp, "master_params", g, "grads");
   }
-  for (const auto& s : state) {
-    const Tensor& t = s.second[i];
-    check_dense(op, s.first, i, t, device);
-    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", s.first, "[", i,
-                "] must be float32, got ", t.scalar_type());
-    check_same_layout(op, s.first, i, t, p);
-    check_no_overlap(op, i, t, s.first, p, "params");
-    check_no_overlap(op, i, t, s.first, grads[i], "grads");
-    if (!master_params.empty()) {
-      check_no_overlap(op, i, t, s.first, master_params[i], "master_params");
+  for (size_t k = 0; k < n; ++k) {
+    check_dense(op, names[k], i, s[k], device);
+    check_dtype(op, names[k], i, s[k], at::kFloat, DtypeRule::kFloat32);
+    check_same_layout(op, names[k], i, s[k], p);
+    check_no_overlap(op, i, s[k], names[k], p, "params");
+    check_no_overlap(op, i, s[k], names[k], g, "grads");
+    if (has_master) {
+      check_no_overlap(op, i, s[k], names[k], mp, "master_params");
     }
-    for (const auto& o : state) {
-      if (o.first != s.first) {
-        check_no_overlap(op, i, t, s.first, o.second[i], o.first);
-      }
+    // The earlier state lists were tested against this one already.
+    for (size_t later = k + 1; later < n; ++later) {
+      check_no_overlap(op, i, s[k], names[k], s[later], names[later]);
     }
   }
   check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
 }
 
-// Whether index i certainly passes check_step_index (see "fast path" above).
-bool step_index_ok(size_t i, TensorList params, TensorList master_params, TensorList grads,
-                   TensorList steps, StateLists state, const c10::Device& device,
-                   c10::ScalarType pdtype, c10::ScalarType gdtype) {
-  constexpr size_t kMaxState = 2;  // adam: exp_avgs, exp_avg_sqs; sgd: momentum_buffers
-  if (state.size() > kMaxState) {
-    return false;
-  }
-  const Tensor& p = params[i];
-  const Tensor& g = grads[i];
-  if (!plain_dense(p, device, pdtype) || !plain_dense(g, device, gdtype) ||
-      !same_layout_plain(g, p) || !plain_float_scalar(steps[i], device)) {
-    return false;
-  }
-  Span spans[3 + kMaxState];  // params, grads, master_params (maybe empty), state...
-  size_t n = 0;
-  spans[n++] = span_of_plain(p);
-  spans[n++] = span_of_plain(g);
-  if (!master_params.empty()) {
-    const Tensor& mp = master_params[i];
-    if (!plain_dense(mp, device, at::kFloat) || !same_layout_plain(mp, p)) {
-      return false;
-    }
-    spans[n++] = span_of_plain(mp);
-  }
-  for (const auto& s : state) {
-    const Tensor& t = s.second[i];
-    if (!plain_dense(t, device, at::kFloat) || !same_layout_plain(t, p)) {
-      return false;
-    }
-    spans[n++] = span_of_plain(t);
-  }
-  // Every pair: the full checks test params/grads, master vs both, each state vs all others.
-  for (size_t a = 0; a < n; ++a) {
-    for (size_t b = a + 1; b < n; ++b) {
-      if (!disjoint(spans[a], spans[b])) {
-        return false;
-      }
-    }
-  }
-  return true;
-}
-
-// The common list checks of adam_step_ and sgd_step_; `state` names the per-parameter FP32
-// state lists (moments or momentum buffers) that must mirror params.
+// The common list checks of adam_step_ and sgd_step_.
 void check_step_lists(const char* op, TensorList params, TensorList master_params,
-                      TensorList grads, TensorList steps, StateLists state) {
+                      TensorList grads, TensorList steps, const StateLists& state) {
   const size_t n = params.size();
   TORCH_CHECK(master_params.empty() || master_params.size() == n, op, ": master_params has ",
               master_params.size(), " tensors; expected 0 (no master weights) or ", n);
   check_list_length(op, "grads", grads, n);
   check_list_length(op, "steps", steps, n);
-  for (const auto& s : state) {
-    check_list_length(op, s.first, s.second, n);
+  for (size_t k = 0; k < state.count; ++k) {
+    check_list_length(op, state.names[k], state.lists[k], n);
   }
   if (n == 0) {
     return;
@@ -276,10 +261,7 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
               " but params have dtype ", pdtype,
               "; grads must have the params' dtype or float32");
   for (size_t i = 0; i < n; ++i) {
-    if (!step_index_ok(i, params, master_params, grads, steps, state, device, pdtype, gdtype)) {
-      check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype,
-                       gdtype);
-    }
+    check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype);
   }
 }
 
@@ -324,26 +306,8 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
   check_scalar(op, "growth_tracker", growth_tracker, at::kInt, device);
   check_scalar(op, "hysteresis_tracker", hysteresis_tracker, at::kInt, device);
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
-  TORCH_CHECK(std::isfinite(growth_factor) && growth_factor > 1.0, op,
-              ": growth_factor must be > 1, got ", growth_factor);
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, op,
-              ": backoff_factor must be in (0, 1), got ", backoff_factor);
-  TORCH_CHECK(growth_interval >= 1 && growth_interval <= INT32_MAX, op,
-              ": growth_interval must be a positive int32, got ", growth_interval);
-  TORCH_CHECK(hysteresis >= 1 && hysteresis <= INT32_MAX, op,
-              ": hysteresis must be a positive int32, got ", hysteresis);
-  if (min_scale) {
-    TORCH_CHECK(std::isfinite(*min_scale) && *min_scale > 0.0, op,
-                ": min_scale must be finite and > 0, got ", *min_scale);
-  }
-  if (max_scale) {
-    TORCH_CHECK(std::isfinite(*max_scale) && *max_scale > 0.0, op,
-                ": max_scale must be finite and > 0, got ", *max_scale);
-  }
-  if (min_scale && max_scale) {
-    TORCH_CHECK(*min_scale <= *max_scale, op, ": min_scale (", *min_scale,
-                ") must not exceed max_scale (", *max_scale, ")");
-  }
+  hyper::check_scale_options(op, growth_factor, backoff_factor, growth_interval, hysteresis,
+                             min_scale, max_scale);
 }
 
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,
@@ -363,7 +327,7 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
     check_scalar(op, "grad_sum_sq", *grad_sum_sq, at::kFloat, device);
   }
   if (max_grad_norm) {
-    TORCH_CHECK(std::isfinite(*max_grad_norm) && *max_grad_norm > 0.0, op,
+    TORCH_CHECK(hyper::valid_max_grad_norm(*max_grad_norm), op,
                 ": max_grad_norm must be finite and > 0, got ", *max_grad_norm);
     TORCH_CHECK(grad_sum_sq && grad_sum_sq->defined(), op,
                 ": max_grad_norm needs grad_sum_sq (the sum of squares from grad_stats_)");
@@ -397,9 +361,9 @@ bool sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
   check_finite_nonneg(op, "lr", lr);
   check_finite_nonneg(op, "momentum", momentum);
-  TORCH_CHECK(std::isfinite(dampening), op, ": invalid dampening ", dampening);
+  TORCH_CHECK(hyper::valid_dampening(dampening), op, ": invalid dampening ", dampening);
   check_finite_nonneg(op, "weight_decay", weight_decay);
-  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), op,
+  TORCH_CHECK(hyper::valid_nesterov(nesterov, momentum, dampening), op,
               ": Nesterov momentum requires momentum > 0 and zero dampening");
   if (momentum == 0.0) {
     TORCH_CHECK(momentum_buffers.empty(), op,

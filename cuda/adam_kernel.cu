@@ -9,11 +9,11 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/adam_math.h>
-#include <fusedamp/math/clip_math.h>
 
-#include "../csrc/dispatch_float_types.h"
+#include "../csrc/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
+#include "step_weights.cuh"
 
 namespace fusedamp::cuda {
 namespace {
@@ -27,11 +27,10 @@ using AdamBatch = TensorBatch<kHasMaster ? 5 : 4, 1>;  // extra[0]: the tensor's
 
 template <typename TP, typename TG, bool kHasMaster>
 struct AdamOp {
-  TP* p;
+  StepWeights<TP, kHasMaster> weights;
   const TG* g;
   float* m;
   float* v;
-  float* master;
   math::AdamHyper h;
   math::AdamCoeffs c;
   float mult;
@@ -43,11 +42,7 @@ struct AdamOp {
   template <int L>
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
     load_lanes<L>(g + i, r.g);
-    if constexpr (kHasMaster) {
-      load_lanes<L>(master + i, r.p);
-    } else {
-      load_lanes<L>(p + i, r.p);
-    }
+    weights.load(i, r.p);
     load_lanes<L>(m + i, r.m);
     load_lanes<L>(v + i, r.v);
   }
@@ -62,22 +57,19 @@ struct AdamOp {
   __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
     store_lanes<L>(m + i, r.m);
     store_lanes<L>(v + i, r.v);
-    if constexpr (kHasMaster) {
-      store_lanes<L>(master + i, r.p);
-    }
-    store_lanes<L>(p + i, r.p);
+    weights.store(i, r.p);
   }
 };
 
 template <typename TP, typename TG, bool kHasMaster>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(const __grid_constant__ AdamBatch<kHasMaster> b, math::AdamHyper h,
-                StepScalars s) {
-  if (s.found_inf != nullptr && *s.found_inf != 0.f) {
+                StepScalarPointers s) {
+  if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
   const ChunkRef ch = this_chunk(b);
-  const float lr = s.lr != nullptr ? *s.lr : s.lr_host;
+  const float lr = s.learning_rate();
   // Bias corrections in FP64 from the step count before its increment, as on the CPU; once
   // per block, shared with the block.
   __shared__ math::AdamCoeffs coeffs;
@@ -85,17 +77,15 @@ __global__ void __launch_bounds__(kThreads)
     const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
     coeffs = math::adam_coeffs<double>(h, lr, step_before);
   }
-  const float mult = math::grad_multiplier(s.inv_scale != nullptr ? *s.inv_scale : 1.f,
-                                           s.grad_sum_sq != nullptr ? *s.grad_sum_sq : 0.f,
-                                           s.max_grad_norm);
+  const float mult = s.grad_multiplier();
   __syncthreads();
   AdamOp<TP, TG, kHasMaster> op{
-      static_cast<TP*>(b.ptr[kP][ch.t]) + ch.offset,
+      {static_cast<TP*>(b.ptr[kP][ch.t]) + ch.offset,
+       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? kMaster : kP][ch.t]) + ch.offset
+                  : nullptr},
       static_cast<const TG*>(b.ptr[kG][ch.t]) + ch.offset,
       static_cast<float*>(b.ptr[kM][ch.t]) + ch.offset,
       static_cast<float*>(b.ptr[kV][ch.t]) + ch.offset,
-      kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? kMaster : kP][ch.t]) + ch.offset
-                 : nullptr,
       h,
       coeffs,
       mult};
@@ -107,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename TP, typename TG, bool kHasMaster>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
             at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-            const math::AdamHyper& h, const StepScalars& s) {
+            const math::AdamHyper& h, const StepScalarPointers& s) {
   constexpr int kLists = kHasMaster ? 5 : 4;
   std::array<at::TensorList, kLists> lists;
   lists[kP] = params;
@@ -133,23 +123,10 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-          const math::AdamHyper& h, const StepScalars& s) {
-  if (params.empty()) {
-    return;
-  }
-  const bool fp32_grads = grads[0].scalar_type() == at::kFloat;
-  const bool master = !master_params.empty();
-  FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "fusedamp_adam_cuda", [&] {
-    using TP = scalar_t;
-    auto run = [&](auto grad_tag, auto master_tag) {
-      launch<TP, decltype(grad_tag), decltype(master_tag)::value>(
-          params, master_params, grads, exp_avgs, exp_avg_sqs, steps, h, s);
-    };
-    if (fp32_grads) {
-      master ? run(float{}, std::true_type{}) : run(float{}, std::false_type{});
-    } else {
-      master ? run(TP{}, std::true_type{}) : run(TP{}, std::false_type{});
-    }
+          const math::AdamHyper& h, const StepScalarPointers& s) {
+  step_switch(params, grads, master_params, [&](auto param, auto grad, auto has_master) {
+    launch<decltype(param), decltype(grad), has_master>(params, master_params, grads, exp_avgs,
+                                                        exp_avg_sqs, steps, h, s);
   });
   advance_steps(steps, s.found_inf);
 }

@@ -10,17 +10,9 @@
 
 #include <optional>
 
-namespace fusedamp::cuda {
+#include "../csrc/step_scalars.h"
 
-// The optional device scalars of a fused step, as raw device pointers (nullptr: absent).
-struct StepScalars {
-  const float* lr = nullptr;           // overrides the lr argument
-  const float* inv_scale = nullptr;    // 1 if absent
-  const float* found_inf = nullptr;    // the step is skipped where *found_inf != 0
-  const float* grad_sum_sq = nullptr;  // 0 if absent
-  float max_grad_norm = 0.f;           // <= 0: no clipping
-  float lr_host = 0.f;                 // used when lr is nullptr
-};
+namespace fusedamp::cuda {
 
 // unscale_kernels.cu
 void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
@@ -36,12 +28,12 @@ void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
 // adam_kernel.cu
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-          const math::AdamHyper& h, const StepScalars& s);
+          const math::AdamHyper& h, const StepScalarPointers& s);
 
 // sgd_kernel.cu
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalars& s);
+         const StepScalarPointers& s);
 
 // step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
 void advance_steps(at::TensorList steps, const float* found_inf);

@@ -8,12 +8,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <fusedamp/math/clip_math.h>
 #include <fusedamp/math/sgd_math.h>
 
-#include "../csrc/dispatch_float_types.h"
+#include "../csrc/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
+#include "step_weights.cuh"
 
 namespace fusedamp::cuda {
 namespace {
@@ -33,10 +33,9 @@ using SgdBatch = TensorBatch<SgdLists<kHasMaster, kMomentum>::kCount, 1>;  // ex
 
 template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
 struct SgdOp {
-  TP* p;
+  StepWeights<TP, kHasMaster> weights;
   const TG* g;
   float* buf;
-  float* master;
   math::SgdHyper h;
   float lr;
   float mult;
@@ -49,11 +48,7 @@ struct SgdOp {
   template <int L>
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
     load_lanes<L>(g + i, r.g);
-    if constexpr (kHasMaster) {
-      load_lanes<L>(master + i, r.p);
-    } else {
-      load_lanes<L>(p + i, r.p);
-    }
+    weights.load(i, r.p);
     if constexpr (kMomentum) {
       if (!first_step) {
         load_lanes<L>(buf + i, r.b);
@@ -76,34 +71,29 @@ struct SgdOp {
     if constexpr (kMomentum) {
       store_lanes<L>(buf + i, r.b);
     }
-    if constexpr (kHasMaster) {
-      store_lanes<L>(master + i, r.p);
-    }
-    store_lanes<L>(p + i, r.p);
+    weights.store(i, r.p);
   }
 };
 
 template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const __grid_constant__ SgdBatch<kHasMaster, kMomentum> b, math::SgdHyper h,
-               StepScalars s) {
+               StepScalarPointers s) {
   using Pos = SgdLists<kHasMaster, kMomentum>;
-  if (s.found_inf != nullptr && *s.found_inf != 0.f) {
+  if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
   const ChunkRef ch = this_chunk(b);
-  const float lr = s.lr != nullptr ? *s.lr : s.lr_host;
-  const float mult = math::grad_multiplier(s.inv_scale != nullptr ? *s.inv_scale : 1.f,
-                                           s.grad_sum_sq != nullptr ? *s.grad_sum_sq : 0.f,
-                                           s.max_grad_norm);
+  const float lr = s.learning_rate();
+  const float mult = s.grad_multiplier();
   const bool first = *static_cast<const float*>(b.extra[0][ch.t]) == 0.f;
   SgdOp<TP, TG, kHasMaster, kMomentum> op{
-      static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
+      {static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
+       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
+                  : nullptr},
       static_cast<const TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
       kMomentum ? static_cast<float*>(b.ptr[kMomentum ? Pos::kBuf : 0][ch.t]) + ch.offset
                 : nullptr,
-      kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
-                 : nullptr,
       h,
       lr,
       mult,
@@ -115,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
             at::TensorList bufs, at::TensorList steps, const math::SgdHyper& h,
-            const StepScalars& s) {
+            const StepScalarPointers& s) {
   using Pos = SgdLists<kHasMaster, kMomentum>;
   std::array<at::TensorList, Pos::kCount> lists;
   lists[Pos::kP] = params;
@@ -142,35 +132,14 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalars& s) {
-  if (params.empty()) {
-    return;
-  }
-  const bool fp32_grads = grads[0].scalar_type() == at::kFloat;
-  const bool master = !master_params.empty();
-  const bool momentum = h.momentum != 0.f;
-  FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "fusedamp_sgd_cuda", [&] {
-    using TP = scalar_t;
-    auto run = [&](auto grad_tag, auto master_tag, auto momentum_tag) {
-      launch<TP, decltype(grad_tag), decltype(master_tag)::value,
-             decltype(momentum_tag)::value>(params, master_params, grads, momentum_buffers,
-                                            steps, h, s);
-    };
-    auto with_grad = [&](auto grad_tag) {
-      if (master) {
-        momentum ? run(grad_tag, std::true_type{}, std::true_type{})
-                 : run(grad_tag, std::true_type{}, std::false_type{});
-      } else {
-        momentum ? run(grad_tag, std::false_type{}, std::true_type{})
-                 : run(grad_tag, std::false_type{}, std::false_type{});
-      }
-    };
-    if (fp32_grads) {
-      with_grad(float{});
-    } else {
-      with_grad(TP{});
-    }
-  });
+         const StepScalarPointers& s) {
+  step_switch(
+      params, grads, master_params,
+      [&](auto param, auto grad, auto has_master, auto has_momentum) {
+        launch<decltype(param), decltype(grad), has_master, has_momentum>(
+            params, master_params, grads, momentum_buffers, steps, h, s);
+      },
+      BoolSwitch{h.momentum != 0.f});
   advance_steps(steps, s.found_inf);
 }
 

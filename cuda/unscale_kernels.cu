@@ -28,11 +28,10 @@ namespace {
 using UnscaleBatch = TensorBatch<1, 0>;
 using StatsBatch = TensorBatch<1, 1>;  // extra[0]: &tensor_flags[i] or nullptr
 
-template <typename T>
-struct UnscaleOp {
-  T* g;
-  float inv_scale;
-  float bad = 0.f;  // NaN once a non-finite element was seen
+// What both gradient passes share: each lane's element read from the gradient, as FP32.
+template <typename Elem>
+struct GradLanes {
+  Elem* g;  // Elem: T (unscale writes back) or const T (grad_stats only reads)
 
   template <int L>
   struct Regs {
@@ -42,6 +41,15 @@ struct UnscaleOp {
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
     load_lanes<L>(g + i, r.x);
   }
+};
+
+template <typename T>
+struct UnscaleOp : GradLanes<T> {
+  float inv_scale;
+  float bad = 0.f;  // NaN once a non-finite element was seen
+
+  template <int L>
+  using Regs = typename GradLanes<T>::template Regs<L>;
   template <int L>
   __device__ __forceinline__ void apply(Regs<L>& r) {
 #pragma unroll
@@ -52,7 +60,7 @@ struct UnscaleOp {
   }
   template <int L>
   __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
-    store_lanes<L>(g + i, r.x);
+    store_lanes<L>(this->g + i, r.x);
   }
 };
 
@@ -61,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
     unscale_kernel(const __grid_constant__ UnscaleBatch m, float* found_inf,
                    const float* inv_scale) {
   const ChunkRef c = this_chunk(m);
-  UnscaleOp<T> op{static_cast<T*>(m.ptr[0][c.t]) + c.offset, *inv_scale};
+  UnscaleOp<T> op{{static_cast<T*>(m.ptr[0][c.t]) + c.offset}, *inv_scale};
   chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
   if (__syncthreads_or(math::is_nonfinite_marker(op.bad)) && threadIdx.x == 0) {
     *found_inf = 1.f;  // never reset; every writer stores the same value
@@ -69,19 +77,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-struct StatsOp {
-  const T* g;
+struct StatsOp : GradLanes<const T> {
   float bad = 0.f;
   float sq = 0.f;
 
   template <int L>
-  struct Regs {
-    float x[L];
-  };
-  template <int L>
-  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
-    load_lanes<L>(g + i, r.x);
-  }
+  using Regs = typename GradLanes<const T>::template Regs<L>;
   template <int L>
   __device__ __forceinline__ void apply(Regs<L>& r) {
 #pragma unroll
@@ -98,7 +99,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     grad_stats_kernel(const __grid_constant__ StatsBatch m, float* found_inf, float* partials) {
   const ChunkRef c = this_chunk(m);
-  StatsOp<T> op{static_cast<const T*>(m.ptr[0][c.t]) + c.offset};
+  StatsOp<T> op{{static_cast<const T*>(m.ptr[0][c.t]) + c.offset}};
   chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
   const bool bad = __syncthreads_or(math::is_nonfinite_marker(op.bad)) != 0;
   const float sq = block_sum(op.sq);

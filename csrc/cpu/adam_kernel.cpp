@@ -1,7 +1,7 @@
 // CPU: fused Adam/AdamW step. Per element: read grad, param (or FP32 master), m, v; write
 // param (and master), m, v. The formula is fusedamp::math::adam_update, shared with CUDA.
 // Compiled once per instruction set; see cpu_kernels.h.
-#include "../dispatch_float_types.h"
+#include "../static_switch.h"
 #include <fusedamp/math/adam_math.h>
 
 #include "chunked_for_each.h"
@@ -64,24 +64,9 @@ void adam_lists(at::TensorList params, at::TensorList master_params, at::TensorL
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,
           const math::AdamHyper& h, float lr, float grad_mult) {
-  if (params.empty()) {
-    return;
-  }
-  const bool fp32_grads = grads[0].scalar_type() == at::kFloat;
-  const bool master = !master_params.empty();
-  FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "adam", [&] {
-    using TP = scalar_t;
-    auto run = [&](auto grad_tag, auto master_tag) {
-      using TG = decltype(grad_tag);
-      adam_lists<TP, TG, decltype(master_tag)::value>(params, master_params, grads, exp_avgs,
-                                                      exp_avg_sqs, steps_before, h, lr,
-                                                      grad_mult);
-    };
-    if (fp32_grads) {
-      master ? run(float{}, std::true_type{}) : run(float{}, std::false_type{});
-    } else {
-      master ? run(TP{}, std::true_type{}) : run(TP{}, std::false_type{});
-    }
+  step_switch(params, grads, master_params, [&](auto param, auto grad, auto has_master) {
+    adam_lists<decltype(param), decltype(grad), has_master>(
+        params, master_params, grads, exp_avgs, exp_avg_sqs, steps_before, h, lr, grad_mult);
   });
 }
 

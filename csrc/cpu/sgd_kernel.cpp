@@ -2,7 +2,7 @@
 // param (or FP32 master) and the momentum buffer; write param (and master) and the buffer.
 // The formula is fusedamp::math::sgd_update, shared with CUDA.
 // Compiled once per instruction set; see cpu_kernels.h.
-#include "../dispatch_float_types.h"
+#include "../static_switch.h"
 #include <fusedamp/math/sgd_math.h>
 
 #include "chunked_for_each.h"
@@ -63,34 +63,13 @@ void sgd_lists(at::TensorList params, at::TensorList master_params, at::TensorLi
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, const float* steps_before, const math::SgdHyper& h,
          float lr, float grad_mult) {
-  if (params.empty()) {
-    return;
-  }
-  const bool fp32_grads = grads[0].scalar_type() == at::kFloat;
-  const bool master = !master_params.empty();
-  const bool momentum = h.momentum != 0.f;
-  FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "sgd", [&] {
-    using TP = scalar_t;
-    auto run = [&](auto grad_tag, auto master_tag, auto momentum_tag) {
-      sgd_lists<TP, decltype(grad_tag), decltype(master_tag)::value,
-                decltype(momentum_tag)::value>(params, master_params, grads, momentum_buffers,
-                                               steps_before, h, lr, grad_mult);
-    };
-    auto with_grad = [&](auto grad_tag) {
-      if (master) {
-        momentum ? run(grad_tag, std::true_type{}, std::true_type{})
-                 : run(grad_tag, std::true_type{}, std::false_type{});
-      } else {
-        momentum ? run(grad_tag, std::false_type{}, std::true_type{})
-                 : run(grad_tag, std::false_type{}, std::false_type{});
-      }
-    };
-    if (fp32_grads) {
-      with_grad(float{});
-    } else {
-      with_grad(TP{});
-    }
-  });
+  step_switch(
+      params, grads, master_params,
+      [&](auto param, auto grad, auto has_master, auto has_momentum) {
+        sgd_lists<decltype(param), decltype(grad), has_master, has_momentum>(
+            params, master_params, grads, momentum_buffers, steps_before, h, lr, grad_mult);
+      },
+      BoolSwitch{h.momentum != 0.f});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -1,6 +1,7 @@
-"""The argument checks have a fast path (contiguous tensors) and the full checks for anything
-else (op_checks.cpp). Inputs the fast path declines must still be accepted when valid and
-rejected with the same message when not, also at an index after many accepted ones."""
+"""The argument checks (op_checks.cpp) read each tensor's facts once and decide on them in one
+fixed order. Inputs beyond the common case (dense but not contiguous, views into one buffer)
+must be accepted when valid and rejected with the same message when not, also at an index after
+many accepted ones, and a call with several mistakes reports the same first one."""
 import re
 
 import pytest
@@ -56,6 +57,18 @@ def test_partial_overlap_late_index(device, which):
     with pytest.raises(RuntimeError, match=re.escape(message)):
         inp.call("adam_step_")
     assert_bitwise_equal(before, snapshot(*inp.tensors("adam_step_")))
+
+
+def test_state_overlap_reported_before_later_state_dtype(device):
+    """exp_avgs[i] is tested against exp_avg_sqs[i] before exp_avg_sqs[i]'s own checks."""
+    inp = _inputs(device, [(8,)] * 50)
+    buf = torch.zeros(16, device=device)
+    inp.exp_avgs[40], inp.exp_avg_sqs[40] = buf[:8], buf.view(torch.float16)[8:16]
+    with pytest.raises(RuntimeError, match=re.escape("exp_avgs[40] and exp_avg_sqs[40] share")):
+        inp.call("adam_step_")
+    inp.exp_avg_sqs[40] = torch.zeros(8, device=device, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=re.escape("exp_avg_sqs[40] must be float32, got Half")):
+        inp.call("adam_step_")
 
 
 def test_grad_list_fallback_messages(device):

@@ -1,0 +1,216 @@
+#pragma once
+// The start of every fusedamp op, written once for all backends (CPU, CUDA, Meta and the
+// fallback). Each op's C++ signature lives here, with what every backend does first: check
+// all arguments (op_checks.h, before anything is touched) and gather them into one struct; for
+// the step ops that includes the math hyper-parameters and which optional device scalars were
+// given. A backend is a struct of five static functions, one per op, that take those structs;
+// implement_ops<Backend>(m) registers them.
+//
+// What a backend does with a step's device scalars is its own: the CPU reads them on the host
+// (its tensors are plain memory), CUDA passes their pointers to its kernels (no value reaches
+// the host), the Meta kernels only check.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/scale_math.h>
+#include <fusedamp/math/sgd_math.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "op_checks.h"
+#include "step_scalars.h"
+
+namespace fusedamp::prelude {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+// ---- the loss scaler's ops ---------------------------------------------------------------
+
+struct UnscaleAndCheck {
+  static constexpr const char* kOp = "fusedamp::unscale_and_check_";
+  TensorList grads;
+  const Tensor& found_inf;
+  const Tensor& inv_scale;
+};
+
+struct GradStats {
+  static constexpr const char* kOp = "fusedamp::grad_stats_";
+  TensorList grads;
+  const Tensor& found_inf;
+  const Tensor& sum_sq;
+  const OptTensor& tensor_flags;
+};
+
+struct UpdateScale {
+  static constexpr const char* kOp = "fusedamp::update_scale_";
+  const Tensor& scale;
+  const Tensor& growth_tracker;
+  const Tensor& hysteresis_tracker;
+  const Tensor& found_inf;
+  double growth_factor;
+  double backoff_factor;
+  int64_t growth_interval;
+  int64_t hysteresis;
+  std::optional<double> min_scale;
+  std::optional<double> max_scale;
+
+  // factor_t is each backend's choice (math::ScaleHyper says which keeps it equal to torch).
+  template <typename factor_t>
+  math::ScaleHyper<factor_t> hyper() const {
+    math::ScaleHyper<factor_t> h;
+    h.growth_factor = static_cast<factor_t>(growth_factor);
+    h.backoff_factor = static_cast<factor_t>(backoff_factor);
+    h.growth_interval = static_cast<int32_t>(growth_interval);
+    h.hysteresis = static_cast<int32_t>(hysteresis);
+    h.min_scale = static_cast<float>(min_scale.value_or(0.0));
+    h.max_scale = static_cast<float>(max_scale.value_or(0.0));
+    return h;
+  }
+};
+
+// ---- the step ops ------------------------------------------------------------------------
+
+// A step's optional device scalars as the op received them (checked: each a one-element FP32
+// tensor on the params' device; nullptr where absent), and the host values that go with them.
+struct ScalarArgs {
+  const Tensor* lr_tensor = nullptr;  // overrides lr
+  const Tensor* inv_scale = nullptr;
+  const Tensor* found_inf = nullptr;
+  const Tensor* grad_sum_sq = nullptr;
+  float lr = 0.f;
+  float max_grad_norm = 0.f;  // <= 0: no clipping
+
+  ScalarArgs(double lr_value, const OptTensor& lr_tensor_arg, const OptTensor& inv_scale_arg,
+             const OptTensor& found_inf_arg, const OptTensor& grad_sum_sq_arg,
+             std::optional<double> max_grad_norm_arg)
+      : lr_tensor(present(lr_tensor_arg)),
+        inv_scale(present(inv_scale_arg)),
+        found_inf(present(found_inf_arg)),
+        grad_sum_sq(present(grad_sum_sq_arg)),
+        lr(static_cast<float>(lr_value)),
+        max_grad_norm(static_cast<float>(max_grad_norm_arg.value_or(0.0))) {}
+
+  // Their data pointers, for a backend whose tensors hold memory (not Meta).
+  StepScalarPointers pointers() const {
+    StepScalarPointers s;
+    s.lr = data_of(lr_tensor);
+    s.inv_scale = data_of(inv_scale);
+    s.found_inf = data_of(found_inf);
+    s.grad_sum_sq = data_of(grad_sum_sq);
+    s.max_grad_norm = max_grad_norm;
+    s.lr_host = lr;
+    return s;
+  }
+
+ private:
+  static const Tensor* present(const OptTensor& t) {
+    return t && t->defined() ? &*t : nullptr;
+  }
+  static const float* data_of(const Tensor* t) {
+    return t != nullptr ? t->const_data_ptr<float>() : nullptr;
+  }
+};
+
+// What every step has, whatever its algorithm. The lists are not empty.
+template <typename Hyper>
+struct Step {
+  TensorList params;
+  TensorList master_params;  // empty: no master weights
+  TensorList grads;
+  TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
+  Hyper hyper;
+  ScalarArgs scalars;
+};
+
+struct AdamStep : Step<math::AdamHyper> {
+  static constexpr const char* kOp = "fusedamp::adam_step_";
+  TensorList exp_avgs;
+  TensorList exp_avg_sqs;
+};
+
+struct SgdStep : Step<math::SgdHyper> {
+  static constexpr const char* kOp = "fusedamp::sgd_step_";
+  TensorList momentum_buffers;  // empty when momentum is 0
+};
+
+// ---- the ops, as registered -----------------------------------------------------------------
+
+template <typename Backend>
+void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale) {
+  checks::unscale_and_check(UnscaleAndCheck::kOp, grads, found_inf, inv_scale);
+  Backend::unscale_and_check(UnscaleAndCheck{grads, found_inf, inv_scale});
+}
+
+template <typename Backend>
+void grad_stats(TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+                const OptTensor& tensor_flags) {
+  checks::grad_stats(GradStats::kOp, grads, found_inf, sum_sq, tensor_flags);
+  Backend::grad_stats(GradStats{grads, found_inf, sum_sq, tensor_flags});
+}
+
+template <typename Backend>
+void update_scale(const Tensor& scale, const Tensor& growth_tracker,
+                  const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                  std::optional<double> min_scale, std::optional<double> max_scale) {
+  checks::update_scale(UpdateScale::kOp, scale, growth_tracker, hysteresis_tracker, found_inf,
+                       growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+                       max_scale);
+  Backend::update_scale(UpdateScale{scale, growth_tracker, hysteresis_tracker, found_inf,
+                                    growth_factor, backoff_factor, growth_interval, hysteresis,
+                                    min_scale, max_scale});
+}
+
+// Empty lists are a no-op: the backend is not called.
+template <typename Backend>
+void adam_step(TensorList params, TensorList master_params, TensorList grads,
+               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
+               double beta1, double beta2, double eps, double weight_decay,
+               bool decoupled_weight_decay, bool maximize, const OptTensor& lr_tensor,
+               const OptTensor& inv_scale, const OptTensor& found_inf,
+               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+  if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
+                        steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
+                        found_inf, grad_sum_sq, max_grad_norm)) {
+    Backend::adam_step(AdamStep{
+        {params, master_params, grads, steps,
+         math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
+                               maximize),
+         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm)},
+        exp_avgs,
+        exp_avg_sqs});
+  }
+}
+
+template <typename Backend>
+void sgd_step(TensorList params, TensorList master_params, TensorList grads,
+              TensorList momentum_buffers, TensorList steps, double lr, double momentum,
+              double dampening, double weight_decay, bool nesterov, bool maximize,
+              const OptTensor& lr_tensor, const OptTensor& inv_scale, const OptTensor& found_inf,
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+  if (checks::sgd_step(SgdStep::kOp, params, master_params, grads, momentum_buffers, steps, lr,
+                       momentum, dampening, weight_decay, nesterov, lr_tensor, inv_scale,
+                       found_inf, grad_sum_sq, max_grad_norm)) {
+    Backend::sgd_step(SgdStep{
+        {params, master_params, grads, steps,
+         math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize),
+         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm)},
+        momentum_buffers});
+  }
+}
+
+// Inside TORCH_LIBRARY_IMPL(fusedamp, <dispatch key>, m): every op, checked, then Backend's.
+template <typename Backend>
+void implement_ops(torch::Library& m) {
+  m.impl("unscale_and_check_", &unscale_and_check<Backend>);
+  m.impl("grad_stats_", &grad_stats<Backend>);
+  m.impl("update_scale_", &update_scale<Backend>);
+  m.impl("adam_step_", &adam_step<Backend>);
+  m.impl("sgd_step_", &sgd_step<Backend>);
+}
+
+}  // namespace fusedamp::prelude
