@@ -147,12 +147,19 @@ def make_sizes(device: str, only: list[str] | None) -> list[SizeSpec]:
 # moments, w = FP32 master weight, b = momentum buffer; 2 = FP16/BF16, 4 = FP32.
 BYTES_PER_PARAM = {
     # fusedamp, FP16/BF16 params + FP32 master, FP16/BF16 grads:
-    #   grad_stats_ reads g (2); adam_step_ reads g,w,m,v (2+4+4+4) and writes p,w,m,v (2+4+4+4);
-    #   the low-precision p is written, never read. Clipping costs nothing extra: the norm comes
-    #   from grad_stats_, which runs anyway for found_inf.
-    "fusedamp_adamw": 2 + 14 + 14,                              # 30
-    #   sgd_step_ reads g,w,b (2+4+4), writes p,w,b (2+4+4).
-    "fusedamp_sgd": 2 + 10 + 10,                                # 22
+    #   grad_stats_ reads g (2); adam_step_ reads g,w,m,v (2+4+4+4) and writes p,w,m,v (2+4+4+4),
+    #   and reads p (2) to adopt edits of the model into the masters (adopt_param_edits, on by
+    #   default). Clipping costs nothing extra: the norm comes from grad_stats_, which runs anyway
+    #   for found_inf.
+    "fusedamp_adamw": 2 + 16 + 14,                              # 32
+    #   Through fusedamp.optim: + the unscaled (and clipped) g written back (write_back_grads).
+    "fusedamp_adamw_api": 2 + 16 + 16,                          # 34
+    #   adopt_param_edits=False, write_back_grads=False: p is written, never read.
+    "fusedamp_adamw_lean": 2 + 14 + 14,                         # 30
+    #   sgd_step_ reads g,w,b,p (2+4+4+2), writes p,w,b (2+4+4); the same two options.
+    "fusedamp_sgd": 2 + 12 + 10,                                # 24
+    "fusedamp_sgd_api": 2 + 12 + 12,                            # 26
+    "fusedamp_sgd_lean": 2 + 10 + 10,                           # 22
     # torch, FP32 params and grads.
     #   GradScaler.step → unscale_: _amp_foreach_non_finite_check_and_unscale_ reads and writes
     #   g (8). AdamW(foreach=True), torch 2.11 _multi_tensor_adam, one op per line:
@@ -252,18 +259,19 @@ def fusedamp_ops(opt_name):
     return build
 
 
-def fusedamp_api(opt_name):
-    """fusedamp through its public classes (fusedamp.optim.*, fusedamp.GradScaler)."""
+def fusedamp_api(opt_name, **modes):
+    """fusedamp through its public classes (fusedamp.optim.*, fusedamp.GradScaler); modes:
+    adopt_param_edits / write_back_grads (default: the optimizers' defaults, both on)."""
     def build(spec, w, g, device, dtype, clip):
         import fusedamp
         params, grads, pristine = _params_with_grads(spec, w, g, device, dtype, LOSS_SCALE)
         norm = MAX_NORM if clip else None
         if opt_name == "adamw":
             opt = fusedamp.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                       master_weights=True, max_grad_norm=norm)
+                                       master_weights=True, max_grad_norm=norm, **modes)
         else:
             opt = fusedamp.optim.SGD(params, lr=SGD_LR, momentum=MOMENTUM, master_weights=True,
-                                     max_grad_norm=norm)
+                                     max_grad_norm=norm, **modes)
         scaler = fusedamp.GradScaler(device, init_scale=LOSS_SCALE,
                                      growth_interval=GROWTH_INTERVAL)
         scaler.scale(torch.ones((), device=device))  # what backward's scale(loss) initialises
@@ -340,7 +348,15 @@ def make_configs(with_api: bool) -> list[Config]:
                                    f"fusedamp_{opt}", fusedamp_ops(opt), base + extra))
                 if with_api:
                     cfgs.append(Config(f"fusedamp-api {opt} {dt}{c}", "fusedamp", opt, dt, clip,
-                                       f"fusedamp_{opt}", fusedamp_api(opt), base + extra))
+                                       f"fusedamp_{opt}_api", fusedamp_api(opt), base + extra))
+                if with_api and dt == "fp16":
+                    # The cost of the two defaults that keep torch's contract: edits of the
+                    # model reach the masters, .grad is left unscaled.
+                    cfgs.append(Config(
+                        f"fusedamp-api {opt} {dt}{c} lean", "fusedamp", opt, dt, clip,
+                        f"fusedamp_{opt}_lean",
+                        fusedamp_api(opt, adopt_param_edits=False, write_back_grads=False),
+                        base))
     for clip in [False, True]:
         c = "+clip" if clip else ""
         s = "_clip" if clip else ""

@@ -58,12 +58,10 @@ struct UpdateScale {
   std::optional<double> min_scale;
   std::optional<double> max_scale;
 
-  // factor_t is each backend's choice (math::ScaleHyper says which keeps it equal to torch).
-  template <typename factor_t>
-  math::ScaleHyper<factor_t> hyper() const {
-    math::ScaleHyper<factor_t> h;
-    h.growth_factor = static_cast<factor_t>(growth_factor);
-    h.backoff_factor = static_cast<factor_t>(backoff_factor);
+  math::ScaleHyper hyper() const {
+    math::ScaleHyper h;
+    h.growth_factor = growth_factor;
+    h.backoff_factor = backoff_factor;
     h.growth_interval = static_cast<int32_t>(growth_interval);
     h.hysteresis = static_cast<int32_t>(hysteresis);
     h.min_scale = static_cast<float>(min_scale.value_or(0.0));
@@ -124,6 +122,8 @@ struct Step {
   TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
   Hyper hyper;
   ScalarArgs scalars;
+  bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
+  bool write_back_grads;   // grads := the multiplied gradient the update used
 };
 
 struct AdamStep : Step<math::AdamHyper> {
@@ -172,7 +172,8 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                double beta1, double beta2, double eps, double weight_decay,
                bool decoupled_weight_decay, bool maximize, const OptTensor& lr_tensor,
                const OptTensor& inv_scale, const OptTensor& found_inf,
-               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+               bool adopt_param_edits, bool write_back_grads) {
   if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
                         steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
                         found_inf, grad_sum_sq, max_grad_norm)) {
@@ -180,7 +181,8 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
         {params, master_params, grads, steps,
          math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
                                maximize),
-         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm)},
+         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
+         adopt_param_edits, write_back_grads},
         exp_avgs,
         exp_avg_sqs});
   }
@@ -191,14 +193,16 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, bool maximize,
               const OptTensor& lr_tensor, const OptTensor& inv_scale, const OptTensor& found_inf,
-              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+              bool adopt_param_edits, bool write_back_grads) {
   if (checks::sgd_step(SgdStep::kOp, params, master_params, grads, momentum_buffers, steps, lr,
                        momentum, dampening, weight_decay, nesterov, lr_tensor, inv_scale,
                        found_inf, grad_sum_sq, max_grad_norm)) {
     Backend::sgd_step(SgdStep{
         {params, master_params, grads, steps,
          math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize),
-         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm)},
+         ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
+         adopt_param_edits, write_back_grads},
         momentum_buffers});
   }
 }

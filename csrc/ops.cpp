@@ -39,34 +39,36 @@ void update_scale_(
 
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
-    TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s) {
+    TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s,
+    const StepModes& modes) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fusedamp::adam_step_", "")
           .typed<void(
               TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
               double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
-              const OptTensor&, const OptTensor&, std::optional<double>)>();
+              const OptTensor&, const OptTensor&, std::optional<double>, bool, bool)>();
   op.call(
       params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
       a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
-      s.found_inf, s.grad_sum_sq, s.max_grad_norm);
+      s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
+      modes.write_back_grads);
 }
 
 void sgd_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
-    TensorList steps, const SgdArgs& a, const StepScalars& s) {
+    TensorList steps, const SgdArgs& a, const StepScalars& s, const StepModes& modes) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fusedamp::sgd_step_", "")
           .typed<void(
               TensorList, TensorList, TensorList, TensorList, TensorList, double, double, double,
               double, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-              const OptTensor&, std::optional<double>)>();
+              const OptTensor&, std::optional<double>, bool, bool)>();
   op.call(
       params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
       a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
-      s.grad_sum_sq, s.max_grad_norm);
+      s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads);
 }
 
 }  // namespace fusedamp::ops

@@ -24,19 +24,25 @@ TORCH_LIBRARY(fusedamp, m) {
   // Adam/AdamW step over lists, FP32 state, optional FP32 master weights. grads are multiplied
   // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if
   // found_inf is set nothing is modified (steps included). lr_tensor, when given, overrides lr.
+  // adopt_param_edits: where params[i] differs from the rounding of master_params[i] (the model
+  // was edited: a loaded snapshot, a clamp, a pruning mask), the master takes the param's value
+  // before the update. write_back_grads: grads[i] receive the multiplied gradient (unscaled and
+  // clipped), as torch's fused optimizers leave them.
   m.def(
-      "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor[] grads, "
+      "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(f!)[] grads, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
       "bool maximize=False, Tensor? lr_tensor=None, Tensor? inv_scale=None, "
-      "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None, "
+      "bool adopt_param_edits=True, bool write_back_grads=False) -> ()");
 
   // SGD (momentum, dampening, Nesterov, weight decay) with the same contract.
   // momentum_buffers is empty when momentum == 0.
   m.def(
-      "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor[] grads, "
+      "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(e!)[] grads, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize=False, "
       "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
-      "Tensor? grad_sum_sq=None, float? max_grad_norm=None) -> ()");
+      "Tensor? grad_sum_sq=None, float? max_grad_norm=None, bool adopt_param_edits=True, "
+      "bool write_back_grads=False) -> ()");
 }

@@ -73,19 +73,29 @@ void static_switch(Body&& body, const First& first, const Rest&... rest) {
 }
 
 // The choices every fused step kernel makes, then the kernel's own: body(param, grad,
-// kHasMaster, more...), where param has the params' element type (FP32, FP16 or BF16), grad
-// the grads' (FP32 or the params'), and kHasMaster says whether FP32 master weights are
-// given. The lists have been checked (op_checks.h); empty ones have nothing to run.
+// kHasMaster, kAdoptEdits, kWriteGrads, more...), where param has the params' element type
+// (FP32, FP16 or BF16), grad the grads' (FP32 or the params'), kHasMaster says whether FP32
+// master weights are given, kAdoptEdits whether edited params are adopted into their masters
+// (never without masters: that combination is not instantiated) and kWriteGrads whether the
+// multiplied gradients are written back. The lists have been checked (op_checks.h); empty ones
+// have nothing to run.
 template <typename Body, typename... More>
 void step_switch(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                 Body&& body, const More&... more) {
+                 bool adopt_param_edits, bool write_back_grads, Body&& body,
+                 const More&... more) {
   if (params.empty()) {
     return;
   }
+  const bool has_master = !master_params.empty();
   FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "fusedamp_step", [&] {
-    static_switch([&](auto... chosen) { body(scalar_t{}, chosen...); },
-                  DtypeSwitch<float, scalar_t>{grads[0].scalar_type()},
-                  BoolSwitch{!master_params.empty()}, more...);
+    static_switch(
+        [&](auto grad, auto master_on, auto adopt_on, auto... chosen) {
+          if constexpr (decltype(master_on)::value || !decltype(adopt_on)::value) {
+            body(scalar_t{}, grad, master_on, adopt_on, chosen...);
+          }
+        },
+        DtypeSwitch<float, scalar_t>{grads[0].scalar_type()}, BoolSwitch{has_master},
+        BoolSwitch{has_master && adopt_param_edits}, BoolSwitch{write_back_grads}, more...);
   });
 }
 

@@ -2,7 +2,9 @@
 // Memory traffic per element (P = param bytes, G = grad bytes):
 //   with FP32 master weights: read G + 12 (master, m, v), write P + 12  (FP16: 14 + 14)
 //   without:                  read G + P + 8 (m, v),      write P + 8   (FP32: 16 + 12)
-// plus, per block of kChunk elements, the device scalars and the tensor's step count.
+// plus P read when masters adopt edits of the params (the default), G written when the
+// multiplied grads are written back, and, per block of kChunk elements, the device scalars and
+// the tensor's step count.
 // If *found_inf != 0 every block returns before touching memory; the step counts are
 // advanced afterwards by advance_steps (step_count.cu), which makes the same test.
 #include <ATen/core/Tensor.h>
@@ -25,10 +27,10 @@ enum AdamList { kP = 0, kG = 1, kM = 2, kV = 3, kMaster = 4 };
 template <bool kHasMaster>
 using AdamBatch = TensorBatch<kHasMaster ? 5 : 4, 1>;  // extra[0]: the tensor's step count
 
-template <typename TP, typename TG, bool kHasMaster>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
 struct AdamOp {
-  StepWeights<TP, kHasMaster> weights;
-  const TG* g;
+  StepWeights<TP, kHasMaster, kAdoptEdits> weights;
+  TG* g;  // written back (times mult) with kWriteGrads
   float* m;
   float* v;
   math::AdamHyper h;
@@ -50,7 +52,8 @@ struct AdamOp {
   __device__ __forceinline__ void apply(Regs<L>& r) const {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
-      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l] * mult, h, c);
+      r.g[l] = r.g[l] * mult;
+      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l], h, c);
     }
   }
   template <int L>
@@ -58,10 +61,13 @@ struct AdamOp {
     store_lanes<L>(m + i, r.m);
     store_lanes<L>(v + i, r.v);
     weights.store(i, r.p);
+    if constexpr (kWriteGrads) {
+      store_lanes<L>(g + i, r.g);
+    }
   }
 };
 
-template <typename TP, typename TG, bool kHasMaster>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(const __grid_constant__ AdamBatch<kHasMaster> b, math::AdamHyper h,
                 StepScalarPointers s) {
@@ -79,11 +85,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kHasMaster> op{
+  AdamOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads> op{
       {static_cast<TP*>(b.ptr[kP][ch.t]) + ch.offset,
        kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? kMaster : kP][ch.t]) + ch.offset
                   : nullptr},
-      static_cast<const TG*>(b.ptr[kG][ch.t]) + ch.offset,
+      static_cast<TG*>(b.ptr[kG][ch.t]) + ch.offset,
       static_cast<float*>(b.ptr[kM][ch.t]) + ch.offset,
       static_cast<float*>(b.ptr[kV][ch.t]) + ch.offset,
       h,
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, bool kHasMaster>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
             at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
             const math::AdamHyper& h, const StepScalarPointers& s) {
@@ -113,7 +119,7 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
       lists, W,
       [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
       [&](const AdamBatch<kHasMaster>& b, int64_t blocks) {
-        adam_kernel<TP, TG, kHasMaster>
+        adam_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -123,11 +129,13 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-          const math::AdamHyper& h, const StepScalarPointers& s) {
-  step_switch(params, grads, master_params, [&](auto param, auto grad, auto has_master) {
-    launch<decltype(param), decltype(grad), has_master>(params, master_params, grads, exp_avgs,
-                                                        exp_avg_sqs, steps, h, s);
-  });
+          const math::AdamHyper& h, const StepScalarPointers& s, bool adopt_param_edits,
+          bool write_back_grads) {
+  step_switch(params, grads, master_params, adopt_param_edits, write_back_grads,
+              [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads) {
+                launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads>(
+                    params, master_params, grads, exp_avgs, exp_avg_sqs, steps, h, s);
+              });
   advance_steps(steps, s.found_inf);
 }
 

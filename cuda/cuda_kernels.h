@@ -23,17 +23,18 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
 // update_scale.cu
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const math::ScaleHyper<float>& h);
+                  const math::ScaleHyper& h);
 
 // adam_kernel.cu
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-          const math::AdamHyper& h, const StepScalarPointers& s);
+          const math::AdamHyper& h, const StepScalarPointers& s, bool adopt_param_edits,
+          bool write_back_grads);
 
 // sgd_kernel.cu
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalarPointers& s);
+         const StepScalarPointers& s, bool adopt_param_edits, bool write_back_grads);
 
 // step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
 void advance_steps(at::TensorList steps, const float* found_inf);

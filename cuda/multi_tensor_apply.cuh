@@ -285,6 +285,9 @@ __device__ __forceinline__ T block_sum(T x) {
     s = lane < kThreads / 32 ? warp_part[lane] : T(0);
     s = warp_sum(s);
   }
+  // warp_part is reused by the next call in the same kernel: no thread may overwrite it
+  // before warp 0 has read it.
+  __syncthreads();
   return s;
 }
 

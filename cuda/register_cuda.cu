@@ -30,23 +30,23 @@ struct CudaOps {
     cuda::grad_stats(op.grads, op.found_inf, op.sum_sq, op.tensor_flags);
   }
 
-  // FP32 factors, as torch's CUDA _amp_update_scale_ uses.
   static void update_scale(const prelude::UpdateScale& op) {
     const c10::cuda::CUDAGuard guard(op.scale.device());
     cuda::update_scale(op.scale, op.growth_tracker, op.hysteresis_tracker, op.found_inf,
-                       op.hyper<float>());
+                       op.hyper());
   }
 
   static void adam_step(const prelude::AdamStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     adam(step.params, step.master_params, step.grads, step.exp_avgs, step.exp_avg_sqs,
-         step.steps, step.hyper, step.scalars.pointers());
+         step.steps, step.hyper, step.scalars.pointers(), step.adopt_param_edits,
+         step.write_back_grads);
   }
 
   static void sgd_step(const prelude::SgdStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     sgd(step.params, step.master_params, step.grads, step.momentum_buffers, step.steps,
-        step.hyper, step.scalars.pointers());
+        step.hyper, step.scalars.pointers(), step.adopt_param_edits, step.write_back_grads);
   }
 };
 

@@ -3,6 +3,8 @@
 // Memory traffic per element (P = param bytes, G = grad bytes, B = 4 with momentum, else 0):
 //   with FP32 master weights: read G + 4 + B, write P + 4 + B
 //   without:                  read G + P + B, write P + B
+// plus P read when masters adopt edits of the params (the default) and G written when the
+// multiplied grads are written back.
 // On a tensor's first step (step count 0) the momentum buffer is only written (buf = g), as
 // torch initialises it. If *found_inf != 0 every block returns before touching memory.
 #include <ATen/core/Tensor.h>
@@ -31,10 +33,11 @@ struct SgdLists {
 template <bool kHasMaster, bool kMomentum>
 using SgdBatch = TensorBatch<SgdLists<kHasMaster, kMomentum>::kCount, 1>;  // extra: step
 
-template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kMomentum>
 struct SgdOp {
-  StepWeights<TP, kHasMaster> weights;
-  const TG* g;
+  StepWeights<TP, kHasMaster, kAdoptEdits> weights;
+  TG* g;  // written back (times mult) with kWriteGrads
   float* buf;
   math::SgdHyper h;
   float lr;
@@ -59,10 +62,11 @@ struct SgdOp {
   __device__ __forceinline__ void apply(Regs<L>& r) const {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
+      r.g[l] = r.g[l] * mult;
       if constexpr (kMomentum) {
-        math::sgd_update(r.p[l], r.b[l], r.g[l] * mult, h, lr, first_step);
+        math::sgd_update(r.p[l], r.b[l], r.g[l], h, lr, first_step);
       } else {
-        math::sgd_update_no_momentum(r.p[l], r.g[l] * mult, h, lr);
+        math::sgd_update_no_momentum(r.p[l], r.g[l], h, lr);
       }
     }
   }
@@ -72,10 +76,14 @@ struct SgdOp {
       store_lanes<L>(buf + i, r.b);
     }
     weights.store(i, r.p);
+    if constexpr (kWriteGrads) {
+      store_lanes<L>(g + i, r.g);
+    }
   }
 };
 
-template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kMomentum>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const __grid_constant__ SgdBatch<kHasMaster, kMomentum> b, math::SgdHyper h,
                StepScalarPointers s) {
@@ -87,11 +95,11 @@ __global__ void __launch_bounds__(kThreads)
   const float lr = s.learning_rate();
   const float mult = s.grad_multiplier();
   const bool first = *static_cast<const float*>(b.extra[0][ch.t]) == 0.f;
-  SgdOp<TP, TG, kHasMaster, kMomentum> op{
+  SgdOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kMomentum> op{
       {static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
        kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
                   : nullptr},
-      static_cast<const TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
+      static_cast<TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
       kMomentum ? static_cast<float*>(b.ptr[kMomentum ? Pos::kBuf : 0][ch.t]) + ch.offset
                 : nullptr,
       h,
@@ -102,7 +110,8 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, bool kHasMaster, bool kMomentum>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kMomentum>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
             at::TensorList bufs, at::TensorList steps, const math::SgdHyper& h,
             const StepScalarPointers& s) {
@@ -122,7 +131,7 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
       lists, W,
       [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
       [&](const SgdBatch<kHasMaster, kMomentum>& b, int64_t blocks) {
-        sgd_kernel<TP, TG, kHasMaster, kMomentum>
+        sgd_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kMomentum>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -132,12 +141,13 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalarPointers& s) {
+         const StepScalarPointers& s, bool adopt_param_edits, bool write_back_grads) {
   step_switch(
-      params, grads, master_params,
-      [&](auto param, auto grad, auto has_master, auto has_momentum) {
-        launch<decltype(param), decltype(grad), has_master, has_momentum>(
-            params, master_params, grads, momentum_buffers, steps, h, s);
+      params, grads, master_params, adopt_param_edits, write_back_grads,
+      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
+          auto has_momentum) {
+        launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads,
+               has_momentum>(params, master_params, grads, momentum_buffers, steps, h, s);
       },
       BoolSwitch{h.momentum != 0.f});
   advance_steps(steps, s.found_inf);

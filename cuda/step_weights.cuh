@@ -1,14 +1,19 @@
 #pragma once
 // The weights a fused step kernel updates, seen as FP32 lanes. With master weights the FP32
-// master copy is read and written and the params are only written (rounded from it); without,
-// the params themselves are read and written. Adam and SGD share it, so the two read and write
-// the weights in one way (the memory traffic each kernel's header states).
+// master copy is read and written and the params are written (rounded from it) and, with
+// kAdoptEdits, read too: where a param is not its master's rounding, the model was edited and
+// the step starts from the param (math/master_math.h). Without master weights the params
+// themselves are read and written. Adam and SGD share it, so the two read and write the weights
+// in one way (the memory traffic each kernel's header states).
+#include <fusedamp/math/master_math.h>
+
 #include "multi_tensor_apply.cuh"
 
 namespace fusedamp::cuda {
 
-template <typename TP, bool kHasMaster>
+template <typename TP, bool kHasMaster, bool kAdoptEdits>
 struct StepWeights {
+  static_assert(kHasMaster || !kAdoptEdits, "edits are adopted into master weights only");
   TP* param;
   float* master;  // nullptr without master weights
 
@@ -16,6 +21,16 @@ struct StepWeights {
   __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
     if constexpr (kHasMaster) {
       load_lanes<L>(master + i, lanes);
+      if constexpr (kAdoptEdits) {
+        float params[L];
+        load_lanes<L>(param + i, params);
+#pragma unroll
+        for (int l = 0; l < L; ++l) {
+          // The master as the step stores it into the param (store_lanes' rounding).
+          const float rounded = to_float(from_float<TP>(lanes[l]));
+          lanes[l] = math::weight_to_update(lanes[l], params[l], rounded);
+        }
+      }
     } else {
       load_lanes<L>(param + i, lanes);
     }

@@ -1,7 +1,7 @@
 // CUDA: the loss-scale state machine as a one-thread kernel, so the scale, the trackers and
 // found_inf never leave the device. Memory traffic: 4 scalars read, 3 written.
-// The factors are FP32 (math::ScaleHyper<float>), as in torch's CUDA _amp_update_scale_, so
-// with hysteresis 1 and no bounds the scale sequence is torch's bit for bit.
+// The factors are double (math::ScaleHyper), as in torch's CUDA _amp_update_scale_, so with
+// hysteresis 1 and no bounds the scale sequence is torch's bit for bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -14,7 +14,7 @@ namespace {
 
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                                     int32_t* hysteresis_tracker, const float* found_inf,
-                                    math::ScaleHyper<float> h) {
+                                    math::ScaleHyper h) {
   float s = *scale;
   int32_t g = *growth_tracker;
   int32_t hy = *hysteresis_tracker;
@@ -28,7 +28,7 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
 
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const math::ScaleHyper<float>& h) {
+                  const math::ScaleHyper& h) {
   update_scale_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
       hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(), h);

@@ -143,7 +143,7 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
 using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
                      double, double, double, double, double, bool, bool, const OptTensor&,
                      const OptTensor&, const OptTensor&, const OptTensor&,
-                     std::optional<double>);
+                     std::optional<double>, bool, bool);
 const c10::TypedOperatorHandle<AdamSig>& adam_op() {
   static const auto op = find<AdamSig>("fusedamp::adam_step_");
   return op;
@@ -154,11 +154,14 @@ void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters
                    TensorList steps, double lr, double beta1, double beta2, double eps,
                    double weight_decay, bool decoupled, bool maximize, const OptTensor& lr_t,
                    const OptTensor& inv_scale, const OptTensor& found_inf,
-                   const OptTensor& sum_sq, std::optional<double> max_norm) {
-  refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps});
+                   const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
+                   bool write_grads) {
+  refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps,
+                                               write_grads ? grads : TensorList()});
   adam_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
-                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm);
+                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
+                       write_grads);
 }
 
 void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
@@ -166,17 +169,19 @@ void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Te
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                bool maximize, const OptTensor& lr_t, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& sum_sq,
-               std::optional<double> max_norm) {
+               std::optional<double> max_norm, bool adopt_edits, bool write_grads) {
   adam_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
-                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm);
-  bump_versions({params, masters, exp_avgs, exp_avg_sqs, steps});
+                       maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
+                       write_grads);
+  bump_versions({params, masters, exp_avgs, exp_avg_sqs, steps,
+                 write_grads ? grads : TensorList()});
 }
 
 // ---- sgd_step_ -----------------------------------------------------------------------------
 using SgdSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, double, double,
                     double, double, bool, bool, const OptTensor&, const OptTensor&,
-                    const OptTensor&, const OptTensor&, std::optional<double>);
+                    const OptTensor&, const OptTensor&, std::optional<double>, bool, bool);
 const c10::TypedOperatorHandle<SgdSig>& sgd_op() {
   static const auto op = find<SgdSig>("fusedamp::sgd_step_");
   return op;
@@ -186,22 +191,24 @@ void sgd_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
                   TensorList bufs, TensorList steps, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool maximize,
                   const OptTensor& lr_t, const OptTensor& inv_scale, const OptTensor& found_inf,
-                  const OptTensor& sum_sq, std::optional<double> max_norm) {
-  refuse_in_grad_mode("fusedamp::sgd_step_", {params, masters, bufs, steps});
+                  const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
+                  bool write_grads) {
+  refuse_in_grad_mode("fusedamp::sgd_step_",
+                      {params, masters, bufs, steps, write_grads ? grads : TensorList()});
   sgd_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, bufs, steps, lr,
                       momentum, dampening, weight_decay, nesterov, maximize, lr_t, inv_scale,
-                      found_inf, sum_sq, max_norm);
+                      found_inf, sum_sq, max_norm, adopt_edits, write_grads);
 }
 
 void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
               TensorList bufs, TensorList steps, double lr, double momentum, double dampening,
               double weight_decay, bool nesterov, bool maximize, const OptTensor& lr_t,
               const OptTensor& inv_scale, const OptTensor& found_inf, const OptTensor& sum_sq,
-              std::optional<double> max_norm) {
+              std::optional<double> max_norm, bool adopt_edits, bool write_grads) {
   sgd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, bufs,
                       steps, lr, momentum, dampening, weight_decay, nesterov, maximize, lr_t,
-                      inv_scale, found_inf, sum_sq, max_norm);
-  bump_versions({params, masters, bufs, steps});
+                      inv_scale, found_inf, sum_sq, max_norm, adopt_edits, write_grads);
+  bump_versions({params, masters, bufs, steps, write_grads ? grads : TensorList()});
 }
 
 }  // namespace

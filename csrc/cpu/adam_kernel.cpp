@@ -11,62 +11,61 @@
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-template <typename TP, typename TG, bool kMaster>
-void adam_range(TP* p, float* master, const TG* g, float* m, float* v, int64_t n,
-                const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult) {
+template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads>
+void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m, float* v,
+                int64_t n, const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult) {
   const Vec mult(grad_mult);
   for (int64_t i = 0; i < n; i += kPair) {
     const int64_t k = n - i;
     Vec g0, g1, p0, p1, m0, m1, v0, v1;
     PairIO<TG>::load(g + i, k, g0, g1);
-    if constexpr (kMaster) {
-      PairIO<float>::load(master + i, k, p0, p1);
-    } else {
-      PairIO<TP>::load(p + i, k, p0, p1);
-    }
+    g0 = g0 * mult;
+    g1 = g1 * mult;
+    w.load(i, k, p0, p1);
     PairIO<float>::load(m + i, k, m0, m1);
     PairIO<float>::load(v + i, k, v0, v1);
-    math::adam_update(p0, m0, v0, g0 * mult, h, c);
-    math::adam_update(p1, m1, v1, g1 * mult, h, c);
+    math::adam_update(p0, m0, v0, g0, h, c);
+    math::adam_update(p1, m1, v1, g1, h, c);
     PairIO<float>::store(m + i, k, m0, m1);
     PairIO<float>::store(v + i, k, v0, v1);
-    if constexpr (kMaster) {
-      PairIO<float>::store(master + i, k, p0, p1);
+    w.store(i, k, p0, p1);
+    if constexpr (kWriteGrads) {
+      PairIO<TG>::store(g + i, k, g0, g1);
     }
-    PairIO<TP>::store(p + i, k, p0, p1);
   }
 }
 
-template <typename TP, typename TG, bool kMaster>
-void adam_lists(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-                at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,
-                const math::AdamHyper& h, float lr, float grad_mult) {
+template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads>
+void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                const math::AdamHyper& h) {
+  const at::TensorList params = step.params;
   std::vector<math::AdamCoeffs> coeffs(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     // Usually every tensor is at the same step: two pow() per tensor are then wasted work.
-    coeffs[i] = i > 0 && steps_before[i] == steps_before[i - 1]
+    coeffs[i] = i > 0 && step.steps_before[i] == step.steps_before[i - 1]
                     ? coeffs[i - 1]
-                    : math::adam_coeffs<double>(h, lr, steps_before[i]);
+                    : math::adam_coeffs<double>(h, step.lr, step.steps_before[i]);
   }
   const ChunkPlan plan(params);
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
-    float* master = kMaster ? master_params[i].data_ptr<float>() + b : nullptr;
-    adam_range<TP, TG, kMaster>(params[i].data_ptr<TP>() + b, master,
-                                grads[i].const_data_ptr<TG>() + b,
-                                exp_avgs[i].data_ptr<float>() + b,
-                                exp_avg_sqs[i].data_ptr<float>() + b, e - b, h, coeffs[i],
-                                grad_mult);
+    const StepWeights<TP, kMaster, kAdoptEdits> w{
+        params[i].data_ptr<TP>() + b,
+        kMaster ? step.master_params[i].data_ptr<float>() + b : nullptr};
+    adam_range<TP, TG, kMaster, kAdoptEdits, kWriteGrads>(
+        w, step.grads[i].data_ptr<TG>() + b, exp_avgs[i].data_ptr<float>() + b,
+        exp_avg_sqs[i].data_ptr<float>() + b, e - b, h, coeffs[i], step.grad_mult);
   });
 }
 
 }  // namespace
 
-void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,
-          const math::AdamHyper& h, float lr, float grad_mult) {
-  step_switch(params, grads, master_params, [&](auto param, auto grad, auto has_master) {
-    adam_lists<decltype(param), decltype(grad), has_master>(
-        params, master_params, grads, exp_avgs, exp_avg_sqs, steps_before, h, lr, grad_mult);
+void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+          const math::AdamHyper& h) {
+  step_switch(step.params, step.grads, step.master_params, step.adopt_param_edits,
+              step.write_back_grads, [&](auto param, auto grad, auto has_master, auto adopt_edits,
+                            auto write_grads) {
+    adam_lists<decltype(param), decltype(grad), has_master, adopt_edits, write_grads>(
+        step, exp_avgs, exp_avg_sqs, h);
   });
 }
 

@@ -12,31 +12,39 @@
 
 namespace fusedamp::cpu {
 
-// Per-tensor step counts read before the update (the kernels never write them).
+// What every CPU step kernel is given, whatever its algorithm: the lists, the per-tensor step
+// counts read before the update (the kernels never write them), the learning rate and the
+// gradient multiplier (inverse scale times clip coefficient) read from the device scalars, and
+// the step's modes (ops.h StepModes).
+struct CpuStep {
+  at::TensorList params;
+  at::TensorList master_params;  // empty: no master weights
+  at::TensorList grads;
+  const float* steps_before;
+  float lr;
+  float grad_mult;
+  bool adopt_param_edits;
+  bool write_back_grads;
+};
+
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite.
   bool (*unscale_and_check)(at::TensorList grads, float inv_scale);
   // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite.
   // Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags);
-  void (*adam)(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,
-               const math::AdamHyper& h, float lr, float grad_mult);
-  void (*sgd)(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-              at::TensorList momentum_buffers, const float* steps_before,
-              const math::SgdHyper& h, float lr, float grad_mult);
+  void (*adam)(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+               const math::AdamHyper& h);
+  void (*sgd)(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);
 };
 
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
   namespace NS {                                                                             \
   bool unscale_and_check(at::TensorList grads, float inv_scale);                             \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags);           \
-  void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,       \
-            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, const float* steps_before,  \
-            const math::AdamHyper& h, float lr, float grad_mult);                            \
-  void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,        \
-           at::TensorList momentum_buffers, const float* steps_before,                       \
-           const math::SgdHyper& h, float lr, float grad_mult);                              \
+  void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,       \
+            const math::AdamHyper& h);                                                       \
+  void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);   \
   }
 
 FUSEDAMP_DECLARE_CPU_KERNELS(DEFAULT)

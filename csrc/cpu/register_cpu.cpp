@@ -72,9 +72,9 @@ void run_step(const Step& step, const Kernel& kernel) {
   }
   const float lr = scalars.learning_rate();
   TORCH_CHECK(lr >= 0.f && lr - lr == 0.f, Step::kOp, ": lr_tensor holds an invalid lr ", lr);
-  const float grad_mult = scalars.grad_multiplier();
   const StepCounts counts(step.steps);
-  kernel(counts.before.data(), lr, grad_mult);
+  kernel(CpuStep{step.params, step.master_params, step.grads, counts.before.data(), lr,
+                 scalars.grad_multiplier(), step.adopt_param_edits, step.write_back_grads});
   counts.advance();
 }
 
@@ -105,24 +105,21 @@ struct CpuOps {
     }
   }
 
-  // Factors in double, as torch's CPU _amp_update_scale_ uses.
   static void update_scale(const prelude::UpdateScale& op) {
     math::update_scale(*op.scale.data_ptr<float>(), *op.growth_tracker.data_ptr<int32_t>(),
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
-                       *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper<double>());
+                       *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper());
   }
 
   static void adam_step(const prelude::AdamStep& step) {
-    run_step(step, [&](const float* steps_before, float lr, float grad_mult) {
-      kernels().adam(step.params, step.master_params, step.grads, step.exp_avgs,
-                     step.exp_avg_sqs, steps_before, step.hyper, lr, grad_mult);
+    run_step(step, [&](const CpuStep& cpu_step) {
+      kernels().adam(cpu_step, step.exp_avgs, step.exp_avg_sqs, step.hyper);
     });
   }
 
   static void sgd_step(const prelude::SgdStep& step) {
-    run_step(step, [&](const float* steps_before, float lr, float grad_mult) {
-      kernels().sgd(step.params, step.master_params, step.grads, step.momentum_buffers,
-                    steps_before, step.hyper, lr, grad_mult);
+    run_step(step, [&](const CpuStep& cpu_step) {
+      kernels().sgd(cpu_step, step.momentum_buffers, step.hyper);
     });
   }
 };

@@ -5,6 +5,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <fusedamp/math/lane_ops.h>
+#include <fusedamp/math/master_math.h>
 
 #include <algorithm>
 
@@ -13,6 +14,12 @@ template <>
 struct LaneOps<at::vec::Vectorized<float>> {
   static inline at::vec::Vectorized<float> sqrt(const at::vec::Vectorized<float>& x) {
     return x.sqrt();
+  }
+  static inline at::vec::Vectorized<float> where_equal(const at::vec::Vectorized<float>& x,
+                                                      const at::vec::Vectorized<float>& y,
+                                                      const at::vec::Vectorized<float>& if_equal,
+                                                      const at::vec::Vectorized<float>& otherwise) {
+    return at::vec::Vectorized<float>::blendv(otherwise, if_equal, x == y);
   }
 };
 }  // namespace fusedamp::math
@@ -32,6 +39,10 @@ struct PairIO {
   }
   static inline void store(T* p, int64_t n, const Vec& a, const Vec& b) {
     at::vec::convert_from_float<T>(a, b).store(p, std::min<int64_t>(n, kPair));
+  }
+  // a, b as store() would leave them in memory, read back: rounded to T.
+  static inline void round_trip(Vec& a, Vec& b) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
   }
 };
 
@@ -58,6 +69,39 @@ struct PairIO<float> {
         b.store(p + k, n - k);
       }
     }
+  }
+  static inline void round_trip(Vec&, Vec&) {}
+};
+
+// The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh).
+// With master weights the master is read (and, with kAdoptEdits, the param too: where the param
+// is not the master's rounding, math::weight_to_update starts from the param) and both are
+// written; without, the params themselves are read and written.
+template <typename TP, bool kMaster, bool kAdoptEdits>
+struct StepWeights {
+  static_assert(kMaster || !kAdoptEdits, "edits are adopted into master weights only");
+  TP* param;
+  float* master;  // nullptr without master weights
+
+  inline void load(int64_t i, int64_t n, Vec& a, Vec& b) const {
+    if constexpr (kMaster) {
+      PairIO<float>::load(master + i, n, a, b);
+      if constexpr (kAdoptEdits) {
+        Vec pa, pb, ra = a, rb = b;
+        PairIO<TP>::load(param + i, n, pa, pb);
+        PairIO<TP>::round_trip(ra, rb);
+        a = math::weight_to_update(a, pa, ra);
+        b = math::weight_to_update(b, pb, rb);
+      }
+    } else {
+      PairIO<TP>::load(param + i, n, a, b);
+    }
+  }
+  inline void store(int64_t i, int64_t n, const Vec& a, const Vec& b) const {
+    if constexpr (kMaster) {
+      PairIO<float>::store(master + i, n, a, b);
+    }
+    PairIO<TP>::store(param + i, n, a, b);
   }
 };
 

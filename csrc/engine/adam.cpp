@@ -78,7 +78,8 @@ struct AlgorithmOf<AdamOptions> {
                                group);
   }
 
-  static void run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s) {
+  static void run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s,
+                  const ops::StepModes& modes) {
     ops::AdamArgs args;
     args.lr = o.lr();
     args.beta1 = std::get<0>(o.betas());
@@ -88,7 +89,7 @@ struct AlgorithmOf<AdamOptions> {
     args.decoupled_weight_decay = o.decoupled_weight_decay();
     args.maximize = o.maximize();
     ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
-                    args, s);
+                    args, s, modes);
   }
 };
 

@@ -105,7 +105,11 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     if (e.lr_tensor.defined()) {
       s.lr_tensor = on_device(e.lr_tensor, b.device);
     }
-    run_bucket(b, o, s);
+    ops::StepModes modes;
+    modes.adopt_param_edits = e.adopt_param_edits;
+    // Unscaled and unclipped, the multiplier is 1: the grads already hold what the update used.
+    modes.write_back_grads = e.write_back_grads && (s.inv_scale || s.max_grad_norm);
+    run_bucket(b, o, s, modes);
   }
   const at::Tensor found = have_stats ? stats_->found_inf(0) : at::Tensor();
   account(found, checked);

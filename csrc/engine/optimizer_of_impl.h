@@ -8,7 +8,8 @@
 //     static bool set_option(MyOptions&, const std::string&, double);   // its own names
 //     static std::optional<double> option(const MyOptions&, const std::string&);
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
-//     static void run(const Bucket&, const MyOptions&, const ops::StepScalars&);  // fused op
+//     static void run(const Bucket&, const MyOptions&, const ops::StepScalars&,
+//                     const ops::StepModes&);  // the fused op
 //   };
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
@@ -56,7 +57,8 @@ template <typename Options>
 EngineGroupOptions OptimizerOf<Options>::engine_options(
     const torch::optim::OptimizerOptions& base) const {
   const auto& o = detail::as<Options>(base);
-  return {o.master_weights(), o.max_grad_norm(), o.skip_nonfinite(), o.lr_tensor()};
+  return {o.master_weights(),    o.max_grad_norm(),     o.skip_nonfinite(),
+          o.lr_tensor(),         o.adopt_param_edits(), o.write_back_grads()};
 }
 
 template <typename Options>
@@ -95,6 +97,10 @@ bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
     o.master_weights(value != 0.0);
   } else if (name == "skip_nonfinite") {
     o.skip_nonfinite(value != 0.0);
+  } else if (name == "adopt_param_edits") {
+    o.adopt_param_edits(value != 0.0);
+  } else if (name == "write_back_grads") {
+    o.write_back_grads(value != 0.0);
   } else {
     return AlgorithmOf<Options>::set_option(o, name, value);
   }
@@ -111,6 +117,8 @@ std::optional<double> OptimizerOf<Options>::own_option(const torch::optim::Optim
   if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
   if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
   if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
+  if (name == "adopt_param_edits") return o.adopt_param_edits() ? 1.0 : 0.0;
+  if (name == "write_back_grads") return o.write_back_grads() ? 1.0 : 0.0;
   return AlgorithmOf<Options>::option(o, name);
 }
 
@@ -134,8 +142,9 @@ std::unique_ptr<torch::optim::OptimizerOptions> OptimizerOf<Options>::make_optio
 template <typename Options>
 void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const torch::optim::OptimizerOptions& o,
-                                      const ops::StepScalars& s) const {
-  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s);
+                                      const ops::StepScalars& s,
+                                      const ops::StepModes& modes) const {
+  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s, modes);
 }
 
 }  // namespace fusedamp::optim

@@ -14,6 +14,8 @@ void write_common_options(const Options& o, torch::serialize::OutputArchive& a) 
   a.write("maximize", c10::IValue(o.maximize()));
   a.write("master_weights", c10::IValue(o.master_weights()));
   a.write("skip_nonfinite", c10::IValue(o.skip_nonfinite()));
+  a.write("adopt_param_edits", c10::IValue(o.adopt_param_edits()));
+  a.write("write_back_grads", c10::IValue(o.write_back_grads()));
   if (o.max_grad_norm()) {
     a.write("max_grad_norm", c10::IValue(*o.max_grad_norm()));
   }
@@ -32,6 +34,9 @@ void read_common_options(Options& o, torch::serialize::InputArchive& a) {
   o.master_weights(v.toBool());
   a.read("skip_nonfinite", v);
   o.skip_nonfinite(v.toBool());
+  // Absent from archives written before these options existed: their defaults then.
+  o.adopt_param_edits(a.try_read("adopt_param_edits", v) ? v.toBool() : true);
+  o.write_back_grads(a.try_read("write_back_grads", v) ? v.toBool() : true);
   o.max_grad_norm(a.try_read("max_grad_norm", v) ? std::optional<double>(v.toDouble())
                                                  : std::nullopt);
 }

@@ -66,7 +66,8 @@ struct AlgorithmOf<SGDOptions> {
     detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
   }
 
-  static void run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s) {
+  static void run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s,
+                  const ops::StepModes& modes) {
     ops::SgdArgs args;
     args.lr = o.lr();
     args.momentum = o.momentum();
@@ -74,7 +75,8 @@ struct AlgorithmOf<SGDOptions> {
     args.weight_decay = o.weight_decay();
     args.nesterov = o.nesterov();
     args.maximize = o.maximize();
-    ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s);
+    ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s,
+                   modes);
   }
 };
 

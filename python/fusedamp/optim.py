@@ -17,6 +17,12 @@ Extra arguments over torch's:
   master_weights (default True)  FP32 master copy for FP16/BF16 parameters
   max_grad_norm  (default None)  fused global-norm clipping (clip_grad_norm_'s formula)
   skip_nonfinite (default True)  skip the step on inf/NaN even without a loss scaler
+  adopt_param_edits (default True)  the model's weights are the truth: a weight that is no
+                 longer its master's rounding (a loaded snapshot, a clamp, a pruning mask) is
+                 taken into the master before the update (+2 bytes/param read at FP16)
+  write_back_grads (default True)  after a scaled or clipped step ``.grad`` holds the gradient
+                 the update used, unscaled and clipped, as torch's fused optimizers leave it
+                 (+2 bytes/param written at FP16; False keeps the scaled gradients)
 """
 from __future__ import annotations
 
@@ -251,7 +257,8 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master_weights=True, max_grad_norm=None, skip_nonfinite=True):
+                 master_weights=True, max_grad_norm=None, skip_nonfinite=True,
+                 adopt_param_edits=True, write_back_grads=True):
         super().__init__(params, _defaults_of(locals()))
 
 
@@ -263,11 +270,13 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
                  capturable=False, differentiable=False, fused=None, master_weights=True,
-                 max_grad_norm=None, skip_nonfinite=True):
+                 max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
+                 write_back_grads=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
-                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                         adopt_param_edits=adopt_param_edits, write_back_grads=write_back_grads)
 
 
 class SGD(FusedOptimizer):
@@ -277,5 +286,6 @@ class SGD(FusedOptimizer):
 
     def __init__(self, params: Iterable, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
-                 fused=None, master_weights=True, max_grad_norm=None, skip_nonfinite=True):
+                 fused=None, master_weights=True, max_grad_norm=None, skip_nonfinite=True,
+                 adopt_param_edits=True, write_back_grads=True):
         super().__init__(params, _defaults_of(locals()))

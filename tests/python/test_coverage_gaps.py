@@ -254,8 +254,6 @@ def test_sgd_step_with_found_inf_is_bitwise_noop_then_resumes_like_torch(device)
 
 
 # ------------------------------------------------------------ a NaN gradient norm
-@pytest.mark.xfail(strict=False, reason="fixed by the issue-14 kernel change: the clip "
-                   "coefficient `coef < 1 ? coef : 1` turns a NaN norm into 1 (no clipping)")
 @pytest.mark.parametrize("op", ["sgd_step_", "adam_step_"])
 def test_nan_grad_norm_with_clipping_and_no_found_inf_gives_nan_like_torch(device, op):
     """One NaN grad, clipping on, no found_inf passed to the step: torch's clip_grad_norm_

@@ -113,6 +113,37 @@ def test_update_scale_matches_torch(device, interval, factors):
         assert mine.growth_tracker.item() == ref.growth_tracker.item()
 
 
+@pytest.mark.parametrize("start,growth,backoff", [
+    (2.0 ** 127, 2.0, 0.5),         # growth overflows to inf: the scale must stay finite
+    (3.0e38, 1.0001, 0.9999),       # factors that are not powers of two, near FLT_MAX
+    (1.5e-45, 1.9, 0.3),            # subnormal scale backing off to 0
+])
+def test_update_scale_at_float_limits_matches_torch(device, start, growth, backoff):
+    """The factors are doubles and the product is rounded to float once, as in torch."""
+    found_seq = [False, False, True, False, False, True, True, False, False, False]
+    mine, ref = (op_inputs(device, [], loss_scale=start) for _ in range(2))
+    for i, f in enumerate(found_seq):
+        fi = scalar(float(f), device)
+        mine.call("update_scale_", found_inf=fi, growth_factor=growth, backoff_factor=backoff,
+                  growth_interval=2)
+        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, growth, backoff, 2)
+        assert_bitwise_equal([mine.scale, mine.growth_tracker], [ref.scale, ref.growth_tracker])
+
+
+@pytest.mark.parametrize("min_scale,max_scale", [(1e-50, None), (None, 1e300), (1e-50, 1e300)])
+def test_update_scale_bounds_beyond_float_range_are_no_bounds(device, min_scale, max_scale):
+    """A bound that rounds to 0 or inf in float clamps nothing, as if it were not given."""
+    gen = torch.Generator().manual_seed(11)
+    found_seq = (torch.rand(400, generator=gen) < 0.4).tolist()
+    bounded, ref = (op_inputs(device, [], loss_scale=2.0 ** 16) for _ in range(2))
+    for f in found_seq:
+        fi = scalar(float(f), device)
+        bounded.call("update_scale_", found_inf=fi, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=3, min_scale=min_scale, max_scale=max_scale)
+        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, 2.0, 0.5, 3)
+        assert_bitwise_equal([bounded.scale], [ref.scale])
+
+
 @pytest.mark.parametrize("hysteresis", [1, 2, 4])
 @pytest.mark.parametrize("bounds", [(None, None), (1.0, 2.0 ** 18), (2.0 ** 10, None)])
 def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
@@ -309,6 +340,27 @@ def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_di
     record_diff("adam_step_ + fused clipping vs clip_grad_norm_ + AdamW (fp32)", diff)
     for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.9999])
+def test_adam_bias_corrections_use_double_betas(device, beta2, record_diff):
+    """From zero weights the first update is exactly lr * m_hat / (sqrt(v_hat) + eps), where a
+    bias correction from the FP32-rounded beta2 is off by up to 1.7e-4 relative."""
+    inp = op_inputs(device, seed=13)
+    for p in inp.params:
+        p.zero_()
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
+    opt = torch.optim.Adam(ref, lr=1e-3, betas=(0.9, beta2), eps=1e-8, foreach=False)
+    for step in range(3):
+        inp.grads = randn_list(device, seed=700 + step)
+        for r, g in zip(ref, inp.grads):
+            r.grad = g.clone()
+        opt.step()
+        inp.call("adam_step_", lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, maximize=False)
+        err = max_rel_error(inp.params, [r.detach() for r in ref])
+        assert err < 2e-6, (step, err)
+    record_diff(f"adam_step_ from zero weights vs torch.optim.Adam, beta2={beta2} [rel]", err)
 
 
 # ---------------------------------------------------------------- skipped steps

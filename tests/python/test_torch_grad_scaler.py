@@ -132,23 +132,15 @@ VARIANTS = [
 
 # ---- expected failures: (test, glob over the case id, precise cause) -----------------------
 # Case ids are "<variant>" or "<variant>-<other axes>". Test names and ids as in pytest's ids.
-_GRAD_LEFT_SCALED = ("after a scaled step fusedamp.optim leaves p.grad *scaled* (e.g. 256 "
-                     "instead of 2 at scale 128); torch's fused optimizers and GradScaler leave "
-                     "the unscaled gradient (DESIGN.md promises the same): adam_step_/sgd_step_ take grads "
-                     "read-only and csrc/engine/optimizer.cpp never writes the unscaled grad back")
 _OP_LAYOUTS = ("torch.ops.fusedamp.unscale_and_check_ rejects gradients that are not dense "
                "(csrc/op_checks.cpp check_dense) or float64 ones; torch's op falls back to a "
                "per-tensor kernel for them (fusedamp.GradScaler.unscale_ already does)")
 XFAIL = [
     ("test_grad_scaling_unscale", "fusedamp_*", _OP_LAYOUTS),
-    ("test_grad_scaling_autocast", "fusedamp_all-SGD-*", _GRAD_LEFT_SCALED),
-    ("test_grad_scaling_clipping", "fusedamp_all", _GRAD_LEFT_SCALED),
-    ("test_grad_scaling_penalty", "fusedamp_all", _GRAD_LEFT_SCALED),
     ("test_grad_scaling_autocast_fused_optimizers", "fusedamp_all-Adam*",
-     _GRAD_LEFT_SCALED + "; then fusedamp.optim.Adam/AdamW reject amsgrad=True (ValueError "
-     "'fusedamp: amsgrad is not supported', python/fusedamp/optim.py _check_group), the "
-     "'amsgrad' OptimizerInput of optim_db"),
-    ("test_grad_scaling_autocast_fused_optimizers", "fusedamp_all-SGD", _GRAD_LEFT_SCALED),
+     "fusedamp.optim.Adam/AdamW reject amsgrad=True (ValueError 'fusedamp: amsgrad is not "
+     "supported', python/fusedamp/optim.py _check_group), the 'amsgrad' OptimizerInput of "
+     "optim_db"),
 ]
 
 

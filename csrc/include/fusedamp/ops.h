@@ -35,6 +35,17 @@ struct StepScalars {
   std::optional<double> max_grad_norm;
 };
 
+// What a step does besides updating params and state (both are flags of the step ops).
+struct StepModes {
+  // Masters follow edits of the model: where params[i] is no longer the rounding of
+  // master_params[i] (a loaded snapshot, a clamp, a pruning mask, an EMA swap), the master
+  // takes the param's value before the update. Costs a read of params (2 B/param at FP16).
+  bool adopt_param_edits = true;
+  // grads[i] receive the gradient the update used (times inv_scale and the clip coefficient),
+  // as torch's fused optimizers leave .grad. Costs a write of grads (2 B/param at FP16).
+  bool write_back_grads = false;
+};
+
 struct AdamArgs {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -48,7 +59,7 @@ struct AdamArgs {
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& args,
-    const StepScalars& scalars = {});
+    const StepScalars& scalars = {}, const StepModes& modes = {});
 
 struct SgdArgs {
   double lr = 1e-2;
@@ -61,6 +72,7 @@ struct SgdArgs {
 
 void sgd_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
-    TensorList steps, const SgdArgs& args, const StepScalars& scalars = {});
+    TensorList steps, const SgdArgs& args, const StepScalars& scalars = {},
+    const StepModes& modes = {});
 
 }  // namespace fusedamp::ops

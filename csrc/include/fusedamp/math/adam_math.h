@@ -17,6 +17,10 @@ struct AdamHyper {
   // 1 - beta, rounded once from the double value (as torch passes them to its kernels).
   float one_minus_beta1;
   float one_minus_beta2;
+  // The betas as given, for the bias corrections 1 - beta^t: torch raises the double betas
+  // (pow of the FP32-rounded 0.999 is off by 1.3e-5 relative at t = 1).
+  double beta1_exact;
+  double beta2_exact;
   bool decoupled;  // AdamW
   bool maximize;
 };
@@ -32,6 +36,8 @@ inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double e
   h.weight_decay = static_cast<float>(weight_decay);
   h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.beta1_exact = beta1;
+  h.beta2_exact = beta2;
   h.decoupled = decoupled;
   h.maximize = maximize;
   return h;
@@ -51,12 +57,12 @@ template <typename acc_t>
 C10_HOST_DEVICE inline AdamCoeffs adam_coeffs(const AdamHyper& h, float lr, float step_before) {
   const acc_t t = static_cast<acc_t>(step_before) + acc_t(1);
 #if defined(__CUDA_ARCH__)
-  const acc_t bc1 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta1), t);
-  const acc_t bc2 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta2), t);
+  const acc_t bc1 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta1_exact), t);
+  const acc_t bc2 = acc_t(1) - ::pow(static_cast<acc_t>(h.beta2_exact), t);
   const acc_t bc2_sqrt = ::sqrt(bc2);
 #else
-  const acc_t bc1 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta1), t);
-  const acc_t bc2 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta2), t);
+  const acc_t bc1 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta1_exact), t);
+  const acc_t bc2 = acc_t(1) - std::pow(static_cast<acc_t>(h.beta2_exact), t);
   const acc_t bc2_sqrt = std::sqrt(bc2);
 #endif
   AdamCoeffs c;

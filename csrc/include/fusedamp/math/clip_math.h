@@ -18,9 +18,11 @@ C10_HOST_DEVICE inline float grad_multiplier(float inv_scale, float sum_sq, floa
 #else
   const float norm = std::sqrt(sum_sq) * inv_scale;
 #endif
-  // Same formula as clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
+  // Same formula as clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1. Written
+  // so that a NaN norm gives a NaN coefficient, as torch's clamp(max=1) does (a NaN norm must
+  // not turn clipping off).
   float coef = max_norm / (norm + 1e-6f);
-  coef = coef < 1.f ? coef : 1.f;
+  coef = coef > 1.f ? 1.f : coef;
   return inv_scale * coef;
 }
 

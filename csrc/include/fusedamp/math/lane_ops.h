@@ -1,8 +1,8 @@
 #pragma once
 // The element formulas in this folder are templates over a "lane" type V: plain `float` on the
 // GPU and in scalar tails, `at::vec::Vectorized<float>` in the CPU kernels. Arithmetic
-// operators are shared by both; the few functions that are spelled differently (sqrt) go
-// through LaneOps, which the CPU kernels specialise for Vectorized<float>.
+// operators are shared by both; the few functions that are spelled differently (sqrt, a
+// per-lane choice) go through LaneOps, which the CPU kernels specialise for Vectorized<float>.
 #include <c10/macros/Macros.h>
 #include <cmath>
 
@@ -16,6 +16,10 @@ struct LaneOps {
 #else
     return std::sqrt(x);
 #endif
+  }
+  // Per lane: if_equal where x == y, otherwise `otherwise` (NaN equals nothing).
+  static C10_HOST_DEVICE inline V where_equal(V x, V y, V if_equal, V otherwise) {
+    return x == y ? if_equal : otherwise;
   }
 };
 

@@ -10,12 +10,12 @@
 
 namespace fusedamp::math {
 
-// factor_t: torch multiplies the FP32 scale by the factors in double on the CPU and in float on
-// the GPU; each backend instantiates the type that keeps it identical to torch there.
-template <typename factor_t>
+// The factors stay double: torch's _amp_update_scale_ (CPU and CUDA) multiplies the FP32 scale
+// by the double factor and rounds the product to float once. In float, factors that are not
+// powers of two drift from torch within a few steps, and 1 + 1e-8 rounds to 1 (no growth).
 struct ScaleHyper {
-  factor_t growth_factor;
-  factor_t backoff_factor;
+  double growth_factor;
+  double backoff_factor;
   int32_t growth_interval;
   int32_t hysteresis;
   float min_scale;  // <= 0: none
@@ -26,10 +26,9 @@ C10_HOST_DEVICE inline bool finite_f(float x) {
   return x - x == 0.f;
 }
 
-template <typename factor_t>
 C10_HOST_DEVICE inline void update_scale(
     float& scale, int32_t& growth_tracker, int32_t& hysteresis_tracker, bool found_inf,
-    const ScaleHyper<factor_t>& h) {
+    const ScaleHyper& h) {
   if (found_inf) {
     growth_tracker = 0;
     hysteresis_tracker = hysteresis_tracker > 0 ? hysteresis_tracker - 1 : 0;

@@ -45,6 +45,8 @@ struct EngineGroupOptions {
   std::optional<double> max_grad_norm;
   bool skip_nonfinite = true;
   at::Tensor lr_tensor;  // undefined: use the numeric lr
+  bool adopt_param_edits = true;
+  bool write_back_grads = true;
 };
 
 class Optimizer : public torch::optim::Optimizer {
@@ -165,7 +167,7 @@ class Optimizer : public torch::optim::Optimizer {
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
   // The fused op of this kind over one bucket.
   virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                          const ops::StepScalars& s) const = 0;
+                          const ops::StepScalars& s, const ops::StepModes& modes) const = 0;
 
   torch::optim::OptimizerOptions& checked_group(size_t group);
   const torch::optim::OptimizerOptions& checked_group(size_t group) const;

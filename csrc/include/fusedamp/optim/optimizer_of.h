@@ -34,7 +34,7 @@ class OptimizerOf : public Optimizer {
                          std::optional<double> max_norm) const final;
   std::unique_ptr<torch::optim::OptimizerOptions> make_options() const final;
   void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                  const ops::StepScalars& s) const final;
+                  const ops::StepScalars& s, const ops::StepModes& modes) const final;
 };
 
 }  // namespace fusedamp::optim

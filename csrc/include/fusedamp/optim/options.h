@@ -7,6 +7,12 @@
 //   skip_nonfinite  without a loss scaler, skip the step when a gradient holds inf/NaN
 //                   (with a scaler every step is checked anyway)
 //   lr_tensor       an FP32 one-element device tensor that overrides lr (CUDA-graph friendly)
+//   adopt_param_edits  masters follow edits of the model's weights: where a weight is no longer
+//                   its master's rounding, the step starts from the weight (default true;
+//                   +2 B/param read at FP16)
+//   write_back_grads   after a scaled or clipped step, .grad holds the gradient the update used
+//                   (unscaled, clipped), as torch's fused optimizers leave it (default true;
+//                   +2 B/param written at FP16)
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
@@ -16,6 +22,8 @@
   TORCH_ARG(bool, master_weights) = true;                        \
   TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt; \
   TORCH_ARG(bool, skip_nonfinite) = true;                        \
+  TORCH_ARG(bool, adopt_param_edits) = true;                     \
+  TORCH_ARG(bool, write_back_grads) = true;                      \
   TORCH_ARG(at::Tensor, lr_tensor)
 
 // The torch::optim::OptimizerOptions overrides every fusedamp options struct has (the struct
