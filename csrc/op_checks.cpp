@@ -160,18 +160,33 @@ void check_beta(const char* op, const char* name, double v) {
   TORCH_CHECK(hyper::valid_beta(v), op, ": invalid ", name, " ", v, " (must be in [0, 1))");
 }
 
-void check_grad_list(const char* op, TensorList grads, const c10::Device& device) {
+bool is_per_tensor(const TensorFacts& g) {
+  return (g.flaw == Flaw::kNone && g.dtype == at::kDouble) ||
+         (g.flaw == Flaw::kNotDense && (is_float_kind(g.dtype) || g.dtype == at::kDouble));
+}
+
+// with_per_tensor: also accept what per_tensor_grad() sends to torch's kernel; returns
+// whether any grad is such.
+bool check_grad_list(const char* op, TensorList grads, const c10::Device& device,
+                     bool with_per_tensor = false) {
+  bool any_per_tensor = false;
   for (size_t i = 0; i < grads.size(); ++i) {
     const TensorFacts g = facts_of(grads[i], device);
+    if (with_per_tensor && is_per_tensor(g)) {
+      any_per_tensor = true;
+      continue;
+    }
     check_dense(op, "grads", i, g, device);
     check_dtype(op, "grads", i, g, c10::ScalarType::Undefined, DtypeRule::kFloatKind);
   }
+  return any_per_tensor;
 }
 
 // The per-parameter FP32 state lists of a step (moments or momentum buffers), which must
 // mirror params.
 struct StateLists {
-  static constexpr size_t kMax = 2;  // adam: exp_avgs, exp_avg_sqs; sgd: momentum_buffers
+  static constexpr size_t kMax = 3;  // adam: exp_avgs, exp_avg_sqs[, max_exp_avg_sqs]; sgd:
+                                     // momentum_buffers
   const char* names[kMax] = {};
   TensorList lists[kMax];
   size_t count = 0;
@@ -267,13 +282,17 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
 
 }  // namespace
 
-void unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
+bool unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
                        const Tensor& inv_scale) {
   TORCH_CHECK(found_inf.defined(), op, ": found_inf is undefined");
   const auto device = found_inf.device();
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
   check_scalar(op, "inv_scale", inv_scale, at::kFloat, device);
-  check_grad_list(op, grads, device);
+  return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
+}
+
+bool per_tensor_grad(const Tensor& grad) {
+  return is_per_tensor(facts_of(grad, grad.device()));
 }
 
 void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
@@ -335,7 +354,8 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
 }
 
 bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
-               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
+               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList max_exp_avg_sqs,
+               TensorList steps, double lr,
                double beta1, double beta2, double eps, double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
@@ -345,8 +365,15 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
   check_beta(op, "beta2", beta2);
   check_finite_nonneg(op, "eps", eps);
   check_finite_nonneg(op, "weight_decay", weight_decay);
-  check_step_lists(op, params, master_params, grads, steps,
-                   {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  if (max_exp_avg_sqs.empty()) {
+    check_step_lists(op, params, master_params, grads, steps,
+                     {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
+  } else {
+    check_step_lists(op, params, master_params, grads, steps,
+                     {{"exp_avgs", exp_avgs},
+                      {"exp_avg_sqs", exp_avg_sqs},
+                      {"max_exp_avg_sqs", max_exp_avg_sqs}});
+  }
   if (params.empty()) {
     return false;
   }

@@ -12,8 +12,14 @@ using at::Tensor;
 using at::TensorList;
 using OptTensor = std::optional<Tensor>;
 
-void unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
+// Returns whether some grads are for torch's per-tensor kernel (per_tensor_grad below).
+bool unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
                        const Tensor& inv_scale);
+
+// A grad unscale_and_check_ leaves to torch's own _amp_foreach_non_finite_check_and_unscale_,
+// as torch's op does itself: FP64, or strided but not dense (fusedamp's kernels walk FP32,
+// FP16 and BF16 grads as one flat block). Only for grads that passed unscale_and_check.
+bool per_tensor_grad(const Tensor& grad);
 
 void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
                 const OptTensor& tensor_flags);
@@ -31,7 +37,8 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
 // The whole argument check of a fused step: lists, hyper-parameters and (when there are
 // params) the device scalars. Returns false for empty lists (a no-op).
 bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
-               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList steps, double lr,
+               TensorList exp_avgs, TensorList exp_avg_sqs, TensorList max_exp_avg_sqs,
+               TensorList steps, double lr,
                double beta1, double beta2, double eps, double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,

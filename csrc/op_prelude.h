@@ -9,6 +9,7 @@
 // What a backend does with a step's device scalars is its own: the CPU reads them on the host
 // (its tensors are plain memory), CUDA passes their pointers to its kernels (no value reaches
 // the host), the Meta kernels only check.
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <fusedamp/math/adam_math.h>
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "op_checks.h"
 #include "step_scalars.h"
@@ -130,6 +132,7 @@ struct AdamStep : Step<math::AdamHyper> {
   static constexpr const char* kOp = "fusedamp::adam_step_";
   TensorList exp_avgs;
   TensorList exp_avg_sqs;
+  TensorList max_exp_avg_sqs;  // AMSGrad's running maxima; empty: plain Adam
 };
 
 struct SgdStep : Step<math::SgdHyper> {
@@ -139,10 +142,21 @@ struct SgdStep : Step<math::SgdHyper> {
 
 // ---- the ops, as registered -----------------------------------------------------------------
 
+// Grads the fused kernels do not walk (FP64, or strided but not dense) go to torch's own
+// kernel, which torch's op also uses for them; the contract is the same.
 template <typename Backend>
 void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale) {
-  checks::unscale_and_check(UnscaleAndCheck::kOp, grads, found_inf, inv_scale);
-  Backend::unscale_and_check(UnscaleAndCheck{grads, found_inf, inv_scale});
+  if (!checks::unscale_and_check(UnscaleAndCheck::kOp, grads, found_inf, inv_scale)) {
+    Backend::unscale_and_check(UnscaleAndCheck{grads, found_inf, inv_scale});
+    return;
+  }
+  std::vector<Tensor> fused, per_tensor;
+  for (const auto& g : grads) {
+    (checks::per_tensor_grad(g) ? per_tensor : fused).push_back(g);
+  }
+  Backend::unscale_and_check(UnscaleAndCheck{fused, found_inf, inv_scale});
+  Tensor found_inf_handle = found_inf;  // the same tensor; torch's signature takes Tensor&
+  at::_amp_foreach_non_finite_check_and_unscale_(per_tensor, found_inf_handle, inv_scale);
 }
 
 template <typename Backend>
@@ -173,9 +187,11 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                bool decoupled_weight_decay, bool maximize, const OptTensor& lr_tensor,
                const OptTensor& inv_scale, const OptTensor& found_inf,
                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
-               bool adopt_param_edits, bool write_back_grads) {
+               bool adopt_param_edits, bool write_back_grads,
+               std::optional<TensorList> max_exp_avg_sqs) {
+  const TensorList v_maxes = max_exp_avg_sqs.value_or(TensorList());
   if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
-                        steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
+                        v_maxes, steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
                         found_inf, grad_sum_sq, max_grad_norm)) {
     Backend::adam_step(AdamStep{
         {params, master_params, grads, steps,
@@ -184,7 +200,8 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
          ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
          adopt_param_edits, write_back_grads},
         exp_avgs,
-        exp_avg_sqs});
+        exp_avg_sqs,
+        v_maxes});
   }
 }
 

@@ -40,19 +40,21 @@ void update_scale_(
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s,
-    const StepModes& modes) {
+    const StepModes& modes, TensorList max_exp_avg_sqs) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fusedamp::adam_step_", "")
           .typed<void(
               TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
               double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
-              const OptTensor&, const OptTensor&, std::optional<double>, bool, bool)>();
+              const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
+              std::optional<TensorList>)>();
   op.call(
       params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
       a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
       s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
-      modes.write_back_grads);
+      modes.write_back_grads,
+      max_exp_avg_sqs.empty() ? std::nullopt : std::optional<TensorList>(max_exp_avg_sqs));
 }
 
 void sgd_step_(

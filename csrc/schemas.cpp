@@ -27,14 +27,16 @@ TORCH_LIBRARY(fusedamp, m) {
   // adopt_param_edits: where params[i] differs from the rounding of master_params[i] (the model
   // was edited: a loaded snapshot, a clamp, a pruning mask), the master takes the param's value
   // before the update. write_back_grads: grads[i] receive the multiplied gradient (unscaled and
-  // clipped), as torch's fused optimizers leave them.
+  // clipped), as torch's fused optimizers leave them. max_exp_avg_sqs, when given, is AMSGrad's
+  // running maximum of exp_avg_sqs (FP32, one per param), used in the denominator.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(f!)[] grads, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
       "bool maximize=False, Tensor? lr_tensor=None, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None, "
-      "bool adopt_param_edits=True, bool write_back_grads=False) -> ()");
+      "bool adopt_param_edits=True, bool write_back_grads=False, "
+      "Tensor(g!)[]? max_exp_avg_sqs=None) -> ()");
 
   // SGD (momentum, dampening, Nesterov, weight decay) with the same contract.
   // momentum_buffers is empty when momentum == 0.

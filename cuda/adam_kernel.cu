@@ -1,6 +1,7 @@
 // CUDA: fused Adam/AdamW step over lists (fusedamp::math::adam_update, shared with the CPU).
 // Memory traffic per element (P = param bytes, G = grad bytes):
 //   with FP32 master weights: read G + 12 (master, m, v), write P + 12  (FP16: 14 + 14)
+//   (AMSGrad: + 4 read and 4 written, the running maximum of v)
 //   without:                  read G + P + 8 (m, v),      write P + 8   (FP32: 16 + 12)
 // plus P read when masters adopt edits of the params (the default), G written when the
 // multiplied grads are written back, and, per block of kChunk elements, the device scalars and
@@ -22,24 +23,36 @@ namespace {
 
 constexpr int kAdamElemsPerThread = 8;
 
-enum AdamList { kP = 0, kG = 1, kM = 2, kV = 3, kMaster = 4 };
+// List positions; the optional lists come last and exist only when used.
+template <bool kHasMaster, bool kAmsgrad>
+struct AdamLists {
+  static constexpr int kP = 0;
+  static constexpr int kG = 1;
+  static constexpr int kM = 2;
+  static constexpr int kV = 3;
+  static constexpr int kMaster = 4;                     // valid if kHasMaster
+  static constexpr int kVMax = kHasMaster ? 5 : 4;      // valid if kAmsgrad
+  static constexpr int kCount = 4 + (kHasMaster ? 1 : 0) + (kAmsgrad ? 1 : 0);
+};
 
-template <bool kHasMaster>
-using AdamBatch = TensorBatch<kHasMaster ? 5 : 4, 1>;  // extra[0]: the tensor's step count
+template <bool kHasMaster, bool kAmsgrad>
+using AdamBatch = TensorBatch<AdamLists<kHasMaster, kAmsgrad>::kCount, 1>;  // extra: step
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kAmsgrad>
 struct AdamOp {
   StepWeights<TP, kHasMaster, kAdoptEdits> weights;
   TG* g;  // written back (times mult) with kWriteGrads
   float* m;
   float* v;
+  float* v_max;  // AMSGrad's running maximum of v; nullptr without
   math::AdamHyper h;
   math::AdamCoeffs c;
   float mult;
 
   template <int L>
   struct Regs {
-    float p[L], g[L], m[L], v[L];
+    float p[L], g[L], m[L], v[L], v_max[kAmsgrad ? L : 1];
   };
   template <int L>
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
@@ -47,19 +60,26 @@ struct AdamOp {
     weights.load(i, r.p);
     load_lanes<L>(m + i, r.m);
     load_lanes<L>(v + i, r.v);
+    if constexpr (kAmsgrad) {
+      load_lanes<L>(v_max + i, r.v_max);
+    }
   }
   template <int L>
   __device__ __forceinline__ void apply(Regs<L>& r) const {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
       r.g[l] = r.g[l] * mult;
-      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l], h, c);
+      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l], h, c,
+                        kAmsgrad ? &r.v_max[kAmsgrad ? l : 0] : nullptr);
     }
   }
   template <int L>
   __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
     store_lanes<L>(m + i, r.m);
     store_lanes<L>(v + i, r.v);
+    if constexpr (kAmsgrad) {
+      store_lanes<L>(v_max + i, r.v_max);
+    }
     weights.store(i, r.p);
     if constexpr (kWriteGrads) {
       store_lanes<L>(g + i, r.g);
@@ -67,10 +87,12 @@ struct AdamOp {
   }
 };
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(const __grid_constant__ AdamBatch<kHasMaster> b, math::AdamHyper h,
+    adam_kernel(const __grid_constant__ AdamBatch<kHasMaster, kAmsgrad> b, math::AdamHyper h,
                 StepScalarPointers s) {
+  using Pos = AdamLists<kHasMaster, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
@@ -85,41 +107,47 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads> op{
-      {static_cast<TP*>(b.ptr[kP][ch.t]) + ch.offset,
-       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? kMaster : kP][ch.t]) + ch.offset
+  AdamOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad> op{
+      {static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
+       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
                   : nullptr},
-      static_cast<TG*>(b.ptr[kG][ch.t]) + ch.offset,
-      static_cast<float*>(b.ptr[kM][ch.t]) + ch.offset,
-      static_cast<float*>(b.ptr[kV][ch.t]) + ch.offset,
+      static_cast<TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
+      static_cast<float*>(b.ptr[Pos::kM][ch.t]) + ch.offset,
+      static_cast<float*>(b.ptr[Pos::kV][ch.t]) + ch.offset,
+      kAmsgrad ? static_cast<float*>(b.ptr[kAmsgrad ? Pos::kVMax : 0][ch.t]) + ch.offset
+               : nullptr,
       h,
       coeffs,
       mult};
   constexpr int W = vec_width_of<TP, TG, float>();
-  // 8 elements of 4-5 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
+  // 8 elements of 4-6 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads>
+template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kAmsgrad>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-            const math::AdamHyper& h, const StepScalarPointers& s) {
-  constexpr int kLists = kHasMaster ? 5 : 4;
-  std::array<at::TensorList, kLists> lists;
-  lists[kP] = params;
-  lists[kG] = grads;
-  lists[kM] = exp_avgs;
-  lists[kV] = exp_avg_sqs;
+            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+            at::TensorList steps, const math::AdamHyper& h, const StepScalarPointers& s) {
+  using Pos = AdamLists<kHasMaster, kAmsgrad>;
+  std::array<at::TensorList, Pos::kCount> lists;
+  lists[Pos::kP] = params;
+  lists[Pos::kG] = grads;
+  lists[Pos::kM] = exp_avgs;
+  lists[Pos::kV] = exp_avg_sqs;
   if constexpr (kHasMaster) {
-    lists[kMaster] = master_params;
+    lists[Pos::kMaster] = master_params;
+  }
+  if constexpr (kAmsgrad) {
+    lists[Pos::kVMax] = max_exp_avg_sqs;
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
   constexpr int W = vec_width_of<TP, TG, float>();
-  multi_tensor_apply<kLists, 1>(
+  multi_tensor_apply<Pos::kCount, 1>(
       lists, W,
       [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
-      [&](const AdamBatch<kHasMaster>& b, int64_t blocks) {
-        adam_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads>
+      [&](const AdamBatch<kHasMaster, kAmsgrad>& b, int64_t blocks) {
+        adam_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -128,14 +156,17 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 }  // namespace
 
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
-          const math::AdamHyper& h, const StepScalarPointers& s, bool adopt_param_edits,
-          bool write_back_grads) {
-  step_switch(params, grads, master_params, adopt_param_edits, write_back_grads,
-              [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads) {
-                launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads>(
-                    params, master_params, grads, exp_avgs, exp_avg_sqs, steps, h, s);
-              });
+          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+          at::TensorList steps, const math::AdamHyper& h, const StepScalarPointers& s,
+          bool adopt_param_edits, bool write_back_grads) {
+  step_switch(
+      params, grads, master_params, adopt_param_edits, write_back_grads,
+      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
+          auto amsgrad) {
+        launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads, amsgrad>(
+            params, master_params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, h, s);
+      },
+      BoolSwitch{!max_exp_avg_sqs.empty()});
   advance_steps(steps, s.found_inf);
 }
 

@@ -26,8 +26,10 @@ void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const math::ScaleHyper& h);
 
 // adam_kernel.cu
+// max_exp_avg_sqs: empty without AMSGrad.
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
+          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+          at::TensorList steps,
           const math::AdamHyper& h, const StepScalarPointers& s, bool adopt_param_edits,
           bool write_back_grads);
 

@@ -39,8 +39,8 @@ struct CudaOps {
   static void adam_step(const prelude::AdamStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     adam(step.params, step.master_params, step.grads, step.exp_avgs, step.exp_avg_sqs,
-         step.steps, step.hyper, step.scalars.pointers(), step.adopt_param_edits,
-         step.write_back_grads);
+         step.max_exp_avg_sqs, step.steps, step.hyper, step.scalars.pointers(),
+         step.adopt_param_edits, step.write_back_grads);
   }
 
   static void sgd_step(const prelude::SgdStep& step) {

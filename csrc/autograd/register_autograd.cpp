@@ -143,7 +143,7 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
 using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
                      double, double, double, double, double, bool, bool, const OptTensor&,
                      const OptTensor&, const OptTensor&, const OptTensor&,
-                     std::optional<double>, bool, bool);
+                     std::optional<double>, bool, bool, std::optional<TensorList>);
 const c10::TypedOperatorHandle<AdamSig>& adam_op() {
   static const auto op = find<AdamSig>("fusedamp::adam_step_");
   return op;
@@ -155,13 +155,14 @@ void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters
                    double weight_decay, bool decoupled, bool maximize, const OptTensor& lr_t,
                    const OptTensor& inv_scale, const OptTensor& found_inf,
                    const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
-                   bool write_grads) {
+                   bool write_grads, std::optional<TensorList> v_maxes) {
   refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps,
-                                               write_grads ? grads : TensorList()});
+                                               write_grads ? grads : TensorList(),
+                                               v_maxes.value_or(TensorList())});
   adam_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
                        maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
-                       write_grads);
+                       write_grads, v_maxes);
 }
 
 void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
@@ -169,13 +170,14 @@ void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Te
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                bool maximize, const OptTensor& lr_t, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& sum_sq,
-               std::optional<double> max_norm, bool adopt_edits, bool write_grads) {
+               std::optional<double> max_norm, bool adopt_edits, bool write_grads,
+               std::optional<TensorList> v_maxes) {
   adam_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
                        maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
-                       write_grads);
+                       write_grads, v_maxes);
   bump_versions({params, masters, exp_avgs, exp_avg_sqs, steps,
-                 write_grads ? grads : TensorList()});
+                 write_grads ? grads : TensorList(), v_maxes.value_or(TensorList())});
 }
 
 // ---- sgd_step_ -----------------------------------------------------------------------------

@@ -11,9 +11,11 @@
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads>
+template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kAmsgrad>
 void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m, float* v,
-                int64_t n, const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult) {
+                float* v_max, int64_t n, const math::AdamHyper& h, const math::AdamCoeffs& c,
+                float grad_mult) {
   const Vec mult(grad_mult);
   for (int64_t i = 0; i < n; i += kPair) {
     const int64_t k = n - i;
@@ -24,8 +26,16 @@ void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m,
     w.load(i, k, p0, p1);
     PairIO<float>::load(m + i, k, m0, m1);
     PairIO<float>::load(v + i, k, v0, v1);
-    math::adam_update(p0, m0, v0, g0, h, c);
-    math::adam_update(p1, m1, v1, g1, h, c);
+    if constexpr (kAmsgrad) {
+      Vec x0, x1;
+      PairIO<float>::load(v_max + i, k, x0, x1);
+      math::adam_update(p0, m0, v0, g0, h, c, &x0);
+      math::adam_update(p1, m1, v1, g1, h, c, &x1);
+      PairIO<float>::store(v_max + i, k, x0, x1);
+    } else {
+      math::adam_update(p0, m0, v0, g0, h, c);
+      math::adam_update(p1, m1, v1, g1, h, c);
+    }
     PairIO<float>::store(m + i, k, m0, m1);
     PairIO<float>::store(v + i, k, v0, v1);
     w.store(i, k, p0, p1);
@@ -35,9 +45,10 @@ void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m,
   }
 }
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads>
+template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
+          bool kAmsgrad>
 void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                const math::AdamHyper& h) {
+                at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
   const at::TensorList params = step.params;
   std::vector<math::AdamCoeffs> coeffs(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -51,22 +62,27 @@ void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp
     const StepWeights<TP, kMaster, kAdoptEdits> w{
         params[i].data_ptr<TP>() + b,
         kMaster ? step.master_params[i].data_ptr<float>() + b : nullptr};
-    adam_range<TP, TG, kMaster, kAdoptEdits, kWriteGrads>(
+    adam_range<TP, TG, kMaster, kAdoptEdits, kWriteGrads, kAmsgrad>(
         w, step.grads[i].data_ptr<TG>() + b, exp_avgs[i].data_ptr<float>() + b,
-        exp_avg_sqs[i].data_ptr<float>() + b, e - b, h, coeffs[i], step.grad_mult);
+        exp_avg_sqs[i].data_ptr<float>() + b,
+        kAmsgrad ? max_exp_avg_sqs[i].data_ptr<float>() + b : nullptr, e - b, h, coeffs[i],
+        step.grad_mult);
   });
 }
 
 }  // namespace
 
 void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-          const math::AdamHyper& h) {
-  step_switch(step.params, step.grads, step.master_params, step.adopt_param_edits,
-              step.write_back_grads, [&](auto param, auto grad, auto has_master, auto adopt_edits,
-                            auto write_grads) {
-    adam_lists<decltype(param), decltype(grad), has_master, adopt_edits, write_grads>(
-        step, exp_avgs, exp_avg_sqs, h);
-  });
+          at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
+  step_switch(
+      step.params, step.grads, step.master_params, step.adopt_param_edits,
+      step.write_back_grads,
+      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
+          auto amsgrad) {
+        adam_lists<decltype(param), decltype(grad), has_master, adopt_edits, write_grads,
+                   amsgrad>(step, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, h);
+      },
+      BoolSwitch{!max_exp_avg_sqs.empty()});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

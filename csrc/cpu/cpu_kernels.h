@@ -33,8 +33,9 @@ struct KernelTable {
   // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite.
   // Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags);
+  // max_exp_avg_sqs: empty without AMSGrad.
   void (*adam)(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               const math::AdamHyper& h);
+               at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);
   void (*sgd)(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);
 };
 
@@ -43,7 +44,7 @@ struct KernelTable {
   bool unscale_and_check(at::TensorList grads, float inv_scale);                             \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags);           \
   void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,       \
-            const math::AdamHyper& h);                                                       \
+            at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);                       \
   void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);   \
   }
 

@@ -113,7 +113,8 @@ struct CpuOps {
 
   static void adam_step(const prelude::AdamStep& step) {
     run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().adam(cpu_step, step.exp_avgs, step.exp_avg_sqs, step.hyper);
+      kernels().adam(cpu_step, step.exp_avgs, step.exp_avg_sqs, step.max_exp_avg_sqs,
+                     step.hyper);
     });
   }
 

@@ -15,6 +15,10 @@ struct LaneOps<at::vec::Vectorized<float>> {
   static inline at::vec::Vectorized<float> sqrt(const at::vec::Vectorized<float>& x) {
     return x.sqrt();
   }
+  static inline at::vec::Vectorized<float> max(const at::vec::Vectorized<float>& x,
+                                               const at::vec::Vectorized<float>& y) {
+    return at::vec::maximum(x, y);  // NaN-propagating, as torch.maximum
+  }
   static inline at::vec::Vectorized<float> where_equal(const at::vec::Vectorized<float>& x,
                                                       const at::vec::Vectorized<float>& y,
                                                       const at::vec::Vectorized<float>& if_equal,

@@ -23,6 +23,7 @@ void AdamOptions::serialize(torch::serialize::OutputArchive& a) const {
   a.write("beta2", c10::IValue(std::get<1>(betas_)));
   a.write("eps", c10::IValue(eps_));
   a.write("decoupled_weight_decay", c10::IValue(decoupled_weight_decay_));
+  a.write("amsgrad", c10::IValue(amsgrad_));
 }
 
 void AdamOptions::serialize(torch::serialize::InputArchive& a) {
@@ -36,6 +37,7 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
   eps_ = v.toDouble();
   a.read("decoupled_weight_decay", v);
   decoupled_weight_decay_ = v.toBool();
+  amsgrad_ = a.try_read("amsgrad", v) && v.toBool();  // absent from older archives: off
 }
 
 template <>
@@ -43,11 +45,13 @@ struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
 
   static StateSlots known_slots() {
-    return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+    return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,
+            StateSlot::kMaxExpAvgSq};
   }
 
-  static StateSlots slots_for(const AdamOptions&) {
-    return {StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+  static StateSlots slots_for(const AdamOptions& o) {
+    const StateSlots moments{StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+    return o.amsgrad() ? moments.with(StateSlot::kMaxExpAvgSq) : moments;
   }
 
   static bool set_option(AdamOptions& o, const std::string& name, double v) {
@@ -59,6 +63,8 @@ struct AlgorithmOf<AdamOptions> {
       o.eps(v);
     } else if (name == "decoupled_weight_decay") {
       o.decoupled_weight_decay(v != 0.0);
+    } else if (name == "amsgrad") {
+      o.amsgrad(v != 0.0);
     } else {
       return false;
     }
@@ -70,6 +76,7 @@ struct AlgorithmOf<AdamOptions> {
     if (name == "beta2") return std::get<1>(o.betas());
     if (name == "eps") return o.eps();
     if (name == "decoupled_weight_decay") return o.decoupled_weight_decay() ? 1.0 : 0.0;
+    if (name == "amsgrad") return o.amsgrad() ? 1.0 : 0.0;
     return std::nullopt;
   }
 
@@ -89,7 +96,7 @@ struct AlgorithmOf<AdamOptions> {
     args.decoupled_weight_decay = o.decoupled_weight_decay();
     args.maximize = o.maximize();
     ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
-                    args, s, modes);
+                    args, s, modes, b.max_exp_avg_sqs);  // filled only with amsgrad
   }
 };
 

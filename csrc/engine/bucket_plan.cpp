@@ -52,6 +52,8 @@ std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
       return &Bucket::exp_avg_sqs;
     case StateSlot::kMomentumBuffer:
       return &Bucket::momentum_buffers;
+    case StateSlot::kMaxExpAvgSq:
+      return &Bucket::max_exp_avg_sqs;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown state slot");
 }

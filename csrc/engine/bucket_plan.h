@@ -21,7 +21,8 @@ struct Bucket {
   at::ScalarType grad_dtype = at::kFloat;
   std::vector<at::Tensor> params, grads, steps;
   // One entry per parameter where the group needs the slot (empty list otherwise).
-  std::vector<at::Tensor> master_params, exp_avgs, exp_avg_sqs, momentum_buffers;
+  std::vector<at::Tensor> master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+      momentum_buffers;
 };
 
 class BucketPlan {

@@ -82,7 +82,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         self._device = devices.pop()
         for gi, g in enumerate(self.param_groups):
             names = (("momentum_buffer",) if g["momentum"] != 0 else ()) if kind == "sgd" else (
-                "exp_avg", "exp_avg_sq")
+                ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()))
             by_dtype = {}
             for p in g["params"]:
                 by_dtype.setdefault(p.dtype, []).append(p)

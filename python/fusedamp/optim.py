@@ -85,8 +85,6 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def check_group(group):
         """What only the Python side can see: torch.optim arguments fusedamp does not do, or
         accepts without them meaning anything (its step is always one fused, capturable pass)."""
-        if group.get("amsgrad", False):
-            raise ValueError("fusedamp: amsgrad is not supported")
         if group.get("differentiable", False):
             raise ValueError("fusedamp: differentiable=True is not supported")
         for name in ("foreach", "fused", "capturable"):

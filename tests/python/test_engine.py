@@ -205,8 +205,6 @@ def test_bad_arguments_raise_clear_errors(device):
         fusedamp.optim.AdamW(ps, lr=-1.0)
     with pytest.raises(ValueError, match="beta"):
         fusedamp.optim.Adam(ps, betas=(1.0, 0.9))
-    with pytest.raises(ValueError, match="amsgrad"):
-        fusedamp.optim.Adam(ps, amsgrad=True)
     with pytest.raises(ValueError, match="Nesterov"):
         fusedamp.optim.SGD(ps, nesterov=True)
     with pytest.raises(RuntimeError, match="growth_factor"):

@@ -36,6 +36,29 @@ def test_unscale_and_check_matches_torch(device, dtype, poison, record_diff):
         [g.nan_to_num() for g in inp.grads], [r.nan_to_num() for r in ref]))
 
 
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_unscale_takes_fp64_and_non_dense_grads_like_torch(device, poison):
+    """FP64 and strided-but-not-dense grads, mixed with ones the fused kernel walks: the same
+    result as torch's op, which handles them per tensor (fusedamp passes them to it)."""
+    base = randn_list(device, torch.float32, [(6, 5), (40,), (7, 9), (33,)], seed=31)
+
+    def make():  # FP64, FP16, transposed (dense, not contiguous), every other element
+        grads = [base[0].double(), base[1].half(), base[2].clone().t(), base[3].clone()[::2]]
+        if poison is not None:
+            grads[3][4] = float(poison)  # in a grad that is not dense
+        return grads
+
+    mine, ref = make(), make()
+    found, ref_found = scalar(0.0, device), scalar(0.0, device)
+    inv = scalar(0.25, device)
+    ops.unscale_and_check_(mine, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
+    assert found.item() == ref_found.item() == (0.0 if poison is None else 1.0)
+    for m, r in zip(mine, ref):
+        assert m.dtype == r.dtype and m.stride() == r.stride()
+        torch.testing.assert_close(m, r, rtol=0, atol=0, equal_nan=True)
+
+
 def test_unscale_never_resets_found_inf(device):
     grads = randn_list(device, sizes=[(100,)])
     found = scalar(1.0, device)
@@ -200,6 +223,36 @@ def test_adam_fp32_matches_torch(device, decoupled, wd, maximize, record_diff):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
     for s in inp.steps:
         assert s.item() == 60.0
+
+
+@pytest.mark.parametrize("low", [None] + list(LOW))
+def test_adam_amsgrad_matches_torch(device, low, record_diff):
+    """max_exp_avg_sqs given: AMSGrad, as torch.optim.Adam(amsgrad=True). FP32 params against
+    torch on the same FP32 values; FP16/BF16 params with FP32 masters against torch in FP64."""
+    dtype = LOW[low] if low else torch.float32
+    inp = op_inputs(device, seed=14, param_dtype=dtype, master_weights=low is not None)
+    weights = inp.master_params if low is not None else inp.params
+    ref_dtype = torch.float64 if low is not None else torch.float32
+    ref = [torch.nn.Parameter(w.to(ref_dtype).clone()) for w in weights]
+    opt = torch.optim.Adam(ref, lr=3e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.01,
+                           amsgrad=True, foreach=False)
+    v_max = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+    for step in range(30):
+        # Shrinking gradients: v falls below its running maximum, where AMSGrad differs.
+        grads = [g * 0.8 ** step for g in randn_list(device, torch.float32, seed=900 + step,
+                                                     sizes=[w.shape for w in weights])]
+        inp.grads = [g.to(dtype) for g in grads]
+        for r, g in zip(ref, inp.grads):
+            r.grad = g.to(ref_dtype)
+        opt.step()
+        inp.call("adam_step_", lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-7, weight_decay=0.01,
+                 decoupled_weight_decay=False, max_exp_avg_sqs=v_max)
+    ref_max = [opt.state[r]["max_exp_avg_sq"] for r in ref]
+    assert any((m > v).any() for m, v in zip(ref_max, [opt.state[r]["exp_avg_sq"] for r in ref]))
+    err = max_rel_error(weights, [r.detach() for r in ref])
+    record_diff(f"adam_step_ amsgrad ({low or 'float32'}) vs torch [rel]", err)
+    assert err < 1e-6, err
+    assert max_rel_error(v_max, ref_max) < 1e-5
 
 
 def test_adam_lr_tensor_follows_schedule(device):

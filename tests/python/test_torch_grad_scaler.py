@@ -132,16 +132,7 @@ VARIANTS = [
 
 # ---- expected failures: (test, glob over the case id, precise cause) -----------------------
 # Case ids are "<variant>" or "<variant>-<other axes>". Test names and ids as in pytest's ids.
-_OP_LAYOUTS = ("torch.ops.fusedamp.unscale_and_check_ rejects gradients that are not dense "
-               "(csrc/op_checks.cpp check_dense) or float64 ones; torch's op falls back to a "
-               "per-tensor kernel for them (fusedamp.GradScaler.unscale_ already does)")
-XFAIL = [
-    ("test_grad_scaling_unscale", "fusedamp_*", _OP_LAYOUTS),
-    ("test_grad_scaling_autocast_fused_optimizers", "fusedamp_all-Adam*",
-     "fusedamp.optim.Adam/AdamW reject amsgrad=True (ValueError 'fusedamp: amsgrad is not "
-     "supported', python/fusedamp/optim.py _check_group), the 'amsgrad' OptimizerInput of "
-     "optim_db"),
-]
+XFAIL = []
 
 
 def cases(test, **axes):

@@ -77,14 +77,7 @@ def _ident(desc):
 
 
 # ---- expected failures: (test or None for both, predicate on (kind, kwargs), cause) ---------
-_OPTIM_PY = "python/fusedamp/optim.py"
-XFAIL = [
-    (None, lambda kind, kw: kw.get("amsgrad", False),
-     "fusedamp.optim.Adam/AdamW reject amsgrad=True: ValueError 'fusedamp: amsgrad is not "
-     f"supported' ({_OPTIM_PY} FusedOptimizer._check_group); torch keeps max_exp_avg_sq and "
-     "divides by its sqrt (no max_exp_avg_sq state slot in csrc/include/fusedamp/optim/"
-     "param_state.h, no amsgrad in adam_step_)"),
-]
+XFAIL = []
 
 
 def cases(test, differentiable=False):

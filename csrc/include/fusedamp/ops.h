@@ -59,7 +59,8 @@ struct AdamArgs {
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& args,
-    const StepScalars& scalars = {}, const StepModes& modes = {});
+    const StepScalars& scalars = {}, const StepModes& modes = {},
+    TensorList max_exp_avg_sqs = {});  // AMSGrad's running maxima; empty: plain Adam
 
 struct SgdArgs {
   double lr = 1e-2;

@@ -76,10 +76,12 @@ C10_HOST_DEVICE inline AdamCoeffs adam_coeffs(const AdamHyper& h, float lr, floa
 }
 
 // One element (or one vector of lanes). g is the raw gradient times `grad_mult`
-// (inverse loss scale and clip coefficient); p, m, v are FP32 and updated in place.
+// (inverse loss scale and clip coefficient); p, m, v are FP32 and updated in place. With
+// AMSGrad (v_max given) the denominator uses the running maximum of v, as torch.optim.Adam
+// with amsgrad=True: v_max = max(v_max, v) after v's update.
 template <typename V>
 C10_HOST_DEVICE inline void adam_update(
-    V& p, V& m, V& v, V g, const AdamHyper& h, const AdamCoeffs& c) {
+    V& p, V& m, V& v, V g, const AdamHyper& h, const AdamCoeffs& c, V* v_max = nullptr) {
   if (h.maximize) {
     g = V(0.f) - g;
   }
@@ -92,7 +94,10 @@ C10_HOST_DEVICE inline void adam_update(
   }
   m = m + V(h.one_minus_beta1) * (g - m);
   v = v * V(h.beta2) + V(h.one_minus_beta2) * g * g;
-  const V denom = LaneOps<V>::sqrt(v) / V(c.bc2_sqrt) + V(h.eps);
+  if (v_max != nullptr) {
+    *v_max = LaneOps<V>::max(*v_max, v);
+  }
+  const V denom = LaneOps<V>::sqrt(v_max != nullptr ? *v_max : v) / V(c.bc2_sqrt) + V(h.eps);
   p = p - V(c.step_size) * m / denom;
 }
 

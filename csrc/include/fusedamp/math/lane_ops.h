@@ -17,6 +17,10 @@ struct LaneOps {
     return std::sqrt(x);
 #endif
   }
+  // Per lane: the larger, NaN if either is NaN (torch.maximum's rule).
+  static C10_HOST_DEVICE inline V max(V x, V y) {
+    return (x != x || y != y) ? x + y : (x > y ? x : y);
+  }
   // Per lane: if_equal where x == y, otherwise `otherwise` (NaN equals nothing).
   static C10_HOST_DEVICE inline V where_equal(V x, V y, V if_equal, V otherwise) {
     return x == y ? if_equal : otherwise;

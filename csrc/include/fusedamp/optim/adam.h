@@ -1,6 +1,6 @@
 #pragma once
-// fusedamp::optim::Adam and AdamW: torch.optim.Adam/AdamW (no amsgrad) on FP32 state with FP32
-// master weights for FP16/BF16 parameters, one fused adam_step_ per bucket.
+// fusedamp::optim::Adam and AdamW: torch.optim.Adam/AdamW (with amsgrad) on FP32 state with
+// FP32 master weights for FP16/BF16 parameters, one fused adam_step_ per bucket.
 #include <fusedamp/optim/optimizer_of.h>
 #include <fusedamp/optim/options.h>
 
@@ -18,6 +18,8 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   // true: AdamW's p *= 1 - lr * wd; false: L2 (g += wd * p).
   TORCH_ARG(bool, decoupled_weight_decay) = false;
   TORCH_ARG(bool, maximize) = false;
+  // true: the denominator uses the running maximum of exp_avg_sq (state max_exp_avg_sq).
+  TORCH_ARG(bool, amsgrad) = false;
   FUSEDAMP_ENGINE_OPTION_FIELDS;
   FUSEDAMP_OPTIONS_OVERRIDES
 };
@@ -29,7 +31,8 @@ struct AdamWOptions : public AdamOptions {
 
 extern template class OptimizerOf<AdamOptions>;
 
-// Option names beyond the shared ones (optimizer.h): beta1, beta2, eps, decoupled_weight_decay.
+// Option names beyond the shared ones (optimizer.h): beta1, beta2, eps, decoupled_weight_decay,
+// amsgrad.
 class Adam : public OptimizerOf<AdamOptions> {
  public:
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,

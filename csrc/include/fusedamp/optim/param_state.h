@@ -15,6 +15,7 @@ inline constexpr const char* kStep = "step";
 inline constexpr const char* kMasterParam = "master_param";
 inline constexpr const char* kExpAvg = "exp_avg";
 inline constexpr const char* kExpAvgSq = "exp_avg_sq";
+inline constexpr const char* kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr const char* kMomentumBuffer = "momentum_buffer";
 
 struct ParamState {
@@ -22,12 +23,13 @@ struct ParamState {
   at::Tensor master_param;     // FP32 master copy of an FP16/BF16 parameter
   at::Tensor exp_avg;          // Adam: first moment
   at::Tensor exp_avg_sq;       // Adam: second moment
+  at::Tensor max_exp_avg_sq;   // Adam with amsgrad: running maximum of exp_avg_sq
   at::Tensor momentum_buffer;  // SGD with momentum
 };
 
 // The tensor slots beside `step`. An optimizer kind says which of them it uses; the state
 // dict names and the members are tied together here, once.
-enum class StateSlot { kMasterParam, kExpAvg, kExpAvgSq, kMomentumBuffer };
+enum class StateSlot { kMasterParam, kExpAvg, kExpAvgSq, kMomentumBuffer, kMaxExpAvgSq };
 
 struct StateSlotInfo {
   StateSlot slot;
@@ -35,11 +37,12 @@ struct StateSlotInfo {
   at::Tensor ParamState::*member;
 };
 
-inline constexpr std::array<StateSlotInfo, 4> kStateSlots = {{
+inline constexpr std::array<StateSlotInfo, 5> kStateSlots = {{
     {StateSlot::kMasterParam, kMasterParam, &ParamState::master_param},
     {StateSlot::kExpAvg, kExpAvg, &ParamState::exp_avg},
     {StateSlot::kExpAvgSq, kExpAvgSq, &ParamState::exp_avg_sq},
     {StateSlot::kMomentumBuffer, kMomentumBuffer, &ParamState::momentum_buffer},
+    {StateSlot::kMaxExpAvgSq, kMaxExpAvgSq, &ParamState::max_exp_avg_sq},
 }};
 
 inline const StateSlotInfo& slot_info(StateSlot slot) {
