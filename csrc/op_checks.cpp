@@ -11,15 +11,9 @@
 namespace fusedamp::checks {
 namespace {
 
-bool is_float_kind(c10::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-
 // Every check below decides on facts alone, inline and without a message; the message of a
 // failed check is built by a raise_* function, out of line, so that the hot path stays small.
-
 // ---- one-element state tensors (found_inf, inv_scale, steps[i], ...) ------------------------
-
 [[noreturn]] C10_NOINLINE void raise_scalar(const char* op, const char* name, const Tensor& t,
                                             ScalarFlaw flaw, c10::ScalarType dtype,
                                             const c10::Device& device) {
@@ -160,11 +154,6 @@ void check_beta(const char* op, const char* name, double v) {
   TORCH_CHECK(hyper::valid_beta(v), op, ": invalid ", name, " ", v, " (must be in [0, 1))");
 }
 
-bool is_per_tensor(const TensorFacts& g) {
-  return (g.flaw == Flaw::kNone && g.dtype == at::kDouble) ||
-         (g.flaw == Flaw::kNotDense && (is_float_kind(g.dtype) || g.dtype == at::kDouble));
-}
-
 // with_per_tensor: also accept what per_tensor_grad() sends to torch's kernel; returns
 // whether any grad is such.
 bool check_grad_list(const char* op, TensorList grads, const c10::Device& device,
@@ -185,18 +174,16 @@ bool check_grad_list(const char* op, TensorList grads, const c10::Device& device
 // The per-parameter FP32 state lists of a step (moments or momentum buffers), which must
 // mirror params.
 struct StateLists {
-  static constexpr size_t kMax = 3;  // adam: exp_avgs, exp_avg_sqs[, max_exp_avg_sqs]; sgd:
-                                     // momentum_buffers
+  static constexpr size_t kMax = 3;  // adam: exp_avgs, exp_avg_sqs[, max_exp_avg_sqs]
   const char* names[kMax] = {};
   TensorList lists[kMax];
   size_t count = 0;
 
-  StateLists(std::initializer_list<std::pair<const char*, TensorList>> named) {
-    TORCH_INTERNAL_ASSERT(named.size() <= kMax);
-    for (const auto& list : named) {
-      names[count] = list.first;
-      lists[count++] = list.second;
-    }
+  StateLists& add(const char* name, TensorList list) {
+    TORCH_INTERNAL_ASSERT(count < kMax);
+    names[count] = name;
+    lists[count++] = list;
+    return *this;
   }
 };
 
@@ -353,10 +340,24 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
   }
 }
 
+namespace {  // A step's lists, then its device scalars; false when there are no params.
+bool check_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
+                TensorList steps, const StateLists& state, const OptTensor& lr_tensor,
+                const OptTensor& inv_scale, const OptTensor& found_inf,
+                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+  check_step_lists(op, params, master_params, grads, steps, state);
+  if (params.empty()) {
+    return false;
+  }
+  step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm);
+  return true;
+}
+}  // namespace
+
 bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
                TensorList exp_avgs, TensorList exp_avg_sqs, TensorList max_exp_avg_sqs,
-               TensorList steps, double lr,
-               double beta1, double beta2, double eps, double weight_decay,
+               TensorList steps, double lr, double beta1, double beta2, double eps,
+               double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
                std::optional<double> max_grad_norm) {
@@ -365,20 +366,13 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
   check_beta(op, "beta2", beta2);
   check_finite_nonneg(op, "eps", eps);
   check_finite_nonneg(op, "weight_decay", weight_decay);
-  if (max_exp_avg_sqs.empty()) {
-    check_step_lists(op, params, master_params, grads, steps,
-                     {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}});
-  } else {
-    check_step_lists(op, params, master_params, grads, steps,
-                     {{"exp_avgs", exp_avgs},
-                      {"exp_avg_sqs", exp_avg_sqs},
-                      {"max_exp_avg_sqs", max_exp_avg_sqs}});
+  StateLists state;
+  state.add("exp_avgs", exp_avgs).add("exp_avg_sqs", exp_avg_sqs);
+  if (!max_exp_avg_sqs.empty()) {  // AMSGrad
+    state.add("max_exp_avg_sqs", max_exp_avg_sqs);
   }
-  if (params.empty()) {
-    return false;
-  }
-  step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm);
-  return true;
+  return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
+                    found_inf, grad_sum_sq, max_grad_norm);
 }
 
 bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
@@ -392,19 +386,15 @@ bool sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
   check_finite_nonneg(op, "weight_decay", weight_decay);
   TORCH_CHECK(hyper::valid_nesterov(nesterov, momentum, dampening), op,
               ": Nesterov momentum requires momentum > 0 and zero dampening");
+  StateLists state;
   if (momentum == 0.0) {
     TORCH_CHECK(momentum_buffers.empty(), op,
                 ": momentum_buffers must be empty when momentum is 0");
-    check_step_lists(op, params, master_params, grads, steps, {});
   } else {
-    check_step_lists(op, params, master_params, grads, steps,
-                     {{"momentum_buffers", momentum_buffers}});
+    state.add("momentum_buffers", momentum_buffers);
   }
-  if (params.empty()) {
-    return false;
-  }
-  step_scalars(op, params[0], lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm);
-  return true;
+  return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
+                    found_inf, grad_sum_sq, max_grad_norm);
 }
 
 }  // namespace fusedamp::checks

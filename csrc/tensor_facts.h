@@ -15,6 +15,11 @@
 
 namespace fusedamp::checks {
 
+// The element types the fused kernels walk.
+inline bool is_float_kind(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
 // Sizes, strides and numel are plain values (not symbolic, not answered by Python).
 inline bool has_concrete_sizes(const c10::TensorImpl& impl) {
   return !impl.has_symbolic_sizes_strides() && !impl.is_nested() && !impl.is_python_dispatch();
@@ -104,6 +109,13 @@ inline TensorFacts facts_of(const at::Tensor& t, const c10::Device& device) {
   TensorFacts f;
   read_facts(t, device, /*with_span=*/false, f);
   return f;
+}
+
+// A grad unscale_and_check_ hands to torch's per-tensor kernel (op_checks.h per_tensor_grad):
+// FP64, or a float grad that is strided but not dense.
+inline bool is_per_tensor(const TensorFacts& g) {
+  return (g.flaw == Flaw::kNone && g.dtype == at::kDouble) ||
+         (g.flaw == Flaw::kNotDense && (is_float_kind(g.dtype) || g.dtype == at::kDouble));
 }
 
 // ---- one-element tensors ------------------------------------------------------------------

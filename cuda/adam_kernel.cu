@@ -42,7 +42,7 @@ template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWri
           bool kAmsgrad>
 struct AdamOp {
   StepWeights<TP, kHasMaster, kAdoptEdits> weights;
-  TG* g;  // written back (times mult) with kWriteGrads
+  StepGrads<TG, kWriteGrads> grads;
   float* m;
   float* v;
   float* v_max;  // AMSGrad's running maximum of v; nullptr without
@@ -56,7 +56,7 @@ struct AdamOp {
   };
   template <int L>
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
-    load_lanes<L>(g + i, r.g);
+    grads.load(i, r.g);
     weights.load(i, r.p);
     load_lanes<L>(m + i, r.m);
     load_lanes<L>(v + i, r.v);
@@ -81,9 +81,7 @@ struct AdamOp {
       store_lanes<L>(v_max + i, r.v_max);
     }
     weights.store(i, r.p);
-    if constexpr (kWriteGrads) {
-      store_lanes<L>(g + i, r.g);
-    }
+    grads.store(i, r.g);
   }
 };
 
@@ -108,14 +106,11 @@ __global__ void __launch_bounds__(kThreads)
   const float mult = s.grad_multiplier();
   __syncthreads();
   AdamOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad> op{
-      {static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
-       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
-                  : nullptr},
-      static_cast<TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
-      static_cast<float*>(b.ptr[Pos::kM][ch.t]) + ch.offset,
-      static_cast<float*>(b.ptr[Pos::kV][ch.t]) + ch.offset,
-      kAmsgrad ? static_cast<float*>(b.ptr[kAmsgrad ? Pos::kVMax : 0][ch.t]) + ch.offset
-               : nullptr,
+      {list_at<TP>(b, ch, true, Pos::kP), list_at<float>(b, ch, kHasMaster, Pos::kMaster)},
+      {list_at<TG>(b, ch, true, Pos::kG)},
+      list_at<float>(b, ch, true, Pos::kM),
+      list_at<float>(b, ch, true, Pos::kV),
+      list_at<float>(b, ch, kAmsgrad, Pos::kVMax),
       h,
       coeffs,
       mult};

@@ -37,7 +37,7 @@ template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWri
           bool kMomentum>
 struct SgdOp {
   StepWeights<TP, kHasMaster, kAdoptEdits> weights;
-  TG* g;  // written back (times mult) with kWriteGrads
+  StepGrads<TG, kWriteGrads> grads;
   float* buf;
   math::SgdHyper h;
   float lr;
@@ -50,7 +50,7 @@ struct SgdOp {
   };
   template <int L>
   __device__ __forceinline__ void load(int i, Regs<L>& r) const {
-    load_lanes<L>(g + i, r.g);
+    grads.load(i, r.g);
     weights.load(i, r.p);
     if constexpr (kMomentum) {
       if (!first_step) {
@@ -76,9 +76,7 @@ struct SgdOp {
       store_lanes<L>(buf + i, r.b);
     }
     weights.store(i, r.p);
-    if constexpr (kWriteGrads) {
-      store_lanes<L>(g + i, r.g);
-    }
+    grads.store(i, r.g);
   }
 };
 
@@ -96,12 +94,9 @@ __global__ void __launch_bounds__(kThreads)
   const float mult = s.grad_multiplier();
   const bool first = *static_cast<const float*>(b.extra[0][ch.t]) == 0.f;
   SgdOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kMomentum> op{
-      {static_cast<TP*>(b.ptr[Pos::kP][ch.t]) + ch.offset,
-       kHasMaster ? static_cast<float*>(b.ptr[kHasMaster ? Pos::kMaster : 0][ch.t]) + ch.offset
-                  : nullptr},
-      static_cast<TG*>(b.ptr[Pos::kG][ch.t]) + ch.offset,
-      kMomentum ? static_cast<float*>(b.ptr[kMomentum ? Pos::kBuf : 0][ch.t]) + ch.offset
-                : nullptr,
+      {list_at<TP>(b, ch, true, Pos::kP), list_at<float>(b, ch, kHasMaster, Pos::kMaster)},
+      {list_at<TG>(b, ch, true, Pos::kG)},
+      list_at<float>(b, ch, kMomentum, Pos::kBuf),
       h,
       lr,
       mult,

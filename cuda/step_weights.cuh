@@ -44,4 +44,29 @@ struct StepWeights {
   }
 };
 
+// The grads a step reads and, with kWriteGrads, writes back: the multiplied (unscaled, clipped)
+// gradient the update used, as torch's fused optimizers leave .grad.
+template <typename TG, bool kWriteGrads>
+struct StepGrads {
+  TG* grad;
+
+  template <int L>
+  __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
+    load_lanes<L>(grad + i, lanes);
+  }
+  template <int L>
+  __device__ __forceinline__ void store(int i, const float (&lanes)[L]) const {
+    if constexpr (kWriteGrads) {
+      store_lanes<L>(grad + i, lanes);
+    }
+  }
+};
+
+// A list of a batch at this block's chunk, as T*; nullptr where the list is absent.
+template <typename T, typename Batch>
+__device__ __forceinline__ T* list_at(const Batch& b, const ChunkRef& ch, bool present,
+                                      int list) {
+  return present ? static_cast<T*>(b.ptr[present ? list : 0][ch.t]) + ch.offset : nullptr;
+}
+
 }  // namespace fusedamp::cuda

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <initializer_list>
+#include <iterator>
 #include <optional>
 
 namespace fusedamp::autograd {
@@ -213,23 +214,26 @@ void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Ten
   bump_versions({params, masters, bufs, steps, write_grads ? grads : TensorList()});
 }
 
+// One kernel per op, in the order of schemas.cpp, for one dispatch key.
+template <typename... Kernels>
+void impl_all(torch::Library& m, Kernels... kernels) {
+  static constexpr const char* kOps[] = {"unscale_and_check_", "grad_stats_", "update_scale_",
+                                         "adam_step_", "sgd_step_"};
+  static_assert(sizeof...(Kernels) == std::size(kOps), "one kernel per op");
+  size_t i = 0;
+  (m.impl(kOps[i++], kernels), ...);
+}
+
 }  // namespace
 }  // namespace fusedamp::autograd
 
 TORCH_LIBRARY_IMPL(fusedamp, Autograd, m) {
   using namespace fusedamp::autograd;
-  m.impl("unscale_and_check_", &unscale_autograd);
-  m.impl("grad_stats_", &stats_autograd);
-  m.impl("update_scale_", &scale_autograd);
-  m.impl("adam_step_", &adam_autograd);
-  m.impl("sgd_step_", &sgd_autograd);
+  impl_all(m, &unscale_autograd, &stats_autograd, &scale_autograd, &adam_autograd,
+           &sgd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fusedamp, ADInplaceOrView, m) {
   using namespace fusedamp::autograd;
-  m.impl("unscale_and_check_", &unscale_view);
-  m.impl("grad_stats_", &stats_view);
-  m.impl("update_scale_", &scale_view);
-  m.impl("adam_step_", &adam_view);
-  m.impl("sgd_step_", &sgd_view);
+  impl_all(m, &unscale_view, &stats_view, &scale_view, &adam_view, &sgd_view);
 }

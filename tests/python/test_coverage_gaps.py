@@ -18,7 +18,7 @@ import torch
 
 from op_helpers import assert_bitwise_equal, f32, ops, randn_list, scalar, snapshot
 from op_inputs import op_inputs
-from test_cuda import assert_same, on_both, state_tol, sync_forbidden
+from test_cuda import assert_same, capture, on_both, state_tol, sync_forbidden
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -331,17 +331,7 @@ def test_sgd_and_unscale_in_a_cuda_graph_equal_eager(pdtype, master):
     steps run eagerly (the ops read their scalars on the device, so the replay sees them)."""
     eager = sgd_graph_state(pdtype, master)
     graphed = eager.map(lambda _, t: t.clone())
-    scratch = eager.map(lambda _, t: t.clone())
-    side = torch.cuda.Stream()  # warm-up before capture, as torch recommends
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            sgd_graph_step(scratch)
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), sync_forbidden():
-        sgd_graph_step(graphed)
+    graph = capture(sgd_graph_step, eager.map(lambda _, t: t.clone()), graphed)
 
     gen = torch.Generator().manual_seed(53)
     for it in range(10):

@@ -34,6 +34,22 @@ SIZES = [(0,), (1,), (3,), (8,), (9,), (31, 7), (32768,), (32769,), (100_003,), 
          (5, 0, 3), (4096, 3)]
 
 
+def capture(step, scratch, state):
+    """A CUDA graph of step(state), recorded, not run (`state` keeps its values). Two warm-up
+    runs of step(scratch), a throwaway copy, on a side stream first (module loading, allocator),
+    as torch recommends before capturing. Entering capture synchronises; the step must not."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), sync_forbidden():
+        step(state)
+    return graph
+
+
 @contextlib.contextmanager
 def sync_forbidden():
     prev = torch.cuda.get_sync_debug_mode()
@@ -381,20 +397,7 @@ def test_whole_step_in_a_cuda_graph_equals_eager(pdtype):
     eager = _make_state(gen, pdtype)
     graphed = eager.map(lambda _, t: t.clone())
 
-    # Warm up on a side stream with throwaway copies (module loading, allocator), as torch
-    # recommends before capturing.
-    scratch = eager.map(lambda _, t: t.clone())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _step(scratch)
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # (entering it synchronises; the step itself must not)
-        with sync_forbidden():
-            _step(graphed)  # recorded, not run: `graphed` keeps its initial values
+    graph = capture(_step, eager.map(lambda _, t: t.clone()), graphed)
 
     for it in range(12):
         grads = [rand(t.shape, torch.float32, gen, scale=2.0 ** 10).to(pdtype).cuda()
