@@ -74,15 +74,11 @@ void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp
 
 void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
           at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
-  step_switch(
-      step.params, step.grads, step.master_params, step.adopt_param_edits,
-      step.write_back_grads,
-      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
-          auto amsgrad) {
-        adam_lists<decltype(param), decltype(grad), has_master, adopt_edits, write_grads,
-                   amsgrad>(step, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, h);
-      },
-      BoolSwitch{!max_exp_avg_sqs.empty()});
+  // flags: kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad.
+  step_switch(step, [&](auto param, auto grad, auto... flags) {
+    adam_lists<decltype(param), decltype(grad), decltype(flags)::value...>(
+        step, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, h);
+  }, BoolSwitch{!max_exp_avg_sqs.empty()});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

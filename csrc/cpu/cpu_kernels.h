@@ -8,7 +8,10 @@
 #include <fusedamp/math/adam_math.h>
 #include <fusedamp/math/sgd_math.h>
 
+#include <utility>
 #include <vector>
+
+#include "../static_switch.h"
 
 namespace fusedamp::cpu {
 
@@ -26,6 +29,14 @@ struct CpuStep {
   bool adopt_param_edits;
   bool write_back_grads;
 };
+
+// step_switch (static_switch.h) over a CpuStep's lists and modes: body(param, grad, kHasMaster,
+// kAdoptEdits, kWriteGrads, more...).
+template <typename Body, typename... More>
+void step_switch(const CpuStep& step, Body&& body, const More&... more) {
+  fusedamp::step_switch(step.params, step.grads, step.master_params, step.adopt_param_edits,
+                        step.write_back_grads, std::forward<Body>(body), more...);
+}
 
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite.

@@ -62,15 +62,11 @@ void sgd_lists(const CpuStep& step, at::TensorList bufs, const math::SgdHyper& h
 }  // namespace
 
 void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h) {
-  step_switch(
-      step.params, step.grads, step.master_params, step.adopt_param_edits,
-      step.write_back_grads,
-      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
-          auto has_momentum) {
-        sgd_lists<decltype(param), decltype(grad), has_master, adopt_edits, write_grads,
-                  has_momentum>(step, momentum_buffers, h);
-      },
-      BoolSwitch{h.momentum != 0.f});
+  // flags: kHasMaster, kAdoptEdits, kWriteGrads, kMomentum.
+  step_switch(step, [&](auto param, auto grad, auto... flags) {
+    sgd_lists<decltype(param), decltype(grad), decltype(flags)::value...>(step,
+                                                                          momentum_buffers, h);
+  }, BoolSwitch{h.momentum != 0.f});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY
