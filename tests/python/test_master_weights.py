@@ -58,6 +58,10 @@ def _assert_same(a, b):
     lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-3, dtype=torch.float64)),
 ], ids=["Adam-decoupled", "AdamW-maximize", "SGD-nesterov", "Adam-tensor-lr"])
 def test_initialize_trains_the_users_algorithm(device, make_opt):
+    _assert_initialize_trains(device, make_opt)
+
+
+def _assert_initialize_trains(device, make_opt):
     """The FP32 masters follow torch's FP32 run of the same optimizer on the same gradients
     (FP16 values, which FP32 holds exactly, fed to both as .grad) within FP32 rounding."""
     model = _mlp(device)
@@ -79,6 +83,24 @@ def test_initialize_trains_the_users_algorithm(device, make_opt):
     weights = fusedamp.master_weights(model, opt)
     for (name, r) in reference.named_parameters():
         torch.testing.assert_close(weights[name], r.detach(), rtol=2e-6, atol=2e-6)
+
+
+def _optim_db_cases():
+    from test_torch_optim_parity import _KINDS, _configs, _ident
+    return [pytest.param(kind, cfg.kwargs, id=f"{kind}-{_ident(cfg.desc)}")
+            for kind in _KINDS for cfg in _configs(kind)
+            if not cfg.kwargs.get("differentiable", False)]  # refused on purpose (README)
+
+
+@pytest.mark.filterwarnings("ignore:fusedamp.*has no effect")
+@pytest.mark.parametrize("kind,kwargs", _optim_db_cases())
+def test_initialize_keeps_every_optim_db_configuration(device, kind, kwargs):
+    """Every configuration torch's optim_db lists for Adam, AdamW and SGD (differentiable aside),
+    given to initialize as a torch optimizer: the FP32 masters follow torch's FP32 run on the
+    same gradients within FP32 rounding over 20 steps."""
+    torch_cls = getattr(torch.optim, kind)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("foreach", "fused", "capturable")}
+    _assert_initialize_trains(device, lambda ps: torch_cls(ps, **kwargs))
 
 
 def test_initialize_keeps_defaults_for_added_groups_and_refuses_an_early_scheduler(device):
