@@ -154,7 +154,7 @@ void check_beta(const char* op, const char* name, double v) {
   TORCH_CHECK(hyper::valid_beta(v), op, ": invalid ", name, " ", v, " (must be in [0, 1))");
 }
 
-// with_per_tensor: also accept what per_tensor_grad() sends to torch's kernel; returns
+// with_per_tensor: also accept what per_tensor_grad() sends to the per-tensor path; returns
 // whether any grad is such.
 bool check_grad_list(const char* op, TensorList grads, const c10::Device& device,
                      bool with_per_tensor = false) {
@@ -282,7 +282,7 @@ bool per_tensor_grad(const Tensor& grad) {
   return is_per_tensor(facts_of(grad, grad.device()));
 }
 
-void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
                 const OptTensor& tensor_flags) {
   TORCH_CHECK(found_inf.defined(), op, ": found_inf is undefined");
   const auto device = found_inf.device();
@@ -299,7 +299,7 @@ void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const
     TORCH_CHECK(f.device() == device, op, ": tensor_flags is on ", f.device(),
                 " but found_inf is on ", device);
   }
-  check_grad_list(op, grads, device);
+  return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
 }
 
 void update_scale(const char* op, const Tensor& scale, const Tensor& growth_tracker,

@@ -16,12 +16,14 @@ using OptTensor = std::optional<Tensor>;
 bool unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
                        const Tensor& inv_scale);
 
-// A grad unscale_and_check_ leaves to torch's own _amp_foreach_non_finite_check_and_unscale_,
-// as torch's op does itself: FP64, or strided but not dense (fusedamp's kernels walk FP32,
-// FP16 and BF16 grads as one flat block). Only for grads that passed unscale_and_check.
+// A grad the fused kernels do not walk (they take FP32, FP16 and BF16 grads as one flat block):
+// FP64, or strided but not dense. unscale_and_check_ leaves it to torch's own
+// _amp_foreach_non_finite_check_and_unscale_ (as torch's op does itself), grad_stats_ to a few
+// ATen ops. Only for grads that passed the checks.
 bool per_tensor_grad(const Tensor& grad);
 
-void grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
+// Returns whether some grads are for the per-tensor path (per_tensor_grad below).
+bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
                 const OptTensor& tensor_flags);
 
 void update_scale(const char* op, const Tensor& scale, const Tensor& growth_tracker,

@@ -140,6 +140,16 @@ struct SgdStep : Step<math::SgdHyper> {
   TensorList momentum_buffers;  // empty when momentum is 0
 };
 
+// ---- grads the fused kernels do not walk ----------------------------------------------------
+
+// grad_stats_ over grads some of which are per-tensor ones (checks::per_tensor_grad): the
+// others go to the backend's kernel (their flags through a list of their own, merged back by
+// position), these to ATen ops: the same found_inf, sum of squares (in FP64, added as FP32) and
+// flags, on the device, without a host sync. A rare path (FP64 models, odd layouts).
+void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
+                      const Tensor& found_inf, const Tensor& sum_sq,
+                      const OptTensor& tensor_flags);
+
 // ---- the ops, as registered -----------------------------------------------------------------
 
 // Grads the fused kernels do not walk (FP64, or strided but not dense) go to torch's own
@@ -162,8 +172,11 @@ void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& 
 template <typename Backend>
 void grad_stats(TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
                 const OptTensor& tensor_flags) {
-  checks::grad_stats(GradStats::kOp, grads, found_inf, sum_sq, tensor_flags);
-  Backend::grad_stats(GradStats{grads, found_inf, sum_sq, tensor_flags});
+  if (!checks::grad_stats(GradStats::kOp, grads, found_inf, sum_sq, tensor_flags)) {
+    Backend::grad_stats(GradStats{grads, found_inf, sum_sq, tensor_flags});
+    return;
+  }
+  grad_stats_split(&Backend::grad_stats, grads, found_inf, sum_sq, tensor_flags);
 }
 
 template <typename Backend>

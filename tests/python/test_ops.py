@@ -59,6 +59,27 @@ def test_unscale_takes_fp64_and_non_dense_grads_like_torch(device, poison):
         torch.testing.assert_close(m, r, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_grad_stats_takes_fp64_and_non_dense_grads(device, poison):
+    """FP64 and strided-but-not-dense grads among ones the fused kernel walks: found_inf, the
+    sum of squares (vs FP64) and each grad's flag at its own position."""
+    base = randn_list(device, torch.float32, [(6, 5), (40,), (7, 9), (33,), (17,)], seed=32)
+    grads = [base[0].double(), base[1].half(), base[2].t(), base[3][::2], base[4].bfloat16()]
+    if poison is not None:
+        grads[3][4] = float(poison)  # in a grad that is not dense, between two fused ones
+    inp = op_inputs(device, grads=grads, scalars=dict(found_inf=0.0, grad_sum_sq=0.5,
+                                                      tensor_flags=0.0))
+    inp.grads = grads  # as they are: op_inputs copies (and so densifies) what it is given
+    inp.call("grad_stats_")
+    expected = 0.5 + sum(g.double().square().sum().item() for g in grads)
+    assert inp.found_inf.item() == (0.0 if poison is None else 1.0)
+    assert inp.tensor_flags.tolist() == [0, 0, 0, 0 if poison is None else 1, 0]
+    if poison is None:
+        assert abs(inp.grad_sum_sq.item() - expected) <= 1e-6 * expected
+    else:
+        assert not math.isfinite(inp.grad_sum_sq.item())
+
+
 def test_unscale_never_resets_found_inf(device):
     grads = randn_list(device, sizes=[(100,)])
     found = scalar(1.0, device)
