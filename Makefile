@@ -62,6 +62,11 @@ clean:
 bench-step: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_step.py --device cpu $(BENCH_ARGS)
 
+# Host overhead per tensor (issue 13): benchmarks/results/host_overhead_<device>.{md,json}.
+.PHONY: bench-host
+bench-host: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_host_overhead.py $(BENCH_ARGS)
+
 .PHONY: bench-train
 bench-train: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_train.py $(BENCH_ARGS)
