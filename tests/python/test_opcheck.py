@@ -28,3 +28,16 @@ def test_opcheck(device, name):
                     seed=30, **build)
     args, kwargs = inp.args(name, **hyper)
     torch.library.opcheck(getattr(ops, name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["adam_step_", "sgd_step_"])
+def test_opcheck_with_write_back_and_amsgrad(device, name):
+    """The mutable grads (write_back_grads) and AMSGrad's optional list under opcheck too."""
+    build, hyper = SAMPLES[name]
+    inp = op_inputs(device, [(5,), (3, 4)], param_dtype=torch.float16, master_weights=True,
+                    seed=31, **build)
+    extra = dict(write_back_grads=True)
+    if name == "adam_step_":
+        extra["max_exp_avg_sqs"] = [torch.zeros_like(m) for m in inp.master_params]
+    args, kwargs = inp.args(name, **hyper, **extra)
+    torch.library.opcheck(getattr(ops, name).default, args, kwargs)
