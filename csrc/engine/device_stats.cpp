@@ -44,6 +44,9 @@ void DeviceStats::seed(const at::Tensor& seed_found_inf) {
 
 void DeviceStats::run_pass(const at::Tensor& seed_found_inf) {
   seed(seed_found_inf);
+  // Straight to the backend kernels: grad_stats_ reads the grads and writes only the engine's
+  // own found_inf and sum_sq (no autograd checks or version counters needed).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (size_t i = 0; i < devices_.size(); ++i) {
     if (!devices_[i].grads.empty()) {
       ops::grad_stats_(devices_[i].grads, found_inf(i), sum_sq(i));

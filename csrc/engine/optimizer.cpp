@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 
 #include "bucket_plan.h"
@@ -12,6 +13,22 @@
 
 namespace fusedamp::optim {
 namespace {
+
+// The engine's own op calls go straight to the backend kernels: the Autograd and
+// ADInplaceOrView kernels would check and bump every list (masters, moments, steps: the
+// engine's own tensors). What a user can observe keeps torch's in-place semantics: the params
+// (and grads written back) get their version counters bumped, as torch's fused optimizer ops
+// do, skipped step or not.
+void bump_observable(const detail::Bucket& b, const ops::StepModes& modes) {
+  for (const auto& p : b.params) {
+    torch::autograd::impl::bump_version(p);
+  }
+  if (modes.write_back_grads) {
+    for (const auto& g : b.grads) {
+      torch::autograd::impl::bump_version(g);
+    }
+  }
+}
 
 at::Tensor on_device(const at::Tensor& t, const c10::Device& d) {
   return t.device() == d ? t : t.to(d, /*non_blocking=*/true);
@@ -109,7 +126,11 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     modes.adopt_param_edits = e.adopt_param_edits;
     // Unscaled and unclipped, the multiplier is 1: the grads already hold what the update used.
     modes.write_back_grads = e.write_back_grads && (s.inv_scale || s.max_grad_norm);
-    run_bucket(b, o, s, modes);
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      run_bucket(b, o, s, modes);
+    }
+    bump_observable(b, modes);
   }
   const at::Tensor found = have_stats ? stats_->found_inf(0) : at::Tensor();
   account(found, checked);

@@ -298,3 +298,25 @@ def test_convert_module_dtypes_at_each_layer(device, dtype):
     assert seen["5"][0] == dtype                  # ... and hands the model's dtype on
     out.sum().backward()
     assert m[0].weight.grad.dtype == dtype and m[1].weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_step_bumps_the_version_counters_torch_would(device, kind):
+    """The engine calls its kernels below autograd; what a user can see keeps torch's in-place
+    semantics: a step bumps the params' version counters (skipped or not, as torch's fused
+    ops), and the grads' when it writes them back (a scaled step)."""
+    params = [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(3)]
+    opt = getattr(fusedamp.optim, kind)(params, lr=1e-2)
+    scaler = fusedamp.GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [(p._version, p.grad._version) for p in params]
+    scaler.step(opt)
+    for p, (pv, gv) in zip(params, before):
+        assert p._version > pv and p.grad._version > gv
+    scaler.update()
+    params[0].grad.fill_(float("inf"))
+    before = [p._version for p in params]
+    scaler.step(opt)  # skipped
+    assert all(p._version > v for p, v in zip(params, before))
