@@ -187,6 +187,9 @@ def run_sharded(kind, device, rank, world, out_dir, load_path, dtype=torch.float
     res["state_bytes"] = opt.state_bytes()
     res["full"] = opt.consolidated_state_dict(to=None)
     res["skipped_steps"] = int(opt.skipped_steps.item())
+    # The FP32 export (a collective: every rank calls it) and the model it came from.
+    res["export"] = fusedamp.master_weights(model, opt)
+    res["named_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if kind != "adamw" or dtype != torch.float16:
         return res
     # Checkpoints: this rank's shard, and the gathered state (saved by rank 0).

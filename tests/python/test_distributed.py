@@ -249,3 +249,26 @@ def test_state_bytes_per_rank_are_one_nth(runs, world):
     for b in per_rank:
         assert abs(b - unsharded / world) <= 12 * world * 2 + 4 * (n_params + world), per_rank
     print(f"\noptimizer-state bytes per rank: 1 rank {one}, {world} ranks {per_rank}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_fp32_export_is_the_consolidated_masters(runs, world):
+    """fusedamp.master_weights on a ZeRO-1 run (called on every rank): the same FP32 weights on
+    every rank, the consolidated masters bit for bit (the FP32 norm layers' own weights), and
+    they round to the model's weights."""
+    ranks = runs[world]
+    export = ranks[0]["adamw"]["export"]
+    masters = ranks[0]["adamw"]["full"]["state"]
+    names = list(ranks[0]["adamw"]["named_params"])
+    for r in ranks[1:]:
+        assert r["adamw"]["export"].keys() == export.keys()
+        for name in export:
+            assert torch.equal(r["adamw"]["export"][name], export[name]), name
+    for index, name in enumerate(names):  # one param group: state index = parameter order
+        param = ranks[0]["adamw"]["named_params"][name]
+        assert export[name].dtype == torch.float32
+        if param.dtype == torch.float32:  # the FP32 norm layers: the weights themselves
+            assert torch.equal(export[name], param)
+            continue
+        assert torch.equal(export[name], masters[index]["master_param"].to(export[name].device))
+        assert torch.equal(export[name].to(param.dtype), param)
