@@ -1,5 +1,7 @@
 """End-to-end benchmark: training steps of real architectures under FP32, torch.amp
-(autocast FP16 + GradScaler + AdamW(fused=True)), fusedamp FP16 and fusedamp BF16.
+(autocast FP16 + GradScaler + AdamW(fused=True)), torch.amp BF16 (autocast bfloat16, no scaler,
+AdamW(fused=True)), fusedamp FP16 and fusedamp BF16. Each fusedamp row is compared with the
+torch.amp row of its dtype (FP16 with FP16, BF16 with BF16).
 
     python benchmarks/bench_train.py [--steps-scale 1.0]      (make bench-train)
 
@@ -8,7 +10,7 @@ config, no downloaded weights) and the demo's two models, trained on the demo's 
 (examples/python/amp_models.py). Every (model, set-up) runs in its own process: steps per
 second (median step time after warm-up), peak memory (torch.cuda.max_memory_allocated, or the
 growth of the process's peak RSS on the CPU), the loss after the fixed number of steps, and
-ratios against torch.amp. Writes benchmarks/results/train_<device>.{md,json}.
+ratios against torch.amp of the same dtype. Writes benchmarks/results/train_<device>.{md,json}.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def main():
 
     import torch
 
-    from amp_models import MODES
+    from amp_models import MODES, REFERENCE_OF, TORCH_AMP_BF16
 
     gpu = torch.cuda.is_available()
     tag = device_tag(torch)
@@ -63,7 +65,7 @@ def main():
     results = []
     for model in args.models.split(","):
         steps = max(5, int(STEPS[model][1 if gpu else 0] * args.steps_scale))
-        for mode in MODES:
+        for mode in MODES + (TORCH_AMP_BF16,):
             print(f"  {model} / {mode}: {steps} steps", flush=True)
             path = os.path.join(tmp_dir, f"{model}_{mode}.json")
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model, mode,
@@ -85,14 +87,17 @@ def main():
              f"{machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, CUDA "
              f"{machine['cuda']}; {machine['date']}; fusedamp {machine['fusedamp_commit']}; "
              f"load average {machine['load_average'][0]:.1f}. torch.amp = autocast FP16 + GradScaler + "
-             "AdamW(fused=True). Peak memory: " +
+             "AdamW(fused=True); torch.amp-bf16 = autocast bfloat16 + AdamW(fused=True), no scaler. "
+             "\"vs torch.amp\" compares with the torch.amp row of the same dtype (fusedamp-bf16 "
+             "with torch.amp-bf16, the rest with torch.amp). Peak memory: " +
              ("torch.cuda.max_memory_allocated." if gpu else
               "growth of the process's peak RSS during training (CPU)."), "",
              "| model | set-up | steps | steps/s | vs torch.amp | peak MB | vs torch.amp | "
              "final train loss | skipped |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = next(b for b in results if b["model"] == r["model"] and b["mode"] == "torch.amp")
+        base = next(b for b in results
+                    if b["model"] == r["model"] and b["mode"] == REFERENCE_OF[r["mode"]])
         sps = 1e3 / r["ms_per_step"]
         r["steps_per_s"] = sps
         r["speed_vs_torch_amp"] = base["ms_per_step"] / r["ms_per_step"]

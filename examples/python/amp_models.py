@@ -21,6 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 MODES = ("fp32", "torch.amp", "fusedamp-fp16", "fusedamp-bf16")
+# torch.amp with autocast bfloat16 (no scaler): fusedamp BF16's like-for-like reference
+# (bench_train runs it; the demo keeps the four above).
+TORCH_AMP_BF16 = "torch.amp-bf16"
+# The torch.amp set-up each mode is compared with: the same low-precision dtype.
+REFERENCE_OF = {"fp32": "torch.amp", "torch.amp": "torch.amp", "fusedamp-fp16": "torch.amp",
+                "fusedamp-bf16": TORCH_AMP_BF16, TORCH_AMP_BF16: TORCH_AMP_BF16}
 
 
 # ------------------------------------------------------------------------------- data
@@ -135,12 +141,13 @@ class Setup:
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                          fused=True)
             self.scaler = None
-        elif mode == "torch.amp":
+        elif mode in ("torch.amp", TORCH_AMP_BF16):
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                          fused=True)
-            self.scaler = torch.amp.GradScaler(dev_type)
-            self.autocast_dtype = torch.float16
+            bf16 = mode == TORCH_AMP_BF16
+            self.scaler = None if bf16 else torch.amp.GradScaler(dev_type)
+            self.autocast_dtype = torch.bfloat16 if bf16 else torch.float16
         elif mode in ("fusedamp-fp16", "fusedamp-bf16"):
             dtype = torch.float16 if mode.endswith("fp16") else torch.bfloat16
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
