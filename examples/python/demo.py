@@ -41,9 +41,13 @@ def main():
         worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3])
         return
 
-    from amp_models import MODES
+    from amp_models import MODES, REFERENCE_OF, TORCH_AMP_BF16
 
     import torch
+
+    # Each fusedamp set-up is compared with torch.amp of its own dtype: FP16 with autocast FP16 +
+    # GradScaler, BF16 with autocast bfloat16 (no scaler).
+    modes = MODES + (TORCH_AMP_BF16,)
 
     os.makedirs(args.out, exist_ok=True)
     # A CPU has no fast FP16 kernels (torch.amp and fusedamp FP16 alike run FP16 convolutions
@@ -51,11 +55,11 @@ def main():
     base = (600, 600) if torch.cuda.is_available() else (150, 120)
     plan = [("digits-cnn", int(base[0] * args.steps_scale)),
             ("char-gpt", int(base[1] * args.steps_scale))]
-    print(f"fusedamp demo: {len(plan) * len(MODES)} training runs "
+    print(f"fusedamp demo: {len(plan) * len(modes)} training runs "
           f"({', '.join(f'{m}: {n} steps' for m, n in plan)}), one process each", flush=True)
     results = []
     for model_name, steps in plan:
-        for mode in MODES:
+        for mode in modes:
             path = os.path.join(args.out, f"{model_name}_{mode}.json")
             print(f"  {model_name} / {mode} ...", flush=True)
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model_name,
@@ -64,13 +68,16 @@ def main():
                 results.append(json.load(f))
 
     device = results[0]["device"]
-    lines = [f"fusedamp demo — {device}, torch.amp = autocast FP16 + GradScaler + AdamW(fused)",
+    lines = [f"fusedamp demo — {device}, torch.amp = autocast FP16 + GradScaler + AdamW(fused), "
+             f"{TORCH_AMP_BF16} = autocast bfloat16 + AdamW(fused); \"vs torch.amp\": against "
+             "the torch.amp set-up of the same dtype",
              "",
              "| model | set-up | train loss | eval loss | accuracy / perplexity | ms/step | "
              "vs torch.amp | peak mem MB | skipped | final scale |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = next(b for b in results if b["model"] == r["model"] and b["mode"] == "torch.amp")
+        base = next(b for b in results
+                    if b["model"] == r["model"] and b["mode"] == REFERENCE_OF[r["mode"]])
         metric = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r
                   else f"{r['perplexity']:.2f}")
         lines.append(
