@@ -20,8 +20,9 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
       fused_positions.push_back(static_cast<int64_t>(i));
       continue;
     }
-    // 1 where g holds inf/NaN, as a 1-element FP32 tensor: OR-ed in, never reset.
-    const Tensor nonfinite = at::isfinite(g).logical_not().any().to(at::kFloat).reshape({1});
+    // 1 where g holds inf/NaN, 0-dim FP32: OR-ed in, never reset, into one-element tensors
+    // of either shape (found_inf may be 0-dim or [1]; a 0-dim value broadcasts into both).
+    const Tensor nonfinite = at::isfinite(g).logical_not().any().to(at::kFloat);
     found_inf.copy_(at::maximum(found_inf, nonfinite));
     sum_sq.add_(g.to(at::kDouble).square().sum().to(at::kFloat));
     if (want_flags) {

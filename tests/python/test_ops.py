@@ -80,6 +80,22 @@ def test_grad_stats_takes_fp64_and_non_dense_grads(device, poison):
         assert not math.isfinite(inp.grad_sum_sq.item())
 
 
+@pytest.mark.parametrize("op", ["grad_stats_", "unscale_and_check_"])
+def test_fp64_grads_with_zero_dim_scalars(device, op):
+    """The one-element scalars may be 0-dim (as torch.amp's found_inf): the per-tensor path
+    for FP64 grads writes them in place like the fused kernels."""
+    found_inf, inv_scale, sum_sq = (torch.zeros((), device=device), torch.ones((), device=device),
+                                    torch.zeros((), device=device))
+    grads = [torch.tensor([3.0, float("inf")], device=device, dtype=torch.float64),
+             torch.tensor([4.0], device=device)]
+    if op == "grad_stats_":
+        ops.grad_stats_(grads, found_inf, sum_sq)
+        assert math.isinf(sum_sq.item())
+    else:
+        ops.unscale_and_check_(grads, found_inf, inv_scale)
+    assert found_inf.shape == () and found_inf.item() == 1.0
+
+
 def test_unscale_never_resets_found_inf(device):
     grads = randn_list(device, sizes=[(100,)])
     found = scalar(1.0, device)
