@@ -10,11 +10,12 @@
 namespace fusedamp::detail {
 namespace {
 
-// What the fused ops walk: dense strided tensors of the dtypes they are built for.
+// What unscale_and_check_ and grad_stats_ take: strided FP32/FP16/BF16/FP64 tensors, dense or
+// not (the ops pass FP64 and non-dense ones to their own per-tensor path).
 bool fused_ops_take(const at::Tensor& g) {
   const auto t = g.scalar_type();
-  return g.layout() == at::kStrided && g.is_non_overlapping_and_dense() &&
-         (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+  return g.layout() == at::kStrided &&
+         (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble);
 }
 
 struct DeviceGrads {

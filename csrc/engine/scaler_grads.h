@@ -1,10 +1,9 @@
 #pragma once
 // The gradients as fusedamp::GradScaler handles them for optimizers that do not unscale in
 // their step (torch.amp's unscale_ and its check before a fused optimizer's step): one fused
-// op per device over every gradient the fused ops take, and a per-tensor path for the rest —
-// sparse gradients (their values; an FP16 one coalesced first, as torch does, since values at
-// duplicate indices could overflow only once summed) and layouts or dtypes the fused ops do not
-// walk. Flags are 0-dim FP32 on `target`, nonzero where any gradient held inf/NaN; nothing here
+// op per device over every gradient the ops take (sparse gradients as their values; an FP16 one
+// coalesced first, as torch does, since values at duplicate indices could overflow only once
+// summed), and a per-tensor path for dtypes the ops refuse. Flags are 0-dim FP32 on `target`, nonzero where any gradient held inf/NaN; nothing here
 // waits for the device.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
