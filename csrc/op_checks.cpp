@@ -1,5 +1,7 @@
 #include "op_checks.h"
 
+#include <fusedamp/math/telemetry_math.h>
+
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -283,7 +285,7 @@ bool per_tensor_grad(const Tensor& grad) {
 }
 
 bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-                const OptTensor& tensor_flags) {
+                const OptTensor& tensor_flags, const OptTensor& telemetry) {
   TORCH_CHECK(found_inf.defined(), op, ": found_inf is undefined");
   const auto device = found_inf.device();
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
@@ -299,13 +301,26 @@ bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const
     TORCH_CHECK(f.device() == device, op, ": tensor_flags is on ", f.device(),
                 " but found_inf is on ", device);
   }
+  if (telemetry.has_value() && telemetry->defined()) {
+    const Tensor& t = *telemetry;
+    TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 1 && t.is_contiguous() &&
+                    t.sym_numel() == math::kTelemetrySlots,
+                op, ": telemetry must be a contiguous 1-D tensor of ", math::kTelemetrySlots,
+                " elements (amax, subnormal count, zero count, first non-finite position), got "
+                "shape ", t.sym_sizes());
+    TORCH_CHECK(t.scalar_type() == at::kDouble, op, ": telemetry must be float64, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.device() == device, op, ": telemetry is on ", t.device(),
+                " but found_inf is on ", device);
+  }
   return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
 }
 
 void update_scale(const char* op, const Tensor& scale, const Tensor& growth_tracker,
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
-                  std::optional<double> min_scale, std::optional<double> max_scale) {
+                  std::optional<double> min_scale, std::optional<double> max_scale,
+                  const OptTensor& amax, std::optional<double> amax_target) {
   TORCH_CHECK(scale.defined(), op, ": scale is undefined");
   const auto device = scale.device();
   check_scalar(op, "scale", scale, at::kFloat, device);
@@ -314,6 +329,17 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
   hyper::check_scale_options(op, growth_factor, backoff_factor, growth_interval, hysteresis,
                              min_scale, max_scale);
+  const bool have_amax = amax.has_value() && amax->defined();
+  if (amax_target.has_value()) {
+    TORCH_CHECK(std::isfinite(*amax_target) && *amax_target > 0.0, op,
+                ": amax_target must be finite and > 0, got ", *amax_target);
+    TORCH_CHECK(have_amax, op, ": amax_target needs amax (this step's largest |gradient|)");
+  }
+  if (have_amax) {
+    TORCH_CHECK(amax_target.has_value(), op,
+                ": amax is given without amax_target (the amax policy needs both)");
+    check_scalar(op, "amax", *amax, at::kDouble, device);
+  }
 }
 
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,

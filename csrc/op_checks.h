@@ -24,12 +24,13 @@ bool per_tensor_grad(const Tensor& grad);
 
 // Returns whether some grads are for the per-tensor path (per_tensor_grad below).
 bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-                const OptTensor& tensor_flags);
+                const OptTensor& tensor_flags, const OptTensor& telemetry);
 
 void update_scale(const char* op, const Tensor& scale, const Tensor& growth_tracker,
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
-                  std::optional<double> min_scale, std::optional<double> max_scale);
+                  std::optional<double> min_scale, std::optional<double> max_scale,
+                  const OptTensor& amax, std::optional<double> amax_target);
 
 // The optional device scalars of a fused step.
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,

@@ -45,6 +45,7 @@ struct GradStats {
   const Tensor& found_inf;
   const Tensor& sum_sq;
   const OptTensor& tensor_flags;
+  const OptTensor& telemetry;  // FP64[4] (math::TelemetrySlot) or absent
 };
 
 struct UpdateScale {
@@ -59,6 +60,8 @@ struct UpdateScale {
   int64_t hysteresis;
   std::optional<double> min_scale;
   std::optional<double> max_scale;
+  const OptTensor& amax;  // FP64[1]; given (and read) only with amax_target
+  std::optional<double> amax_target;
 
   math::ScaleHyper hyper() const {
     math::ScaleHyper h;
@@ -68,6 +71,7 @@ struct UpdateScale {
     h.hysteresis = static_cast<int32_t>(hysteresis);
     h.min_scale = static_cast<float>(min_scale.value_or(0.0));
     h.max_scale = static_cast<float>(max_scale.value_or(0.0));
+    h.amax_target = amax_target.value_or(0.0);
     return h;
   }
 };
@@ -148,7 +152,7 @@ struct SgdStep : Step<math::SgdHyper> {
 // flags, on the device, without a host sync. A rare path (FP64 models, odd layouts).
 void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
                       const Tensor& found_inf, const Tensor& sum_sq,
-                      const OptTensor& tensor_flags);
+                      const OptTensor& tensor_flags, const OptTensor& telemetry);
 
 // ---- the ops, as registered -----------------------------------------------------------------
 
@@ -171,25 +175,26 @@ void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& 
 
 template <typename Backend>
 void grad_stats(TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-                const OptTensor& tensor_flags) {
-  if (!checks::grad_stats(GradStats::kOp, grads, found_inf, sum_sq, tensor_flags)) {
-    Backend::grad_stats(GradStats{grads, found_inf, sum_sq, tensor_flags});
+                const OptTensor& tensor_flags, const OptTensor& telemetry) {
+  if (!checks::grad_stats(GradStats::kOp, grads, found_inf, sum_sq, tensor_flags, telemetry)) {
+    Backend::grad_stats(GradStats{grads, found_inf, sum_sq, tensor_flags, telemetry});
     return;
   }
-  grad_stats_split(&Backend::grad_stats, grads, found_inf, sum_sq, tensor_flags);
+  grad_stats_split(&Backend::grad_stats, grads, found_inf, sum_sq, tensor_flags, telemetry);
 }
 
 template <typename Backend>
 void update_scale(const Tensor& scale, const Tensor& growth_tracker,
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
-                  std::optional<double> min_scale, std::optional<double> max_scale) {
+                  std::optional<double> min_scale, std::optional<double> max_scale,
+                  const OptTensor& amax, std::optional<double> amax_target) {
   checks::update_scale(UpdateScale::kOp, scale, growth_tracker, hysteresis_tracker, found_inf,
                        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-                       max_scale);
+                       max_scale, amax, amax_target);
   Backend::update_scale(UpdateScale{scale, growth_tracker, hysteresis_tracker, found_inf,
                                     growth_factor, backoff_factor, growth_interval, hysteresis,
-                                    min_scale, max_scale});
+                                    min_scale, max_scale, amax, amax_target});
 }
 
 // Empty lists are a no-op: the backend is not called.

@@ -14,27 +14,30 @@ void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor&
 
 void grad_stats_(
     TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-    const OptTensor& tensor_flags) {
+    const OptTensor& tensor_flags, const OptTensor& telemetry) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fusedamp::grad_stats_", "")
-          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&)>();
-  op.call(grads, found_inf, sum_sq, tensor_flags);
+          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
+                      const OptTensor&)>();
+  op.call(grads, found_inf, sum_sq, tensor_flags, telemetry);
 }
 
 void update_scale_(
     const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
     const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
-    int64_t hysteresis, std::optional<double> min_scale, std::optional<double> max_scale) {
+    int64_t hysteresis, std::optional<double> min_scale, std::optional<double> max_scale,
+    const OptTensor& amax, std::optional<double> amax_target) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fusedamp::update_scale_", "")
           .typed<void(
               const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
-              int64_t, int64_t, std::optional<double>, std::optional<double>)>();
+              int64_t, int64_t, std::optional<double>, std::optional<double>, const OptTensor&,
+              std::optional<double>)>();
   op.call(
       scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis, min_scale, max_scale);
+      growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
 }
 
 void adam_step_(

@@ -11,15 +11,22 @@ TORCH_LIBRARY(fusedamp, m) {
 
   // Read-only pass over the grads: found_inf |= any non-finite; sum_sq += sum of squares of all
   // elements (FP32 accumulation); tensor_flags[i] = 1 where grads[i] holds a non-finite value.
+  // telemetry (FP64[4], math/telemetry_math.h), in the same pass: [0] = max(itself, largest
+  // finite |element|), [1] += elements that are nonzero but below their dtype's smallest normal
+  // (subnormal), [2] += elements that are zero, [3] = min(itself, position of the first grad
+  // holding inf/NaN); seed [3] with +inf for "none".
   m.def(
       "grad_stats_(Tensor[] grads, Tensor(a!) found_inf, Tensor(b!) sum_sq, "
-      "Tensor(c!)? tensor_flags=None) -> ()");
+      "Tensor(c!)? tensor_flags=None, Tensor(d!)? telemetry=None) -> ()");
 
   // Loss-scale state machine (growth, backoff, hysteresis, bounds) on device tensors.
+  // amax_target (with amax, FP64[1]: this step's largest finite |scaled gradient|, as
+  // grad_stats_'s telemetry gives it): the amax policy of math/scale_math.h.
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
-      "int hysteresis=1, float? min_scale=None, float? max_scale=None) -> ()");
+      "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
+      "float? amax_target=None) -> ()");
 
   // Adam/AdamW step over lists, FP32 state, optional FP32 master weights. grads are multiplied
   // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if

@@ -18,12 +18,13 @@ namespace fusedamp::cuda {
 void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
                        const at::Tensor& inv_scale);
 void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
-                const std::optional<at::Tensor>& tensor_flags);
+                const std::optional<at::Tensor>& tensor_flags,
+                const std::optional<at::Tensor>& telemetry);
 
 // update_scale.cu
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const math::ScaleHyper& h);
+                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h);
 
 // adam_kernel.cu
 // max_exp_avg_sqs: empty without AMSGrad.

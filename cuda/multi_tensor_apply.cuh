@@ -258,22 +258,36 @@ __device__ __forceinline__ void chunk_loop(Op& op, int n, bool aligned) {
 
 // ---- block reductions --------------------------------------------------------------------
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T x) {
+// Combine = Plus or Max. Max is for non-negative values (amax): 0 is its identity.
+struct Plus {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T x, T y) const {
+    return x + y;
+  }
+};
+struct Max {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T x, T y) const {
+    return x > y ? x : y;
+  }
+};
+
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_reduce(T x, Combine combine) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    x += __shfl_xor_sync(0xffffffffu, x, o);
+    x = combine(x, __shfl_xor_sync(0xffffffffu, x, o));
   }
   return x;
 }
 
-// Sum over the block (blockDim.x == kThreads); the result is valid in thread 0. The
+// x combined over the block (blockDim.x == kThreads); the result is valid in thread 0. The
 // combination order is fixed, so the result is deterministic.
-template <typename T>
-__device__ __forceinline__ T block_sum(T x) {
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_reduce(T x, Combine combine) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size");
   __shared__ T warp_part[kThreads / 32];
-  x = warp_sum(x);
+  x = warp_reduce(x, combine);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   if (lane == 0) {
@@ -283,12 +297,22 @@ __device__ __forceinline__ T block_sum(T x) {
   T s = T(0);
   if (warp == 0) {
     s = lane < kThreads / 32 ? warp_part[lane] : T(0);
-    s = warp_sum(s);
+    s = warp_reduce(s, combine);
   }
   // warp_part is reused by the next call in the same kernel: no thread may overwrite it
   // before warp 0 has read it.
   __syncthreads();
   return s;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T x) {
+  return block_reduce(x, Plus{});
+}
+
+template <typename T>
+__device__ __forceinline__ T block_max(T x) {
+  return block_reduce(x, Max{});
 }
 
 // ---- host side ---------------------------------------------------------------------------

@@ -27,12 +27,12 @@ struct CudaOps {
 
   static void grad_stats(const prelude::GradStats& op) {
     const c10::cuda::CUDAGuard guard(op.found_inf.device());
-    cuda::grad_stats(op.grads, op.found_inf, op.sum_sq, op.tensor_flags);
+    cuda::grad_stats(op.grads, op.found_inf, op.sum_sq, op.tensor_flags, op.telemetry);
   }
 
   static void update_scale(const prelude::UpdateScale& op) {
     const c10::cuda::CUDAGuard guard(op.scale.device());
-    cuda::update_scale(op.scale, op.growth_tracker, op.hysteresis_tracker, op.found_inf,
+    cuda::update_scale(op.scale, op.growth_tracker, op.hysteresis_tracker, op.found_inf, op.amax,
                        op.hyper());
   }
 

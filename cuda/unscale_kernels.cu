@@ -10,15 +10,23 @@
 // (FP64) into sum_sq. The same inputs give the same sum in eager mode and in a CUDA graph
 // replay. FP16 grads scaled by 2^24 reach at most 65504^2 ~ 4.3e9 per square, so the FP32
 // per-chunk sums (<= 32768 squares, ~1.4e14) are far from overflow.
+//
+// Telemetry (when asked for) is reduced per block and combined with one FP64 atomic per slot:
+// max of non-negative doubles and min of non-negative positions as 64-bit integer max/min of
+// their bits (same order), counts as sums of integers below 2^53 — exact, so the result does
+// not depend on the order the blocks finish in.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/math/unscale_math.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "../csrc/dispatch_float_types.h"
+#include "../csrc/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 
@@ -26,7 +34,9 @@ namespace fusedamp::cuda {
 namespace {
 
 using UnscaleBatch = TensorBatch<1, 0>;
-using StatsBatch = TensorBatch<1, 1>;  // extra[0]: &tensor_flags[i] or nullptr
+// extra[0]: &tensor_flags[i] or nullptr; extra[1]: not a pointer but tensor i's position in
+// the op's list (the kernel only compares it), for the telemetry's first non-finite grad.
+using StatsBatch = TensorBatch<1, 2>;
 
 // What both gradient passes share: each lane's element read from the gradient, as FP32.
 template <typename Elem>
@@ -76,10 +86,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
+template <typename T, bool kTelemetry>
 struct StatsOp : GradLanes<const T> {
   float bad = 0.f;
   float sq = 0.f;
+  math::TelemetryLanes<float> tele = math::telemetry_zero<float>();
 
   template <int L>
   using Regs = typename GradLanes<const T>::template Regs<L>;
@@ -89,26 +100,57 @@ struct StatsOp : GradLanes<const T> {
     for (int l = 0; l < L; ++l) {
       bad = math::accumulate_nonfinite(bad, r.x[l]);
       sq = math::accumulate_square(sq, r.x[l]);
+      if constexpr (kTelemetry) {
+        math::accumulate_telemetry(tele, r.x[l], math::smallest_normal<T>());
+      }
     }
   }
   template <int L>
   __device__ __forceinline__ void store(int, const Regs<L>&) const {}
 };
 
-template <typename T>
+__device__ __forceinline__ unsigned long long* as_bits(double* p) {
+  return reinterpret_cast<unsigned long long*>(p);
+}
+__device__ __forceinline__ unsigned long long bits_of(double x) {
+  return static_cast<unsigned long long>(__double_as_longlong(x));
+}
+
+template <typename T, bool kTelemetry>
 __global__ void __launch_bounds__(kThreads)
-    grad_stats_kernel(const __grid_constant__ StatsBatch m, float* found_inf, float* partials) {
+    grad_stats_kernel(const __grid_constant__ StatsBatch m, float* found_inf, float* partials,
+                      double* telemetry) {
   const ChunkRef c = this_chunk(m);
-  StatsOp<T> op{{static_cast<const T*>(m.ptr[0][c.t]) + c.offset}};
+  StatsOp<T, kTelemetry> op{{static_cast<const T*>(m.ptr[0][c.t]) + c.offset}};
   chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
   const bool bad = __syncthreads_or(math::is_nonfinite_marker(op.bad)) != 0;
   const float sq = block_sum(op.sq);
+  float amax = 0.f, n_small = 0.f, n_zero = 0.f;
+  if constexpr (kTelemetry) {
+    amax = block_max(op.tele.amax);
+    n_small = block_sum(op.tele.n_small);  // <= kChunk: exact in float
+    n_zero = block_sum(op.tele.n_zero);
+  }
   if (threadIdx.x == 0) {
     partials[m.block_base + blockIdx.x] = sq;
     if (bad) {
       *found_inf = 1.f;
       if (float* flag = static_cast<float*>(m.extra[0][c.t])) {
         *flag = 1.f;
+      }
+    }
+    if constexpr (kTelemetry) {
+      atomicMax(as_bits(telemetry + math::kAmax), bits_of(static_cast<double>(amax)));
+      if (n_small > n_zero) {
+        atomicAdd(telemetry + math::kSubnormal, static_cast<double>(n_small - n_zero));
+      }
+      if (n_zero > 0.f) {
+        atomicAdd(telemetry + math::kZero, static_cast<double>(n_zero));
+      }
+      if (bad) {
+        const auto position = reinterpret_cast<uintptr_t>(m.extra[1][c.t]);
+        atomicMin(as_bits(telemetry + math::kFirstNonfinite),
+                  bits_of(static_cast<double>(position)));
       }
     }
   }
@@ -173,10 +215,11 @@ void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
 }
 
 void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
-                const std::optional<at::Tensor>& tensor_flags) {
+                const std::optional<at::Tensor>& tensor_flags,
+                const std::optional<at::Tensor>& telemetry) {
   const int64_t total = total_chunks(grads);
   if (total == 0) {
-    return;  // nothing to add; found_inf and the flags keep their values
+    return;  // nothing to add; found_inf, the flags and the telemetry keep their values
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
   // Every block of every group writes its slot, so the workspace needs no initialisation.
@@ -185,19 +228,24 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
   float* fi = found_inf.data_ptr<float>();
   float* flags = tensor_flags && tensor_flags->defined() ? tensor_flags->data_ptr<float>()
                                                          : nullptr;
+  double* tele = telemetry && telemetry->defined() ? telemetry->data_ptr<double>() : nullptr;
   int64_t base = 0;
   for (const auto& grp : group_by_dtype(grads)) {
     auto extra = [&](size_t k, void** slots) {
       slots[0] = flags != nullptr ? static_cast<void*>(flags + grp.idx[k]) : nullptr;
+      slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(grp.idx[k]));
     };
     FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_grad_stats_cuda", [&] {
-      multi_tensor_apply<1, 1>(
-          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
-          [&](const StatsBatch& b, int64_t blocks) {
-            grad_stats_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-                b, fi, part + base);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          });
+      BoolSwitch{tele != nullptr}.visit([&](auto with_telemetry) {
+        multi_tensor_apply<1, 2>(
+            {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
+            [&](const StatsBatch& b, int64_t blocks) {
+              grad_stats_kernel<scalar_t, decltype(with_telemetry)::value>
+                  <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, fi, part + base,
+                                                                           tele);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
+      });
     });
     base += total_chunks(grp.tensors);
   }

@@ -14,11 +14,11 @@ namespace {
 
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                                     int32_t* hysteresis_tracker, const float* found_inf,
-                                    math::ScaleHyper h) {
+                                    const double* amax, math::ScaleHyper h) {
   float s = *scale;
   int32_t g = *growth_tracker;
   int32_t hy = *hysteresis_tracker;
-  math::update_scale(s, g, hy, *found_inf != 0.f, h);
+  math::update_scale(s, g, hy, *found_inf != 0.f, h, amax != nullptr ? *amax : 0.0);
   *scale = s;
   *growth_tracker = g;
   *hysteresis_tracker = hy;
@@ -28,10 +28,11 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
 
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const math::ScaleHyper& h) {
+                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h) {
   update_scale_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-      hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(), h);
+      hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(),
+      amax && amax->defined() ? amax->const_data_ptr<double>() : nullptr, h);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -91,30 +91,39 @@ void unscale_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_
 }
 
 // ---- grad_stats_ ---------------------------------------------------------------------------
-using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&);
+using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
+                      const OptTensor&);
 const c10::TypedOperatorHandle<StatsSig>& stats_op() {
   static const auto op = find<StatsSig>("fusedamp::grad_stats_");
   return op;
 }
 
 void stats_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
-                    const Tensor& sum_sq, const OptTensor& flags) {
+                    const Tensor& sum_sq, const OptTensor& flags, const OptTensor& telemetry) {
   refuse_in_grad_mode("fusedamp::grad_stats_", {found_inf, sum_sq});
-  stats_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, sum_sq, flags);
+  if (telemetry) {
+    refuse_in_grad_mode("fusedamp::grad_stats_", {*telemetry});
+  }
+  stats_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, sum_sq, flags,
+                        telemetry);
 }
 
 void stats_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
-                const Tensor& sum_sq, const OptTensor& flags) {
-  stats_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, sum_sq, flags);
+                const Tensor& sum_sq, const OptTensor& flags, const OptTensor& telemetry) {
+  stats_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, sum_sq, flags,
+                        telemetry);
   bump_versions({found_inf, sum_sq});
-  if (flags) {
-    bump_versions({*flags});
+  for (const OptTensor* written : {&flags, &telemetry}) {
+    if (*written && (*written)->defined()) {
+      bump_versions({**written});
+    }
   }
 }
 
 // ---- update_scale_ -------------------------------------------------------------------------
 using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
-                      int64_t, int64_t, std::optional<double>, std::optional<double>);
+                      int64_t, int64_t, std::optional<double>, std::optional<double>,
+                      const OptTensor&, std::optional<double>);
 const c10::TypedOperatorHandle<ScaleSig>& scale_op() {
   static const auto op = find<ScaleSig>("fusedamp::update_scale_");
   return op;
@@ -123,20 +132,22 @@ const c10::TypedOperatorHandle<ScaleSig>& scale_op() {
 void scale_autograd(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
                     const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
                     double backoff_factor, int64_t interval, int64_t hysteresis_steps,
-                    std::optional<double> min_scale, std::optional<double> max_scale) {
+                    std::optional<double> min_scale, std::optional<double> max_scale,
+                    const OptTensor& amax, std::optional<double> amax_target) {
   refuse_in_grad_mode("fusedamp::update_scale_", {scale, growth, hysteresis});
   scale_op().redispatch(ks & c10::after_autograd_keyset, scale, growth, hysteresis, found_inf,
                         growth_factor, backoff_factor, interval, hysteresis_steps, min_scale,
-                        max_scale);
+                        max_scale, amax, amax_target);
 }
 
 void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
                 const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
                 double backoff_factor, int64_t interval, int64_t hysteresis_steps,
-                std::optional<double> min_scale, std::optional<double> max_scale) {
+                std::optional<double> min_scale, std::optional<double> max_scale,
+                const OptTensor& amax, std::optional<double> amax_target) {
   scale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, scale, growth, hysteresis,
                         found_inf, growth_factor, backoff_factor, interval, hysteresis_steps,
-                        min_scale, max_scale);
+                        min_scale, max_scale, amax, amax_target);
   bump_versions({scale, growth, hysteresis});
 }
 

@@ -38,12 +38,21 @@ void step_switch(const CpuStep& step, Body&& body, const More&... more) {
                         step.write_back_grads, std::forward<Body>(body), more...);
 }
 
+// grad_stats's telemetry of one call (see math/telemetry_math.h).
+struct GradTelemetry {
+  double amax = 0.0;
+  double n_subnormal = 0.0;
+  double n_zero = 0.0;
+  int64_t first_nonfinite = -1;  // list position; -1: none
+};
+
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite.
   bool (*unscale_and_check)(at::TensorList grads, float inv_scale);
-  // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite.
-  // Returns true if any element was non-finite.
-  bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags);
+  // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite;
+  // fills *telemetry when given. Returns true if any element was non-finite.
+  bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
+                     GradTelemetry* telemetry);
   // max_exp_avg_sqs: empty without AMSGrad.
   void (*adam)(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);
@@ -53,7 +62,8 @@ struct KernelTable {
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
   namespace NS {                                                                             \
   bool unscale_and_check(at::TensorList grads, float inv_scale);                             \
-  bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags);           \
+  bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,           \
+                  GradTelemetry* telemetry);                                                 \
   void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,       \
             at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);                       \
   void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);   \

@@ -5,8 +5,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/scale_math.h>
+#include <fusedamp/math/telemetry_math.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -90,8 +92,21 @@ struct CpuOps {
     const bool want_flags = op.tensor_flags && op.tensor_flags->defined();
     std::vector<char> flags(want_flags ? op.grads.size() : 0, 0);
     double sq = 0.0;
-    const bool any = kernels().grad_stats(op.grads, &sq, want_flags ? &flags : nullptr);
+    const bool want_telemetry = op.telemetry && op.telemetry->defined();
+    GradTelemetry telemetry;
+    const bool any = kernels().grad_stats(op.grads, &sq, want_flags ? &flags : nullptr,
+                                          want_telemetry ? &telemetry : nullptr);
     *op.sum_sq.data_ptr<float>() += static_cast<float>(sq);
+    if (want_telemetry) {
+      double* t = op.telemetry->data_ptr<double>();
+      t[math::kAmax] = std::max(t[math::kAmax], telemetry.amax);
+      t[math::kSubnormal] += telemetry.n_subnormal;
+      t[math::kZero] += telemetry.n_zero;
+      if (telemetry.first_nonfinite >= 0) {
+        t[math::kFirstNonfinite] =
+            std::min(t[math::kFirstNonfinite], static_cast<double>(telemetry.first_nonfinite));
+      }
+    }
     if (any) {
       *op.found_inf.data_ptr<float>() = 1.f;
     }
@@ -108,7 +123,8 @@ struct CpuOps {
   static void update_scale(const prelude::UpdateScale& op) {
     math::update_scale(*op.scale.data_ptr<float>(), *op.growth_tracker.data_ptr<int32_t>(),
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
-                       *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper());
+                       *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper(),
+                       op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : 0.0);
   }
 
   static void adam_step(const prelude::AdamStep& step) {

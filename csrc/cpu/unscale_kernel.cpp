@@ -1,6 +1,7 @@
 // CPU: unscale_and_check_ (read 1, write 1 element) and grad_stats_ (read 1), vectorised.
 // Compiled once per instruction set; see cpu_kernels.h.
 #include "../dispatch_float_types.h"
+#include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/math/unscale_math.h>
 
 #include "chunked_for_each.h"
@@ -31,6 +32,23 @@ float lane_sum(const Vec& v) {
   return s;
 }
 
+float lane_max(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float m = 0.f;
+  for (float x : lanes) {
+    m = x > m ? x : m;
+  }
+  return m;
+}
+
+// One chunk's telemetry, reduced from its lanes (counts exact: < 2^24 per lane).
+struct ChunkTelemetry {
+  float amax = 0.f;
+  float n_small = 0.f;
+  float n_zero = 0.f;
+};
+
 template <typename T>
 bool unscale_range(T* p, int64_t n, float inv_scale) {
   const Vec s(inv_scale);
@@ -44,17 +62,30 @@ bool unscale_range(T* p, int64_t n, float inv_scale) {
   return has_nan(bad);
 }
 
-template <typename T>
-bool stats_range(const T* p, int64_t n, float* sum_sq) {
+// The tail load pads with zeros: those lanes must not count as zero elements.
+template <typename T, bool kTelemetry>
+bool stats_range(const T* p, int64_t n, float* sum_sq, ChunkTelemetry* telemetry) {
   Vec bad(0.f), sq0(0.f), sq1(0.f);
+  auto tele = math::telemetry_zero<Vec>();
+  const Vec smallest_normal(math::smallest_normal<T>());
   for (int64_t i = 0; i < n; i += kPair) {
     Vec a, b;
     PairIO<T>::load(p + i, n - i, a, b);
     bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, a), b);
     sq0 = math::accumulate_square(sq0, a);
     sq1 = math::accumulate_square(sq1, b);
+    if constexpr (kTelemetry) {
+      math::accumulate_telemetry(tele, a, smallest_normal);
+      math::accumulate_telemetry(tele, b, smallest_normal);
+    }
   }
   *sum_sq = lane_sum(sq0 + sq1);
+  if constexpr (kTelemetry) {
+    const float padding = static_cast<float>((kPair - n % kPair) % kPair);
+    telemetry->amax = lane_max(tele.amax);
+    telemetry->n_small = lane_sum(tele.n_small) - padding;
+    telemetry->n_zero = lane_sum(tele.n_zero) - padding;
+  }
   return has_nan(bad);
 }
 
@@ -72,14 +103,19 @@ bool unscale_and_check(at::TensorList grads, float inv_scale) {
   return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });
 }
 
-bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags) {
+bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
+                GradTelemetry* telemetry) {
   const ChunkPlan plan(grads);
   std::vector<char> chunk_bad(plan.total, 0);
   std::vector<float> chunk_sq(plan.total, 0.f);
+  std::vector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
   for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
-      chunk_bad[c] = stats_range(g.const_data_ptr<scalar_t>() + begin, end - begin, &chunk_sq[c]);
+      const scalar_t* p = g.const_data_ptr<scalar_t>() + begin;
+      chunk_bad[c] = telemetry != nullptr
+                         ? stats_range<scalar_t, true>(p, end - begin, &chunk_sq[c], &chunk_tele[c])
+                         : stats_range<scalar_t, false>(p, end - begin, &chunk_sq[c], nullptr);
     });
   });
   // Combined in chunk order, so the result does not depend on the number of threads.
@@ -92,12 +128,20 @@ bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags) 
   for (size_t i = 0; i < grads.size(); ++i) {
     for (int64_t c = plan.first_chunk[i]; c < plan.first_chunk[i + 1]; ++c) {
       if (chunk_bad[c]) {
+        if (telemetry != nullptr && !any) {
+          telemetry->first_nonfinite = static_cast<int64_t>(i);
+        }
         any = true;
         if (flags != nullptr) {
           (*flags)[i] = 1;
         }
       }
     }
+  }
+  for (const auto& t : chunk_tele) {
+    telemetry->amax = std::max(telemetry->amax, static_cast<double>(t.amax));
+    telemetry->n_subnormal += static_cast<double>(t.n_small - t.n_zero);
+    telemetry->n_zero += static_cast<double>(t.n_zero);
   }
   return any;
 }

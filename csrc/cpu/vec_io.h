@@ -8,6 +8,7 @@
 #include <fusedamp/math/master_math.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace fusedamp::math {
 template <>
@@ -18,6 +19,24 @@ struct LaneOps<at::vec::Vectorized<float>> {
   static inline at::vec::Vectorized<float> max(const at::vec::Vectorized<float>& x,
                                                const at::vec::Vectorized<float>& y) {
     return at::vec::maximum(x, y);  // NaN-propagating, as torch.maximum
+  }
+  static inline at::vec::Vectorized<float> abs(const at::vec::Vectorized<float>& x) {
+    return x.abs();
+  }
+  static inline at::vec::Vectorized<float> max_finite(const at::vec::Vectorized<float>& acc,
+                                                     const at::vec::Vectorized<float>& candidate) {
+    const at::vec::Vectorized<float> inf(std::numeric_limits<float>::infinity());
+    // (candidate > acc) and (candidate < inf): false for inf and NaN lanes.
+    return at::vec::Vectorized<float>::blendv(acc, candidate,
+                                              (candidate > acc) & (candidate < inf));
+  }
+  static inline at::vec::Vectorized<float> one_if_less(const at::vec::Vectorized<float>& x,
+                                                      const at::vec::Vectorized<float>& y) {
+    return x.lt(y);
+  }
+  static inline at::vec::Vectorized<float> one_if_equal(const at::vec::Vectorized<float>& x,
+                                                       const at::vec::Vectorized<float>& y) {
+    return x.eq(y);
   }
   static inline at::vec::Vectorized<float> where_equal(const at::vec::Vectorized<float>& x,
                                                       const at::vec::Vectorized<float>& y,

@@ -41,3 +41,16 @@ def test_opcheck_with_write_back_and_amsgrad(device, name):
         extra["max_exp_avg_sqs"] = [torch.zeros_like(m) for m in inp.master_params]
     args, kwargs = inp.args(name, **hyper, **extra)
     torch.library.opcheck(getattr(ops, name).default, args, kwargs)
+
+
+def test_opcheck_telemetry_and_amax_policy(device):
+    """grad_stats_'s telemetry output and update_scale_'s amax policy under opcheck."""
+    inp = op_inputs(device, [(5,), (3, 4)], param_dtype=torch.float16, seed=32,
+                    scalars=dict(found_inf=0.0, grad_sum_sq=0.0))
+    telemetry = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64, device=device)
+    args, kwargs = inp.args("grad_stats_", telemetry=telemetry)
+    torch.library.opcheck(ops.grad_stats_.default, args, kwargs)
+    inp = op_inputs(device, [(5,)], loss_scale=8.0, scalars=dict(found_inf=0.0))
+    amax = torch.tensor([3.0], dtype=torch.float64, device=device)
+    args, kwargs = inp.args("update_scale_", amax=amax, amax_target=64.0)
+    torch.library.opcheck(ops.update_scale_.default, args, kwargs)

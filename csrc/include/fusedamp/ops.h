@@ -17,13 +17,14 @@ void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor&
 
 void grad_stats_(
     TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-    const OptTensor& tensor_flags = std::nullopt);
+    const OptTensor& tensor_flags = std::nullopt, const OptTensor& telemetry = std::nullopt);
 
 void update_scale_(
     const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
     const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
     int64_t hysteresis = 1, std::optional<double> min_scale = std::nullopt,
-    std::optional<double> max_scale = std::nullopt);
+    std::optional<double> max_scale = std::nullopt, const OptTensor& amax = std::nullopt,
+    std::optional<double> amax_target = std::nullopt);
 
 // The device-side scalars a fused step reads. All optional; each is a 1-element FP32 tensor on
 // the parameters' device.

@@ -21,6 +21,24 @@ struct LaneOps {
   static C10_HOST_DEVICE inline V max(V x, V y) {
     return (x != x || y != y) ? x + y : (x > y ? x : y);
   }
+  static C10_HOST_DEVICE inline V abs(V x) {
+#if defined(__CUDA_ARCH__)
+    return ::fabsf(x);
+#else
+    return std::fabs(x);
+#endif
+  }
+  // Per lane: candidate where it is finite and larger than acc, otherwise acc.
+  static C10_HOST_DEVICE inline V max_finite(V acc, V candidate) {
+    return (candidate > acc && candidate - candidate == V(0.f)) ? candidate : acc;
+  }
+  // Per lane: 1 where the relation holds, else 0 (NaN compares false); summed, they count.
+  static C10_HOST_DEVICE inline V one_if_less(V x, V y) {
+    return x < y ? V(1.f) : V(0.f);
+  }
+  static C10_HOST_DEVICE inline V one_if_equal(V x, V y) {
+    return x == y ? V(1.f) : V(0.f);
+  }
   // Per lane: if_equal where x == y, otherwise `otherwise` (NaN equals nothing).
   static C10_HOST_DEVICE inline V where_equal(V x, V y, V if_equal, V otherwise) {
     return x == y ? if_equal : otherwise;

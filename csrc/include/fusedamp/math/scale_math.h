@@ -5,7 +5,17 @@
 // Hysteresis h: back off only on the h-th overflow in a row (the hysteresis tracker counts
 // the overflows still tolerated; a clean step refills it). Once it is exhausted, every further
 // consecutive overflow backs off. min_scale / max_scale clamp the result (<= 0 means unset).
+//
+// The amax policy (amax_target > 0): the step also knows amax, the largest finite |gradient|
+// of this step's scaled gradients (grad_stats_'s telemetry). amax / scale is the gradients' own
+// magnitude, so the scale that puts it just under amax_target is known without trial and error:
+// the largest power of two p with amax / scale * p <= amax_target. On a clean step with
+// amax > 0 the scale moves there at once (up or down: no waiting growth_interval steps); on an
+// overflow it backs off as torch does, or further where even the finite gradients of the
+// overflowing step say the scale is too high (the finite amax is a lower bound of the true one).
+// A step with amax == 0 (all gradients zero or non-finite) carries no measurement: torch's rule.
 #include <c10/macros/Macros.h>
+#include <cmath>
 #include <cstdint>
 
 namespace fusedamp::math {
@@ -20,20 +30,57 @@ struct ScaleHyper {
   int32_t hysteresis;
   float min_scale;  // <= 0: none
   float max_scale;  // <= 0: none
+  double amax_target = 0.0;  // > 0: the amax policy
 };
 
 C10_HOST_DEVICE inline bool finite_f(float x) {
   return x - x == 0.f;
 }
 
+// The largest power of two p with amax / scale * p <= target (amax > 0 and finite), within
+// FP32's normal range.
+C10_HOST_DEVICE inline float amax_policy_scale(float scale, double amax, double target) {
+  const double ratio = target * static_cast<double>(scale) / amax;
+  int exponent = 0;
+  // ratio = m * 2^exponent with m in [0.5, 1): the largest power of two <= ratio is 2^(e-1).
+#if defined(__CUDA_ARCH__)
+  (void)::frexp(ratio, &exponent);
+#else
+  (void)std::frexp(ratio, &exponent);
+#endif
+  exponent -= 1;
+  exponent = exponent > 127 ? 127 : (exponent < -126 ? -126 : exponent);
+#if defined(__CUDA_ARCH__)
+  return static_cast<float>(::ldexp(1.0, exponent));
+#else
+  return static_cast<float>(std::ldexp(1.0, exponent));
+#endif
+}
+
+C10_HOST_DEVICE inline float clamp_scale(float s, const ScaleHyper& h) {
+  if (h.max_scale > 0.f && s > h.max_scale) {
+    s = h.max_scale;
+  }
+  if (h.min_scale > 0.f && s < h.min_scale) {
+    s = h.min_scale;
+  }
+  return s;
+}
+
+// amax: this step's largest finite |scaled gradient|; read only when h.amax_target > 0.
 C10_HOST_DEVICE inline void update_scale(
     float& scale, int32_t& growth_tracker, int32_t& hysteresis_tracker, bool found_inf,
-    const ScaleHyper& h) {
+    const ScaleHyper& h, double amax = 0.0) {
+  const bool measured = h.amax_target > 0.0 && amax > 0.0 && amax - amax == 0.0;
   if (found_inf) {
     growth_tracker = 0;
     hysteresis_tracker = hysteresis_tracker > 0 ? hysteresis_tracker - 1 : 0;
     if (hysteresis_tracker <= 0) {
       float s = static_cast<float>(scale * h.backoff_factor);
+      if (measured) {
+        const float limit = amax_policy_scale(scale, amax, h.amax_target);
+        s = limit < s ? limit : s;
+      }
       if (h.min_scale > 0.f && s < h.min_scale) {
         s = h.min_scale;
       }
@@ -42,6 +89,11 @@ C10_HOST_DEVICE inline void update_scale(
     return;
   }
   hysteresis_tracker = h.hysteresis;
+  if (measured) {
+    scale = clamp_scale(amax_policy_scale(scale, amax, h.amax_target), h);
+    growth_tracker = 0;
+    return;
+  }
   const int32_t successful = growth_tracker + 1;
   if (successful == h.growth_interval) {
     float s = static_cast<float>(scale * h.growth_factor);

@@ -1,0 +1,62 @@
+#pragma once
+// Gradient telemetry, gathered in the same read as the overflow check (grad_stats_): the
+// largest finite magnitude (amax), how many elements lie below the smallest normal number of
+// their dtype (zero included) and how many are exactly zero. Subnormal = small - zero.
+//
+// amax ignores inf and NaN on purpose: an overflowing step still reports how large its finite
+// gradients were, which is what the amax scale policy (scale_math.h) backs off from. Counts are
+// kept in float lanes: a lane sees at most one chunk of elements (< 2^24), so they are exact,
+// and are summed into doubles per chunk.
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include <fusedamp/math/lane_ops.h>
+
+namespace fusedamp::math {
+
+// The smallest positive normal number of the gradient's element type, as the FP32 lanes hold
+// it: below it an FP16 gradient has lost precision (or flushed to zero).
+template <typename T>
+constexpr float smallest_normal() {
+  return 1.17549435e-38f;  // FP32 and BF16 (same exponent range)
+}
+template <>
+constexpr float smallest_normal<c10::Half>() {
+  return 6.103515625e-05f;  // 2^-14
+}
+
+template <typename V>
+struct TelemetryLanes {
+  V amax;     // largest finite |x|
+  V n_small;  // |x| < smallest normal (zeros included)
+  V n_zero;   // x == 0
+};
+
+template <typename V>
+C10_HOST_DEVICE inline TelemetryLanes<V> telemetry_zero() {
+  return {V(0.f), V(0.f), V(0.f)};
+}
+
+template <typename V>
+C10_HOST_DEVICE inline void accumulate_telemetry(TelemetryLanes<V>& t, V x, V smallest_normal) {
+  const V magnitude = LaneOps<V>::abs(x);
+  t.amax = LaneOps<V>::max_finite(t.amax, magnitude);
+  t.n_small = t.n_small + LaneOps<V>::one_if_less(magnitude, smallest_normal);
+  t.n_zero = t.n_zero + LaneOps<V>::one_if_equal(x, V(0.f));
+}
+
+// What grad_stats_'s telemetry tensor holds (FP64, in this order), and how calls combine:
+// amax by max, counts by sum, the first non-finite grad's list position by min (the caller seeds
+// it with +inf: "none").
+enum TelemetrySlot : int64_t {
+  kAmax = 0,
+  kSubnormal = 1,
+  kZero = 2,
+  kFirstNonfinite = 3,
+  kTelemetrySlots = 4,
+};
+
+}  // namespace fusedamp::math

@@ -1,0 +1,218 @@
+"""grad_stats_'s telemetry (amax, subnormal and zero counts, first non-finite grad) against a
+torch reference computed separately, on every device, for FP16/BF16/FP32 grads and the grads
+the op walks per tensor (FP64, non-dense); and update_scale_'s amax policy against the rule
+written out in Python."""
+import math
+
+import pytest
+import torch
+
+from op_helpers import ops
+
+INF = float("inf")
+
+
+def reference(grads):
+    """amax (largest finite |g|), subnormal count (nonzero, below the dtype's smallest normal),
+    zero count, position of the first grad holding inf/NaN (inf: none) — in FP64, per grad."""
+    amax, subnormal, zero, first = 0.0, 0, 0, INF
+    for i, g in enumerate(grads):
+        x = g.detach().to(torch.float64)
+        finite = torch.isfinite(x)
+        if x.numel():
+            amax = max(amax, x.abs().where(finite, 0.0).max().item())
+        tiny = torch.finfo(g.dtype).tiny
+        subnormal += int(((x.abs() < tiny) & (x != 0)).sum())
+        zero += int((x == 0).sum())
+        if not bool(finite.all()) and first == INF:
+            first = float(i)
+    return [amax, float(subnormal), float(zero), first]
+
+
+def grads_with_extremes(device, dtype, sizes, seed):
+    """Random grads with zeros, subnormals of `dtype` and values near its maximum planted."""
+    gen = torch.Generator().manual_seed(seed)
+    tiny = torch.finfo(dtype).tiny
+    grads = []
+    for k, n in enumerate(sizes):
+        x = torch.randn(n, generator=gen, dtype=torch.float64) * 10.0 ** (k % 5 - 2)
+        picks = torch.randperm(n, generator=gen)
+        x[picks[: n // 7]] = 0.0
+        x[picks[n // 7: n // 7 + n // 5]] = tiny * torch.rand(n // 5, generator=gen,
+                                                               dtype=torch.float64) * 0.9
+        if k == 2:
+            x[picks[-1]] = float(torch.finfo(dtype).max) * 0.75
+        grads.append(x.to(dtype).to(device))
+    return grads
+
+
+def run(grads, device, seed_telemetry=None):
+    found = torch.zeros(1, device=device)
+    sum_sq = torch.zeros(1, device=device)
+    telemetry = torch.tensor(seed_telemetry or [0.0, 0.0, 0.0, INF], dtype=torch.float64,
+                             device=device)
+    ops.grad_stats_(grads, found, sum_sq, None, telemetry)
+    return telemetry.tolist(), found.item()
+
+
+SIZES = [1, 7, 33, 4096 + 5, 70_000, 0, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_telemetry_matches_reference(device, dtype):
+    grads = grads_with_extremes(device, dtype, SIZES, seed=1)
+    got, found = run(grads, device)
+    want = reference(grads)
+    assert found == 0.0
+    assert want[1] > 0 and want[2] > 0  # the planted values are really there
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_telemetry_first_nonfinite_and_finite_amax(device, dtype):
+    grads = grads_with_extremes(device, dtype, SIZES, seed=2)
+    grads[4][123] = float("nan")
+    grads[6][1] = -INF
+    grads[5] = torch.full((0,), INF, dtype=dtype, device=device)  # empty: nothing to see
+    got, found = run(grads, device)
+    assert found == 1.0
+    want = reference(grads)
+    assert want[3] == 4.0
+    assert got == want
+
+
+def test_telemetry_accumulates_over_calls(device):
+    """Seeded values combine as documented: max, sums, min."""
+    grads = grads_with_extremes(device, torch.float16, [100, 300], seed=3)
+    got, _ = run(grads, device, seed_telemetry=[1e9, 5.0, 7.0, 1.0])
+    want = reference(grads)
+    assert got == [1e9, want[1] + 5.0, want[2] + 7.0, 1.0]
+    grads[0][0] = INF
+    got, _ = run(grads, device, seed_telemetry=[0.0, 0.0, 0.0, 9.0])
+    assert got[3] == 0.0
+
+
+def test_telemetry_mixed_dtypes_and_per_tensor_grads(device):
+    """FP64 and non-dense grads take the per-tensor path; positions stay the list's."""
+    fp16 = grads_with_extremes(device, torch.float16, [50, 60], seed=4)
+    fp64 = grads_with_extremes(device, torch.float64, [40], seed=5)[0]
+    strided = grads_with_extremes(device, torch.float32, [80], seed=6)[0][::2]
+    bf16 = grads_with_extremes(device, torch.bfloat16, [90], seed=7)[0]
+    grads = [fp16[0], fp64, strided, bf16, fp16[1]]
+    got, _ = run(grads, device)
+    assert got == reference(grads)
+    strided[3] = INF
+    bf16[0] = float("nan")
+    got, _ = run(grads, device)
+    assert got[3] == 2.0 and got == reference(grads)
+    fp16[1][5] = INF  # a later fused grad does not move the first position
+    got, _ = run([fp16[0], bf16, fp16[1]], device)
+    assert got[3] == 1.0
+
+
+def test_telemetry_bad_argument_changes_nothing(device):
+    grads = grads_with_extremes(device, torch.float16, [10], seed=8)
+    found = torch.zeros(1, device=device)
+    sum_sq = torch.zeros(1, device=device)
+    for bad, words in [(torch.zeros(4, device=device), "float64"),
+                       (torch.zeros(3, dtype=torch.float64, device=device), "4 elements"),
+                       (torch.zeros(8, dtype=torch.float64, device=device)[::2], "contiguous")]:
+        before = bad.clone()
+        with pytest.raises(RuntimeError, match=words):
+            ops.grad_stats_(grads, found, sum_sq, None, bad)
+        assert torch.equal(bad, before) and found.item() == 0 and sum_sq.item() == 0
+
+
+# ---- update_scale_'s amax policy ------------------------------------------------------------
+
+def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0,
+              backoff=0.5, interval=2000, hysteresis=1, min_scale=None, max_scale=None):
+    """math/scale_math.h's update_scale with amax_target, in Python (FP32 scale via torch)."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
+    measured = amax > 0 and math.isfinite(amax)
+
+    def target_scale():
+        e = math.frexp(target * scale / amax)[1] - 1
+        return f32(2.0 ** max(-126, min(127, e)))
+
+    if found_inf:
+        growth, hyst = 0, max(hyst - 1, 0)
+        if hyst <= 0:
+            s = f32(scale * backoff)
+            if measured:
+                s = min(s, target_scale())
+            if min_scale is not None:
+                s = max(s, min_scale)
+            scale = s
+        return scale, growth, hyst
+    hyst = hysteresis
+    if measured:
+        s = target_scale()
+        if max_scale is not None:
+            s = min(s, max_scale)
+        if min_scale is not None:
+            s = max(s, min_scale)
+        return s, 0, hyst
+    if growth + 1 == interval:
+        s = f32(scale * growth_factor)
+        if max_scale is not None:
+            s = min(s, max_scale)
+        return (s if math.isfinite(s) else scale), 0, hyst
+    return scale, growth + 1, hyst
+
+
+@pytest.mark.parametrize("bounds", [{}, dict(min_scale=4.0, max_scale=2.0 ** 20)])
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_amax_policy_follows_rule(device, bounds, hysteresis):
+    gen = torch.Generator().manual_seed(11)
+    scale = torch.tensor([2.0 ** 16], device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.full((1,), hysteresis, dtype=torch.int32, device=device)
+    found = torch.zeros(1, device=device)
+    amax = torch.zeros(1, dtype=torch.float64, device=device)
+    state = (2.0 ** 16, 0, hysteresis)
+    target = 65504.0 / 2 ** 8
+    for step in range(300):
+        overflow = torch.rand((), generator=gen).item() < 0.2
+        kind = step % 7
+        value = 0.0 if kind == 0 else float(torch.rand((), generator=gen)) * 10.0 ** (kind - 3)
+        found.fill_(1.0 if overflow else 0.0)
+        amax.fill_(value)
+        ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 3, hysteresis,
+                          bounds.get("min_scale"), bounds.get("max_scale"), amax, target)
+        state = amax_rule(*state, overflow, value, target, interval=3, hysteresis=hysteresis,
+                          **bounds)
+        assert (scale.item(), growth.item(), hyst.item()) == state, step
+
+
+def test_amax_policy_moves_to_the_measured_power_of_two(device):
+    scale = torch.tensor([1.0], device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.ones(1, dtype=torch.int32, device=device)
+    found = torch.zeros(1, device=device)
+    # Gradients of magnitude 1e-3 at scale 1, target 256: 1e-3 * 2^17 = 131 <= 256 < 262 =
+    # 1e-3 * 2^18, so the largest power of two that keeps amax under the target is 2^17.
+    amax = torch.tensor([1e-3], dtype=torch.float64, device=device)
+    ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
+    assert scale.item() == 2.0 ** 17
+    # An overflow whose finite gradients already reach 60000 at 2^17: far more than halving.
+    found.fill_(1.0)
+    amax.fill_(60000.0)
+    ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
+    assert scale.item() == 2.0 ** 9  # 60000 / 2^17 * 2^9 = 234 <= 256
+
+
+def test_amax_policy_argument_errors_change_nothing(device):
+    scale = torch.tensor([8.0], device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.ones(1, dtype=torch.int32, device=device)
+    found = torch.zeros(1, device=device)
+    amax32 = torch.ones(1, device=device)
+    amax = torch.ones(1, dtype=torch.float64, device=device)
+    for kwargs, words in [(dict(amax=amax), "without amax_target"),
+                          (dict(amax_target=4.0), "needs amax"),
+                          (dict(amax=amax, amax_target=-1.0), "amax_target must be"),
+                          (dict(amax=amax32, amax_target=4.0), "amax")]:
+        with pytest.raises(RuntimeError, match=words):
+            ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, **kwargs)
+        assert scale.item() == 8.0 and growth.item() == 0 and hyst.item() == 1
