@@ -139,7 +139,7 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
     b.grads.clear();
     for (const auto& p : b.params) {
       b.grads.push_back(p.grad());
-      devices.add_grad(b.device_slot, b.grads.back());
+      devices.add_grad(b.device_slot, p, b.grads.back());
     }
   }
 }

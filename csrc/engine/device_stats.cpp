@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <fusedamp/ops.h>
 
+#include <algorithm>
+#include <memory>
+
 namespace fusedamp::optim::detail {
 
 size_t DeviceStats::slot_of(const c10::Device& device) {
@@ -22,11 +25,23 @@ size_t DeviceStats::slot_of(const c10::Device& device) {
 void DeviceStats::clear_grads() {
   for (auto& d : devices_) {
     d.grads.clear();
+    d.params.clear();
   }
 }
 
-void DeviceStats::add_grad(size_t slot, const at::Tensor& grad) {
+void DeviceStats::add_grad(size_t slot, const at::Tensor& param, const at::Tensor& grad) {
+  devices_[slot].params.push_back(param);
   devices_[slot].grads.push_back(grad);
+}
+
+const ParamList& DeviceStats::params_for_sink(PerDevice& d) {
+  const bool same = d.shared_params && d.shared_params->size() == d.params.size() &&
+                    std::equal(d.params.begin(), d.params.end(), d.shared_params->begin(),
+                               [](const at::Tensor& x, const at::Tensor& y) { return x.is_same(y); });
+  if (!same) {
+    d.shared_params = std::make_shared<const std::vector<at::Tensor>>(d.params);
+  }
+  return d.shared_params;
 }
 
 void DeviceStats::seed(const at::Tensor& seed_found_inf) {
@@ -42,14 +57,20 @@ void DeviceStats::seed(const at::Tensor& seed_found_inf) {
   from_pass_ = false;
 }
 
-void DeviceStats::run_pass(const at::Tensor& seed_found_inf) {
+void DeviceStats::run_pass(const at::Tensor& seed_found_inf, GradTelemetrySink* sink) {
   seed(seed_found_inf);
   // Straight to the backend kernels: grad_stats_ reads the grads and writes only the engine's
-  // own found_inf and sum_sq (no autograd checks or version counters needed).
+  // own found_inf and sum_sq (and the sink's record): no autograd checks or version counters.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (size_t i = 0; i < devices_.size(); ++i) {
-    if (!devices_[i].grads.empty()) {
-      ops::grad_stats_(devices_[i].grads, found_inf(i), sum_sq(i));
+    auto& d = devices_[i];
+    if (d.grads.empty()) {
+      continue;
+    }
+    if (sink != nullptr) {
+      sink->grad_stats(params_for_sink(d), d.grads, found_inf(i), sum_sq(i));
+    } else {
+      ops::grad_stats_(d.grads, found_inf(i), sum_sq(i));
     }
   }
   combine();

@@ -4,6 +4,7 @@
 // (and a caller, through the primary device's tensor) sees the global values.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <fusedamp/telemetry.h>
 
 #include <vector>
 
@@ -18,12 +19,13 @@ class DeviceStats {
 
   // This step's gradients, per device (filled by the bucket plan).
   void clear_grads();
-  void add_grad(size_t slot, const at::Tensor& grad);
+  void add_grad(size_t slot, const at::Tensor& param, const at::Tensor& grad);
 
   // found_inf = seed (or 0) and sum_sq = 0 everywhere, without a pass (the flag is known).
   void seed(const at::Tensor& seed_found_inf);
-  // seed(), then grad_stats_ over every device's gradients, then combine().
-  void run_pass(const at::Tensor& seed_found_inf);
+  // seed(), then grad_stats_ over every device's gradients (through `sink` when given: a
+  // loss scaler's telemetry), then combine().
+  void run_pass(const at::Tensor& seed_found_inf, GradTelemetrySink* sink = nullptr);
   // The values are this step's (seed or run_pass since the last invalidate()), and whether a
   // pass over the gradients produced them.
   bool valid() const { return valid_; }
@@ -42,7 +44,10 @@ class DeviceStats {
     c10::Device device = c10::Device(c10::kCPU);
     at::Tensor stats;  // FP32[2]: found_inf, sum of squares
     std::vector<at::Tensor> grads;
+    std::vector<at::Tensor> params;  // of grads, same order
+    ParamList shared_params;         // the last list a sink saw (kept while unchanged)
   };
+  const ParamList& params_for_sink(PerDevice& d);
   void combine();
 
   std::vector<PerDevice> devices_;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "scaler_grads.h"
+#include "scaler_telemetry.h"
 
 
 namespace fusedamp {
@@ -38,6 +39,21 @@ c10::Device first_device(at::TensorList params, const c10::Device& fallback) {
 
 GradScaler::GradScaler(GradScalerOptions options) : opts_(std::move(options)) {
   validate(opts_);
+  if (opts_.enabled() && opts_.telemetry()) {
+    telemetry_ = std::make_unique<detail::ScalerTelemetry>(opts_.telemetry_capacity());
+  }
+}
+
+GradScaler::~GradScaler() = default;
+GradScaler::GradScaler(GradScaler&&) noexcept = default;
+GradScaler& GradScaler::operator=(GradScaler&&) noexcept = default;
+
+GradTelemetrySink* GradScaler::telemetry_sink() {
+  return telemetry_.get();
+}
+
+TelemetryLog GradScaler::telemetry() const {
+  return telemetry_ ? telemetry_->read() : TelemetryLog{};
 }
 
 void GradScaler::ensure_state(const c10::Device& device) {
@@ -81,6 +97,9 @@ void GradScaler::begin_iteration(const c10::Device& fallback) {
     // As torch: the reciprocal in double, rounded once to float.
     inv_scale_.copy_(scale_.to(at::kDouble).reciprocal());
     inv_scale_fresh_ = true;
+    if (telemetry_) {
+      telemetry_->begin_iteration(scale_.device());
+    }
   }
 }
 
@@ -114,7 +133,7 @@ void GradScaler::unscale_(OptimizerKey key, at::TensorList params) {
   auto& r = record_unscale(key);
   begin_iteration(first_device(params, c10::Device(c10::kCPU)));
   at::NoGradGuard no_grad;
-  r.found_inf = detail::unscale_grads(params, inv_scale_, scale_.device());
+  r.found_inf = detail::unscale_grads(params, inv_scale_, scale_.device(), telemetry_.get());
   r.stage = Stage::kUnscaled;
 }
 
@@ -128,7 +147,8 @@ GradScaler::AmpHandover GradScaler::begin_amp_step(OptimizerKey key,
     h.grad_scale = scale_.reshape({});  // 0-dim view, as torch.amp hands its scale over
     at::NoGradGuard no_grad;
     r.found_inf = params_to_check.empty() ? zero_flag()
-                                          : detail::check_grads(params_to_check, scale_.device());
+                                          : detail::check_grads(params_to_check, scale_.device(),
+                                                                telemetry_.get());
   }
   h.found_inf = r.found_inf;
   return h;
@@ -168,7 +188,7 @@ void GradScaler::step(optim::Optimizer& optimizer) {
     }
   }
   auto h = begin_amp_step(&optimizer, {});
-  optimizer.step_amp(h.grad_scale, h.found_inf);
+  optimizer.step_amp(h.grad_scale, h.found_inf, telemetry_sink());
   end_step(&optimizer);
 }
 
@@ -211,9 +231,19 @@ void GradScaler::update() {
   }
   TORCH_CHECK(any, kWho,
               "::update: no inf checks were recorded prior to update() (call step() first)");
+  std::optional<at::Tensor> amax;
+  std::optional<double> amax_target;
+  if (telemetry_) {
+    telemetry_->record(scale_, found_inf_);  // the scale the gradients carried
+    if (opts_.policy() == ScalePolicy::kAmax) {
+      amax = telemetry_->amax();
+      amax_target = opts_.amax_target();
+    }
+  }
   ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
                      opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
-                     opts_.hysteresis(), opts_.min_scale(), opts_.max_scale());
+                     opts_.hysteresis(), opts_.min_scale(), opts_.max_scale(), amax,
+                     amax_target);
   per_optimizer_.clear();
   inv_scale_fresh_ = false;
 }
@@ -227,6 +257,9 @@ void GradScaler::update(double new_scale) {
   scale_.fill_(new_scale);
   per_optimizer_.clear();
   inv_scale_fresh_ = false;
+  if (telemetry_) {
+    telemetry_->discard();
+  }
 }
 
 double GradScaler::get_scale() const {

@@ -26,6 +26,11 @@ void GradScaler::validate(const GradScalerOptions& o) {
   check_positive_finite("init_scale", o.init_scale());
   hyper::check_scale_options(kWho, o.growth_factor(), o.backoff_factor(), o.growth_interval(),
                              o.hysteresis(), o.min_scale(), o.max_scale());
+  check_positive_finite("amax_target", o.amax_target());
+  TORCH_CHECK(o.telemetry_capacity() >= 1, kWho, ": telemetry_capacity must be >= 1, got ",
+              o.telemetry_capacity());
+  TORCH_CHECK(o.policy() != ScalePolicy::kAmax || o.telemetry() || !o.enabled(), kWho,
+              ": the amax policy needs telemetry=true (amax is measured by the telemetry pass)");
 }
 
 void GradScaler::set_growth_factor(double v) {
@@ -70,6 +75,16 @@ constexpr OptionField kOptionFields[] = {
     {"enabled", [](const GradScalerOptions& o) { return o.enabled() ? 1.0 : 0.0; },
      [](GradScalerOptions& o, double v) { o.enabled(v != 0.0); }},
 };
+// Options added after the first archive version: read when present (older archives: torch's
+// policy, the default target).
+constexpr OptionField kLaterOptionFields[] = {
+    {"policy", [](const GradScalerOptions& o) { return o.policy() == ScalePolicy::kAmax ? 1.0 : 0.0; },
+     [](GradScalerOptions& o, double v) {
+       o.policy(v != 0.0 ? ScalePolicy::kAmax : ScalePolicy::kTorch);
+     }},
+    {"amax_target", [](const GradScalerOptions& o) { return o.amax_target(); },
+     [](GradScalerOptions& o, double v) { o.amax_target(v); }},
+};
 // The counters, by archive name, and the scaler member that holds each.
 constexpr const char* kCounterNames[] = {"scale", "growth_tracker", "hysteresis_tracker"};
 
@@ -78,6 +93,9 @@ constexpr const char* kCounterNames[] = {"scale", "growth_tracker", "hysteresis_
 void GradScaler::save(torch::serialize::OutputArchive& a) const {
   a.write("fusedamp_grad_scaler", c10::IValue(int64_t{2}));
   for (const auto& f : kOptionFields) {
+    a.write(f.name, c10::IValue(f.get(opts_)));
+  }
+  for (const auto& f : kLaterOptionFields) {
     a.write(f.name, c10::IValue(f.get(opts_)));
   }
   for (const auto& [name, bound] : {std::pair{"min_scale", opts_.min_scale()},
@@ -102,6 +120,13 @@ void GradScaler::load(torch::serialize::InputArchive& a) {
   for (const auto& f : kOptionFields) {
     a.read(f.name, v);
     f.set(o, v.isDouble() ? v.toDouble() : v.isBool() ? double(v.toBool()) : double(v.toInt()));
+  }
+  o.policy(ScalePolicy::kTorch);
+  o.amax_target(kDefaultAmaxTarget);
+  for (const auto& f : kLaterOptionFields) {
+    if (a.try_read(f.name, v)) {
+      f.set(o, v.toDouble());
+    }
   }
   o.min_scale(a.try_read("min_scale", v) ? std::optional<double>(v.toDouble()) : std::nullopt);
   o.max_scale(a.try_read("max_scale", v) ? std::optional<double>(v.toDouble()) : std::nullopt);

@@ -69,11 +69,12 @@ bool Optimizer::gather_grads() {
   return !plan_->buckets().empty();
 }
 
-at::Tensor Optimizer::compute_grad_stats(const at::Tensor& seed_found_inf) {
+at::Tensor Optimizer::compute_grad_stats(const at::Tensor& seed_found_inf,
+                                         GradTelemetrySink* telemetry) {
   TORCH_CHECK(!stats_->empty(), "fusedamp::optim::", kind(),
               ": compute_grad_stats needs gather_grads() to have found gradients first");
   at::NoGradGuard no_grad;
-  stats_->run_pass(seed_found_inf);
+  stats_->run_pass(seed_found_inf, telemetry);
   return stats_->primary();
 }
 
@@ -187,14 +188,15 @@ at::Tensor Optimizer::step(LossClosure closure) {
   return loss;
 }
 
-void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf) {
+void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                         GradTelemetrySink* telemetry) {
   at::NoGradGuard no_grad;
   if (!gather_grads()) {
     return;
   }
   if (grad_scale.defined() || !found_inf.defined() || any_group(clips)) {
     // Scaled gradients are checked here, in the pass that also gives the clipping norm.
-    compute_grad_stats(found_inf);
+    compute_grad_stats(found_inf, telemetry);
   } else {
     stats_->seed(found_inf);  // unscaled and already checked by the caller: no pass needed
   }

@@ -5,6 +5,7 @@
 #include <fusedamp/ops.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace fusedamp::detail {
@@ -21,6 +22,7 @@ bool fused_ops_take(const at::Tensor& g) {
 struct DeviceGrads {
   c10::Device device;
   std::vector<at::Tensor> fused;  // for one fused op
+  std::vector<at::Tensor> fused_params;  // whose grads `fused` are
   std::vector<at::Tensor> other;  // one at a time
 };
 
@@ -39,10 +41,15 @@ std::vector<DeviceGrads> grads_by_device(at::TensorList params) {
     auto it = std::find_if(out.begin(), out.end(),
                            [&](const DeviceGrads& d) { return d.device == g.device(); });
     if (it == out.end()) {
-      out.push_back(DeviceGrads{g.device(), {}, {}});
+      out.push_back(DeviceGrads{g.device(), {}, {}, {}});
       it = out.end() - 1;
     }
-    (fused_ops_take(g) ? it->fused : it->other).push_back(g);
+    if (fused_ops_take(g)) {
+      it->fused.push_back(g);
+      it->fused_params.push_back(p);
+    } else {
+      it->other.push_back(g);
+    }
   }
   return out;
 }
@@ -70,15 +77,24 @@ void flag_nonfinite(const at::Tensor& g, at::Tensor& flag) {
   flag.add_(at::logical_not(at::isfinite(g)).any());
 }
 
+// The read-only pass through the sink (found_inf into `flag`; the norm only for the record).
+void telemetry_pass(GradTelemetrySink& sink, const DeviceGrads& grads, at::Tensor& flag) {
+  auto params = std::make_shared<const std::vector<at::Tensor>>(grads.fused_params);
+  sink.grad_stats(params, grads.fused, flag, at::zeros({1}, flag.options()));
+}
+
 }  // namespace
 
 at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
-                         const c10::Device& target) {
+                         const c10::Device& target, GradTelemetrySink* telemetry) {
   return flag_over_devices(params, target, [&](DeviceGrads& grads, at::Tensor& flag) {
     const auto inv = inv_scale.device() == grads.device
                          ? inv_scale
                          : inv_scale.to(grads.device, /*non_blocking=*/true);
     if (!grads.fused.empty()) {
+      if (telemetry != nullptr) {
+        telemetry_pass(*telemetry, grads, flag);  // reads the grads while they are scaled
+      }
       ops::unscale_and_check_(grads.fused, flag, inv.reshape({1}));
     }
     for (auto& g : grads.other) {
@@ -88,9 +104,12 @@ at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
   });
 }
 
-at::Tensor check_grads(at::TensorList params, const c10::Device& target) {
+at::Tensor check_grads(at::TensorList params, const c10::Device& target,
+                       GradTelemetrySink* telemetry) {
   return flag_over_devices(params, target, [&](DeviceGrads& grads, at::Tensor& flag) {
-    if (!grads.fused.empty()) {
+    if (telemetry != nullptr && !grads.fused.empty()) {
+      telemetry_pass(*telemetry, grads, flag);
+    } else if (!grads.fused.empty()) {
       ops::grad_stats_(grads.fused, flag, at::zeros_like(flag));
     }
     for (const auto& g : grads.other) {

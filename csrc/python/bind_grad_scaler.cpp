@@ -14,7 +14,12 @@ void bind_grad_scaler(py::module_& m) {
       .def(py::init([](const std::string& device, double init_scale, double growth_factor,
                        double backoff_factor, int64_t growth_interval, bool enabled,
                        int64_t hysteresis, std::optional<double> min_scale,
-                       std::optional<double> max_scale) {
+                       std::optional<double> max_scale, const std::string& policy,
+                       std::optional<double> amax_target, bool telemetry,
+                       int64_t telemetry_capacity) {
+             TORCH_CHECK(policy == "torch" || policy == "amax",
+                         "fusedamp.GradScaler: policy must be 'torch' or 'amax', got '", policy,
+                         "'");
              return std::make_unique<GradScaler>(GradScalerOptions()
                                                      .device(c10::Device(device))
                                                      .init_scale(init_scale)
@@ -24,11 +29,19 @@ void bind_grad_scaler(py::module_& m) {
                                                      .enabled(enabled)
                                                      .hysteresis(hysteresis)
                                                      .min_scale(min_scale)
-                                                     .max_scale(max_scale));
+                                                     .max_scale(max_scale)
+                                                     .policy(policy == "amax" ? ScalePolicy::kAmax
+                                                                              : ScalePolicy::kTorch)
+                                                     .amax_target(amax_target.value_or(
+                                                         kDefaultAmaxTarget))
+                                                     .telemetry(telemetry)
+                                                     .telemetry_capacity(telemetry_capacity));
            }),
            py::arg("device"), py::arg("init_scale"), py::arg("growth_factor"),
            py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("enabled"),
-           py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"))
+           py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"),
+           py::arg("policy") = "torch", py::arg("amax_target") = py::none(),
+           py::arg("telemetry") = true, py::arg("telemetry_capacity") = 4096)
       .def("scale", &GradScaler::scale)
       // The iteration's stages for a Python optimizer, identified by its id().
       .def("unscale_",
@@ -51,6 +64,30 @@ void bind_grad_scaler(py::module_& m) {
              s.end_step(reinterpret_cast<GradScaler::OptimizerKey>(key));
            })
       .def("in_iteration", &GradScaler::in_iteration)
+      // The record as columns; first_nonfinite holds the parameter tensors (None: none).
+      .def("telemetry",
+           [](const GradScaler& s) {
+             const TelemetryLog log = s.telemetry();
+             py::list first;
+             for (const auto& p : log.first_nonfinite) {
+               first.append(p.defined() ? py::cast(p) : py::none());
+             }
+             py::dict out;
+             out["step"] = log.step;
+             out["scale"] = log.scale;
+             out["found_inf"] = log.found_inf;
+             out["grad_norm"] = log.grad_norm;
+             out["amax"] = log.amax;
+             out["underflow_fraction"] = log.underflow_fraction;
+             out["first_nonfinite"] = first;
+             return out;
+           })
+      .def("options_policy",
+           [](const GradScaler& s) {
+             return s.options().policy() == ScalePolicy::kAmax ? "amax" : "torch";
+           })
+      .def("options_amax_target", [](const GradScaler& s) { return s.options().amax_target(); })
+      .def("has_telemetry", [](GradScaler& s) { return s.telemetry_sink() != nullptr; })
       .def("update", py::overload_cast<>(&GradScaler::update))
       .def("update_to", py::overload_cast<double>(&GradScaler::update))
       .def("get_scale", &GradScaler::get_scale)

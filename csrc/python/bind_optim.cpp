@@ -3,6 +3,7 @@
 // here (sync_options), so the Python classes keep no table of option names of their own.
 #include <fusedamp/optim/adam.h>
 #include <fusedamp/optim/sgd.h>
+#include <fusedamp/grad_scaler.h>
 #include <torch/extension.h>
 
 #include "bindings.h"
@@ -99,11 +100,12 @@ void bind_optim(py::module_& m) {
       .def(
           "step_amp",
           [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,
-             const std::optional<at::Tensor>& found_inf) {
+             const std::optional<at::Tensor>& found_inf, GradScaler* telemetry_of) {
+            GradTelemetrySink* sink = telemetry_of ? telemetry_of->telemetry_sink() : nullptr;
             py::gil_scoped_release no_gil;
-            o.step_amp(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf));
+            o.step_amp(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf), sink);
           },
-          py::arg("grad_scale"), py::arg("found_inf"))
+          py::arg("grad_scale"), py::arg("found_inf"), py::arg("telemetry_of") = nullptr)
       // The phases, for front ends that put collectives between them (distributed.py).
       .def("gather_grads", &Optimizer::gather_grads)
       .def(

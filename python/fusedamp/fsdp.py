@@ -149,9 +149,11 @@ class ShardEngine:
         needs_stats = any(_needs_stats(g) for g in self._param_groups or ())
         self._phases(None, None, scaled=False, stats=needs_stats)
 
-    def step_amp(self, grad_scale, found_inf):
+    def step_amp(self, grad_scale, found_inf, telemetry_of=None):
         # found_inf is reduced even when the gradients were unscaled already (scaler.unscale_
-        # checked this rank's shards only), so the statistics pass always runs.
+        # checked this rank's shards only), so the statistics pass always runs. The scaler's
+        # telemetry (telemetry_of) is not fed from here: a rank sees only its shards, and the
+        # record would describe a different set of gradients on every rank.
         self._phases(grad_scale, found_inf, scaled=True, stats=True)
 
     @torch.no_grad()

@@ -15,6 +15,16 @@ iteration.
 Beyond torch's arguments: ``hysteresis`` (back off only after that many overflowing steps in
 a row), ``min_scale`` and ``max_scale``. With hysteresis 1 and no bounds the scale sequence is
 torch's. The scale history is kept on the device (``scale_history()``).
+
+Telemetry (``telemetry=True``, the default): every iteration's scale, overflow, gradient norm,
+largest finite |gradient| (amax) and underflow fraction, and the first parameter whose gradient
+overflowed, gathered by the gradient passes the step makes anyway (``unscale_`` adds one
+read-only pass) and kept on the device; ``telemetry()`` reads it with one synchronisation.
+
+``policy="amax"`` moves the scale straight to the largest power of two that keeps the measured
+amax under ``amax_target`` (default 65504 / 64) instead of learning the ceiling by overflowing
+and growing once per ``growth_interval`` clean steps; overflows back off as torch's rule does,
+further when the overflowing step's finite gradients show the scale is far too high.
 """
 from __future__ import annotations
 
@@ -39,7 +49,8 @@ def _params_with_grads(optimizer):
 class GradScaler:
     def __init__(self, device="cuda", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, min_scale=None,
-                 max_scale=None, history=True):
+                 max_scale=None, history=True, policy="torch", amax_target=None,
+                 telemetry=True, telemetry_capacity=4096):
         device = torch.device(device)
         if enabled and device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("fusedamp.GradScaler is enabled, but CUDA is not available. "
@@ -52,8 +63,11 @@ class GradScaler:
         self._engine_args = (str(device), float(init_scale), float(growth_factor),
                              float(backoff_factor), int(growth_interval), self._enabled,
                              int(hysteresis), None if min_scale is None else float(min_scale),
-                             None if max_scale is None else float(max_scale))
+                             None if max_scale is None else float(max_scale), str(policy),
+                             None if amax_target is None else float(amax_target),
+                             bool(telemetry), int(telemetry_capacity))
         self._engine = _C.GradScaler(*self._engine_args)
+        self._records_telemetry = self._engine.has_telemetry()
         self._history = History() if history else None  # scale after each update()
 
     # ---- the iteration -----------------------------------------------------------------
@@ -121,10 +135,13 @@ class GradScaler:
         elif prior is not None:
             grad_scale = grad_scale * prior
         optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+        if checks_itself and self._records_telemetry:
+            optimizer._fusedamp_telemetry_of = self._engine  # its gradient pass records for us
         try:
             return optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale, optimizer.found_inf
+            optimizer.__dict__.pop("_fusedamp_telemetry_of", None)
             self._engine.end_step(key)
 
     def update(self, new_scale=None):
@@ -154,6 +171,35 @@ class GradScaler:
     def scale_history(self):
         """The scale after each update(), oldest first, as floats (one synchronisation)."""
         return [] if self._history is None else self._history.values()
+
+    def telemetry(self, model=None):
+        """The recorded iterations (at most ``telemetry_capacity``, oldest first) as a dict of
+        equal-length lists: ``step``, ``scale`` (what the gradients carried), ``found_inf``,
+        ``skipped`` (the step was skipped: an overflow), ``grad_norm`` (unscaled),
+        ``amax`` (largest finite |scaled gradient|), ``underflow_fraction`` (gradient
+        elements that are zero or subnormal in their dtype), ``first_nonfinite`` (the name
+        of the first parameter whose gradient held inf/NaN, from ``model``'s
+        named_parameters(), else ``"param<k>"``; None where none did); and ``dtype_max`` and
+        ``amax_target``. One synchronisation. Feed it to ``fusedamp.diagnostics.plot``."""
+        log = self._engine.telemetry() if self._enabled else {
+            k: [] for k in ("step", "scale", "found_inf", "grad_norm", "amax",
+                            "underflow_fraction", "first_nonfinite")}
+        names = {}
+        if model is not None:
+            named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+            names = {id(p): n for n, p in named}
+        first = []
+        for p in log["first_nonfinite"]:
+            if p is None:
+                first.append(None)
+            else:
+                first.append(names.get(id(p), f"param<{tuple(p.shape)}>"))
+        log["first_nonfinite"] = first
+        log["skipped"] = list(log["found_inf"])
+        log["dtype_max"] = float(torch.finfo(torch.float16).max)
+        log["amax_target"] = (self._engine.options_amax_target()
+                              if self._engine.options_policy() == "amax" else None)
+        return log
 
     def get_growth_factor(self):
         return self._engine.options_growth_factor()
@@ -208,6 +254,8 @@ class GradScaler:
             "_hysteresis_tracker": self._engine.hysteresis_tracker_value(),
             "min_scale": self._engine.options_min_scale(),
             "max_scale": self._engine.options_max_scale(),
+            "policy": self._engine.options_policy(),
+            "amax_target": self._engine.options_amax_target(),
         }
 
     def load_state_dict(self, state_dict):
@@ -220,7 +268,9 @@ class GradScaler:
         # is refused rather than silently resumed under a different policy.
         for key, mine in (("hysteresis", self._engine.options_hysteresis()),
                           ("min_scale", self._engine.options_min_scale()),
-                          ("max_scale", self._engine.options_max_scale())):
+                          ("max_scale", self._engine.options_max_scale()),
+                          ("policy", self._engine.options_policy()),
+                          ("amax_target", self._engine.options_amax_target())):
             if key in state_dict and state_dict[key] != mine:
                 raise ValueError(f"fusedamp.GradScaler.load_state_dict: checkpoint has {key}="
                                  f"{state_dict[key]!r}, this scaler {mine!r}; construct the "

@@ -48,7 +48,8 @@ def _has_lr_scheduler(optimizer):
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                dtype: torch.dtype = torch.float16, *, loss_scaling=None, max_grad_norm=None,
                init_scale=2.0 ** 16, growth_interval=2000, hysteresis=1, min_scale=None,
-               max_scale=None, skip_nonfinite=True, master_weights=True):
+               max_scale=None, skip_nonfinite=True, master_weights=True, policy="torch",
+               amax_target=None):
     """Prepares ``model`` and ``optimizer`` for mixed-precision training with FP32 master
     weights. Returns ``(model, optimizer, scaler)``:
 
@@ -58,8 +59,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
       every hyper-parameter of the given one (or a ValueError naming one it cannot honour);
       LR schedulers must be created on it (one created before is an error);
     - a fusedamp.GradScaler on the model's device, enabled for FP16 and, unless
-      ``loss_scaling=True``, disabled for BF16 (whose range needs no scaling). Non-finite
-      gradients skip the step either way (``skip_nonfinite``).
+      ``loss_scaling=True``, disabled for BF16 (whose range needs no scaling), moving its scale
+      by ``policy`` ("torch" or "amax", see fusedamp.GradScaler). Non-finite gradients skip
+      the step either way (``skip_nonfinite``).
     Everything is checked before the model or the optimizer is touched.
     """
     fused_cls = _fused_class(optimizer)
@@ -85,7 +87,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     enabled = (dtype == torch.float16) if loss_scaling is None else bool(loss_scaling)
     scaler = GradScaler(device=device, init_scale=init_scale, growth_interval=growth_interval,
                         enabled=enabled, hysteresis=hysteresis, min_scale=min_scale,
-                        max_scale=max_scale)
+                        max_scale=max_scale, policy=policy, amax_target=amax_target)
     # Everything is checked: commit.
     convert_module(model, dtype)
     fused = fused_cls([{k: v for k, v in g.items()} for g in groups], **kwargs)

@@ -120,7 +120,12 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         if grad_scale is None and found_inf is None:
             engine.step()
         else:
-            engine.step_amp(grad_scale, found_inf)
+            # fusedamp.GradScaler's telemetry: this step's gradient pass records for it.
+            telemetry_of = getattr(self, "_fusedamp_telemetry_of", None)
+            if telemetry_of is None:
+                engine.step_amp(grad_scale, found_inf)
+            else:
+                engine.step_amp(grad_scale, found_inf, telemetry_of)
         norm = engine.grad_norm()
         if norm is not None:
             self._grad_norms.record(norm)

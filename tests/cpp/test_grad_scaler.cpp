@@ -244,3 +244,30 @@ TEST_CASE("GradScaler rejects invalid options", "[scaler][bad-input]") {
   CHECK_THROWS_AS(s.load_state(-1.0, 0, 1), c10::Error);
   CHECK(s.get_scale() == 65536.0);
 }
+
+TEST_CASE("telemetry records each iteration; the amax policy moves to the measured scale",
+          "[scaler][telemetry]") {
+  fusedamp::GradScaler scaler(fusedamp::GradScalerOptions()
+                                  .init_scale(std::ldexp(1.0, 24))
+                                  .policy(fusedamp::ScalePolicy::kAmax)
+                                  .amax_target(1024.0));
+  Rig rig;  // grads of magnitude 1 (as the scaled gradients)
+  // Clean: amax 1 at 2^24 means true gradients of 2^-24; 2^34 puts them at 1024.
+  CHECK(rig.iterate(scaler, false) == std::ldexp(1.0, 34));
+  // An overflow proves some gradient passed 65504: 2^34 * 1024 / 65504 = 2^28.0002 -> 2^28.
+  CHECK(rig.iterate(scaler, true) == std::ldexp(1.0, 28));
+  const auto log = scaler.telemetry();
+  REQUIRE(log.step.size() == 2);
+  CHECK(log.scale == std::vector<double>{std::ldexp(1.0, 24), std::ldexp(1.0, 34)});
+  CHECK(log.found_inf == std::vector<bool>{false, true});
+  CHECK(log.amax[0] == 1.0);
+  CHECK(log.underflow_fraction[0] == 0.0);
+  CHECK(log.grad_norm[0] == Approx(std::sqrt(5.0) / std::ldexp(1.0, 24)));
+  CHECK(!log.first_nonfinite[0].defined());
+  REQUIRE(log.first_nonfinite[1].defined());
+  CHECK(log.first_nonfinite[1].is_same(rig.w));
+  CHECK_THROWS_WITH(fusedamp::GradScaler(fusedamp::GradScalerOptions()
+                                             .policy(fusedamp::ScalePolicy::kAmax)
+                                             .telemetry(false)),
+                    Catch::Contains("needs telemetry"));
+}

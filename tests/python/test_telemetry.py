@@ -139,8 +139,8 @@ def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0
         growth, hyst = 0, max(hyst - 1, 0)
         if hyst <= 0:
             s = f32(scale * backoff)
-            if measured:
-                s = min(s, target_scale())
+            amax = max(amax, 65504.0) if measured else 65504.0  # what an overflow proves
+            s = min(s, target_scale())
             if min_scale is not None:
                 s = max(s, min_scale)
             scale = s
@@ -195,11 +195,16 @@ def test_amax_policy_moves_to_the_measured_power_of_two(device):
     amax = torch.tensor([1e-3], dtype=torch.float64, device=device)
     ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
     assert scale.item() == 2.0 ** 17
-    # An overflow whose finite gradients already reach 60000 at 2^17: far more than halving.
+    # An overflow proves some gradient passed 65504 at 2^17: the scale drops to where that would
+    # sit under the target, far more than halving (65504 / 2^17 * 2^9 = 255.9 <= 256).
     found.fill_(1.0)
-    amax.fill_(60000.0)
+    amax.fill_(0.0)  # nothing finite measured
     ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
-    assert scale.item() == 2.0 ** 9  # 60000 / 2^17 * 2^9 = 234 <= 256
+    assert scale.item() == 2.0 ** 9
+    # A larger finite amax (FP32 gradients) says more: 2^20 at 2^9 -> 2^-3 (2^20 / 2^12 = 256).
+    amax.fill_(2.0 ** 20)
+    ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
+    assert scale.item() == 2.0 ** -3
 
 
 def test_amax_policy_argument_errors_change_nothing(device):

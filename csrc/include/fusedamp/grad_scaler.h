@@ -25,7 +25,10 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/arg.h>
 
+#include <fusedamp/telemetry.h>
+
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 
@@ -41,6 +44,23 @@ namespace fusedamp {
 namespace optim {
 class Optimizer;
 }
+namespace detail {
+class ScalerTelemetry;
+}
+
+// How update() moves the scale (math/scale_math.h). kTorch: torch.amp's rule (back off on
+// overflow, grow after growth_interval clean steps). kAmax: to the largest power of two that
+// keeps this step's largest finite |scaled gradient| under amax_target, at once.
+enum class ScalePolicy { kTorch, kAmax };
+
+// The amax policy's default target, 2^-6 of FP16's largest value (65504 / 64 = 1023.5). The
+// policy sets the next step's scale from this step's parameter-gradient amax, so the target
+// must leave room for the next step's largest FP16 gradient anywhere in the backward pass:
+// measured on the demo's models, at most 5.3x this step's parameter amax (the amax growing from
+// one step to the next; within a step no FP16 activation gradient exceeded the parameter
+// gradients) — benchmarks/results/amax_margin.md. 64x leaves 12x more for models with larger
+// activation gradients, while amax still sits 2^24 above FP16's smallest normal.
+constexpr double kDefaultAmaxTarget = 65504.0 / 64.0;
 
 struct GradScalerOptions {
   TORCH_ARG(double, init_scale) = 65536.0;
@@ -54,11 +74,20 @@ struct GradScalerOptions {
   TORCH_ARG(std::optional<double>, max_scale) = std::nullopt;
   // Where the state lives; unset: the device of the first loss (or optimizer) it sees.
   TORCH_ARG(std::optional<c10::Device>, device) = std::nullopt;
+  TORCH_ARG(ScalePolicy, policy) = ScalePolicy::kTorch;
+  TORCH_ARG(double, amax_target) = kDefaultAmaxTarget;  // the amax policy's
+  // Record each iteration (telemetry()); its gradient passes gather it (the amax policy needs
+  // it). unscale_ then reads the gradients once more before unscaling them.
+  TORCH_ARG(bool, telemetry) = true;
+  TORCH_ARG(int64_t, telemetry_capacity) = 4096;  // iterations kept
 };
 
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
+  ~GradScaler();
+  GradScaler(GradScaler&&) noexcept;
+  GradScaler& operator=(GradScaler&&) noexcept;
 
   // outputs * scale, with torch.amp's type promotion (the scale is a 0-dim FP32 tensor: a scalar
   // FP16 loss gives an FP32 result, a tensor of FP16 outputs stays FP16). Disabled: `outputs`.
@@ -96,6 +125,12 @@ class GradScaler {
   bool begin_plain_step(OptimizerKey key, at::TensorList params);
   // Ends the optimizer's step of this iteration (run or skipped).
   void end_step(OptimizerKey key);
+  // Where an optimizer's own gradient pass reports this iteration (nullptr: no telemetry).
+  GradTelemetrySink* telemetry_sink();
+
+  // ---- telemetry ------------------------------------------------------------------------------
+  // The recorded iterations, oldest first; one synchronisation. Empty without telemetry.
+  TelemetryLog telemetry() const;
 
   // ---- state --------------------------------------------------------------------------------
   // Reading the scale syncs with the host: the caller's choice. 1.0 when disabled.
@@ -148,6 +183,7 @@ class GradScaler {
   bool inv_scale_fresh_ = false;
   bool bound_ = false;  // state tensors are on their training device
   std::unordered_map<OptimizerKey, PerOptimizer> per_optimizer_;
+  std::unique_ptr<detail::ScalerTelemetry> telemetry_;  // null without telemetry
 };
 
 }  // namespace fusedamp

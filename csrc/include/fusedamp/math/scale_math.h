@@ -10,10 +10,14 @@
 // of this step's scaled gradients (grad_stats_'s telemetry). amax / scale is the gradients' own
 // magnitude, so the scale that puts it just under amax_target is known without trial and error:
 // the largest power of two p with amax / scale * p <= amax_target. On a clean step with
-// amax > 0 the scale moves there at once (up or down: no waiting growth_interval steps); on an
-// overflow it backs off as torch does, or further where even the finite gradients of the
-// overflowing step say the scale is too high (the finite amax is a lower bound of the true one).
-// A step with amax == 0 (all gradients zero or non-finite) carries no measurement: torch's rule.
+// amax > 0 the scale moves there at once (up or down: no waiting growth_interval steps). An
+// overflow says that some gradient (or an activation gradient inside the backward pass) went
+// past FP16's largest value at this scale, so the true amax is at least max(65504, the finite
+// amax): the scale backs off to where that bound would sit under the target, or by torch's
+// backoff factor if that is further. Overflowing from far too high a scale (2^24, say) then
+// costs one or two skipped steps instead of one per halving, and the first clean step moves
+// the scale back up to what it measures. A clean step with amax == 0 (all gradients zero)
+// carries no measurement: torch's growth rule.
 #include <c10/macros/Macros.h>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +36,10 @@ struct ScaleHyper {
   float max_scale;  // <= 0: none
   double amax_target = 0.0;  // > 0: the amax policy
 };
+
+// The amax an overflow proves at least: FP16's largest finite value (loss scaling exists for
+// FP16; a BF16 or FP32 gradient that overflows went past far more).
+constexpr double kOverflowAmax = 65504.0;
 
 C10_HOST_DEVICE inline bool finite_f(float x) {
   return x - x == 0.f;
@@ -71,14 +79,16 @@ C10_HOST_DEVICE inline float clamp_scale(float s, const ScaleHyper& h) {
 C10_HOST_DEVICE inline void update_scale(
     float& scale, int32_t& growth_tracker, int32_t& hysteresis_tracker, bool found_inf,
     const ScaleHyper& h, double amax = 0.0) {
-  const bool measured = h.amax_target > 0.0 && amax > 0.0 && amax - amax == 0.0;
+  const bool amax_policy = h.amax_target > 0.0;
+  const bool measured = amax_policy && amax > 0.0 && amax - amax == 0.0;
   if (found_inf) {
     growth_tracker = 0;
     hysteresis_tracker = hysteresis_tracker > 0 ? hysteresis_tracker - 1 : 0;
     if (hysteresis_tracker <= 0) {
       float s = static_cast<float>(scale * h.backoff_factor);
-      if (measured) {
-        const float limit = amax_policy_scale(scale, amax, h.amax_target);
+      if (amax_policy) {
+        const double at_least = measured && amax > kOverflowAmax ? amax : kOverflowAmax;
+        const float limit = amax_policy_scale(scale, at_least, h.amax_target);
         s = limit < s ? limit : s;
       }
       if (h.min_scale > 0.f && s < h.min_scale) {

@@ -17,6 +17,7 @@
 // value on the host, so a step never synchronises.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <fusedamp/telemetry.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
@@ -65,7 +66,9 @@ class Optimizer : public torch::optim::Optimizer {
   //   found_inf   the overflow flag found so far (one FP32 element); undefined: none yet.
   // The step checks the gradients itself (always, when they are still scaled), ORs what it
   // finds into found_inf, and changes nothing when the flag is set. Never syncs.
-  void step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf);
+  //   telemetry   where its gradient pass reports (a fusedamp::GradScaler's record); optional.
+  void step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                GradTelemetrySink* telemetry = nullptr);
 
   // ---- the phases of a step, in order (see the top of this file) ----------------------------
   // Front ends that put collectives between the phases call them one by one.
@@ -75,7 +78,8 @@ class Optimizer : public torch::optim::Optimizer {
   //    first stepped parameter), found_inf seeded with `seed_found_inf` (undefined: 0). The
   //    tensor is the optimizer's own: a caller may reduce it across processes in place before
   //    phase 3.
-  at::Tensor compute_grad_stats(const at::Tensor& seed_found_inf = {});
+  at::Tensor compute_grad_stats(const at::Tensor& seed_found_inf = {},
+                                GradTelemetrySink* telemetry = nullptr);
   // 3. The fused update with the statistics of phase 2: grads divided by `grad_scale` (when
   //    defined) and clipped where max_grad_norm is set; skipped on the device when found_inf is
   //    set and a check is in force — for every group when `scaled` (a loss scaler's step), else

@@ -1,0 +1,144 @@
+// fusedamp::detail::ScalerTelemetry (see scaler_telemetry.h).
+#include "scaler_telemetry.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fusedamp/math/telemetry_math.h>
+#include <fusedamp/ops.h>
+
+#include <cmath>
+#include <limits>
+
+namespace fusedamp::detail {
+namespace {
+
+constexpr double kNone = std::numeric_limits<double>::infinity();  // no non-finite gradient
+constexpr int64_t kSumSq = math::kTelemetrySlots;  // current_'s slot after the op's four
+
+// The ring's columns.
+enum Column : int64_t { kScale, kFoundInf, kGradNorm, kAmax, kUnderflow, kFirst, kColumns };
+
+}  // namespace
+
+ScalerTelemetry::ScalerTelemetry(int64_t capacity) : capacity_(capacity) {
+  TORCH_CHECK(capacity >= 1, "fusedamp::GradScaler: telemetry_capacity must be >= 1, got ",
+              capacity);
+  ring_layouts_.resize(static_cast<size_t>(capacity));
+}
+
+void ScalerTelemetry::begin_iteration(const c10::Device& device) {
+  if (!ring_.defined() || ring_.device() != device) {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+    fresh_ = at::tensor({0.0, 0.0, 0.0, kNone, 0.0}, at::dtype(at::kDouble)).to(device);
+    current_ = at::empty({kSumSq + 1}, f64);
+    ring_ = at::full({capacity_, kColumns}, std::numeric_limits<double>::quiet_NaN(), f64);
+    recorded_ = 0;
+  }
+  current_.copy_(fresh_);
+  layouts_.clear();
+  elements_ = 0.0;
+  walked_ = 0;
+  open_ = true;
+}
+
+void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
+                                 const at::Tensor& found_inf, const at::Tensor& sum_sq) {
+  if (!open_ || grads.empty()) {
+    ops::grad_stats_(grads, found_inf, sum_sq);
+    return;
+  }
+  // The op gives the first non-finite grad's position in *its* list; the record keeps positions
+  // among all gradients the iteration walked. Shifting the running minimum down by the number
+  // walked before and back up afterwards makes the op's min() do that without another tensor:
+  // an earlier pass's position turns negative and stays the minimum; inf stays inf.
+  const bool here = found_inf.device() == current_.device();
+  at::Tensor telemetry = here ? current_.narrow(0, 0, math::kTelemetrySlots)
+                              : fresh_.narrow(0, 0, math::kTelemetrySlots).to(found_inf.device());
+  at::Tensor first = telemetry.narrow(0, math::kFirstNonfinite, 1);
+  if (here && walked_ > 0) {
+    first.sub_(static_cast<double>(walked_));
+  }
+  ops::grad_stats_(grads, found_inf, sum_sq, std::nullopt, telemetry);
+  if (walked_ > 0) {
+    first.add_(static_cast<double>(walked_));
+  }
+  if (!here) {  // a pass on another device than the scaler's: combine as the op would
+    const auto local = telemetry.to(current_.device(), /*non_blocking=*/true);
+    auto amax = current_.narrow(0, math::kAmax, 1);
+    amax.copy_(at::maximum(amax, local.narrow(0, math::kAmax, 1)));
+    current_.narrow(0, math::kSubnormal, 2).add_(local.narrow(0, math::kSubnormal, 2));
+    auto own_first = current_.narrow(0, math::kFirstNonfinite, 1);
+    own_first.copy_(at::minimum(own_first, local.narrow(0, math::kFirstNonfinite, 1)));
+  }
+  current_.narrow(0, kSumSq, 1)
+      .add_(sum_sq.reshape({1}).to(current_.device(), at::kDouble, /*non_blocking=*/true));
+  layouts_.push_back(PassLayout{params, walked_});
+  walked_ += static_cast<int64_t>(grads.size());
+  for (const auto& g : grads) {
+    elements_ += static_cast<double>(g.numel());
+  }
+}
+
+at::Tensor ScalerTelemetry::amax() const {
+  return current_.narrow(0, math::kAmax, 1);
+}
+
+void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_inf) {
+  if (!open_) {
+    return;
+  }
+  const int64_t slot = recorded_ % capacity_;
+  at::Tensor row = ring_.select(0, slot);
+  row.narrow(0, kScale, 1).copy_(scale.reshape({1}));
+  row.narrow(0, kFoundInf, 1).copy_(found_inf.reshape({1}).ne(0));
+  if (elements_ > 0) {
+    const auto scale64 = scale.reshape({1}).to(at::kDouble);
+    row.narrow(0, kGradNorm, 1).copy_(current_.narrow(0, kSumSq, 1).sqrt().div_(scale64));
+    row.narrow(0, kAmax, 1).copy_(current_.narrow(0, math::kAmax, 1));
+    row.narrow(0, kUnderflow, 1)
+        .copy_(current_.narrow(0, math::kSubnormal, 2).sum().div_(elements_));
+    row.narrow(0, kFirst, 1).copy_(current_.narrow(0, math::kFirstNonfinite, 1));
+  } else {  // no pass this iteration: nothing was measured
+    row.narrow(0, kGradNorm, kFirst - kGradNorm).fill_(std::numeric_limits<double>::quiet_NaN());
+    row.narrow(0, kFirst, 1).fill_(kNone);
+  }
+  ring_layouts_[static_cast<size_t>(slot)] = std::move(layouts_);
+  layouts_.clear();
+  ++recorded_;
+  open_ = false;
+}
+
+TelemetryLog ScalerTelemetry::read() const {
+  TelemetryLog log;
+  const int64_t n = std::min(recorded_, capacity_);
+  if (n == 0) {
+    return log;
+  }
+  const at::Tensor host = ring_.to(at::kCPU).contiguous();  // the one synchronisation
+  const double* rows = host.const_data_ptr<double>();
+  const int64_t start = recorded_ - n;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t slot = (start + k) % capacity_;
+    const double* r = rows + slot * kColumns;
+    log.step.push_back(start + k);
+    log.scale.push_back(r[kScale]);
+    log.found_inf.push_back(r[kFoundInf] != 0.0);
+    log.grad_norm.push_back(r[kGradNorm]);
+    log.amax.push_back(r[kAmax]);
+    log.underflow_fraction.push_back(r[kUnderflow]);
+    at::Tensor param;
+    if (std::isfinite(r[kFirst])) {
+      const auto position = static_cast<int64_t>(r[kFirst]);
+      for (const auto& pass : ring_layouts_[static_cast<size_t>(slot)]) {
+        if (position >= pass.base &&
+            position < pass.base + static_cast<int64_t>(pass.params->size())) {
+          param = (*pass.params)[static_cast<size_t>(position - pass.base)];
+        }
+      }
+    }
+    log.first_nonfinite.push_back(param);
+  }
+  return log;
+}
+
+}  // namespace fusedamp::detail

@@ -1,0 +1,49 @@
+#pragma once
+// fusedamp::GradScaler's telemetry: this iteration's record, filled by the gradient passes of
+// the iteration (the scaler's own and its optimizers'), closed by update() into a ring buffer
+// on the device. Nothing here syncs with the host except read().
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <fusedamp/telemetry.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fusedamp::detail {
+
+class ScalerTelemetry final : public GradTelemetrySink {
+ public:
+  explicit ScalerTelemetry(int64_t capacity);
+
+  // Starts this iteration's record on `device` (the scaler's); forgets an unclosed one.
+  void begin_iteration(const c10::Device& device);
+  void grad_stats(const ParamList& params, at::TensorList grads, const at::Tensor& found_inf,
+                  const at::Tensor& sum_sq) override;
+  // This iteration's largest finite |scaled gradient| so far: FP64[1] on the scaler's device
+  // (0 before any pass: "no measurement").
+  at::Tensor amax() const;
+  // Closes the record: `scale` is what the gradients carried (read before it is updated).
+  void record(const at::Tensor& scale, const at::Tensor& found_inf);
+  // Drops the open record (update(new_scale): the iteration's outcome is not judged).
+  void discard() { open_ = false; }
+  TelemetryLog read() const;
+
+ private:
+  struct PassLayout {
+    ParamList params;
+    int64_t base;  // position of params->front() among the iteration's walked gradients
+  };
+
+  int64_t capacity_;
+  at::Tensor fresh_;    // what a record starts as (see current_)
+  at::Tensor current_;  // FP64[5]: amax, subnormal count, zero count, first non-finite, sum_sq
+  at::Tensor ring_;     // FP64[capacity, 6]: scale, found_inf, grad_norm, amax, underflow, first
+  std::vector<PassLayout> layouts_;                 // this iteration's passes
+  std::vector<std::vector<PassLayout>> ring_layouts_;  // per ring row
+  double elements_ = 0.0;  // gradient elements walked this iteration
+  int64_t walked_ = 0;     // gradients walked this iteration
+  int64_t recorded_ = 0;   // iterations recorded
+  bool open_ = false;
+};
+
+}  // namespace fusedamp::detail

@@ -1,0 +1,43 @@
+#pragma once
+// What a loss scaler records of each iteration, to show why a run went wrong: the scale, whether
+// the gradients overflowed (and which parameter first), their norm, their largest finite
+// magnitude and how much of them underflowed. Gathered on the device by the gradient passes the
+// step makes anyway (grad_stats_'s telemetry) and kept there in a ring buffer; read with one
+// synchronisation.
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace fusedamp {
+
+// The parameters a gradient pass walked, in the order of its gradient list. Shared by every
+// recorded iteration whose pass walked the same list (a step's list rarely changes).
+using ParamList = std::shared_ptr<const std::vector<at::Tensor>>;
+
+// Where a gradient pass reports (a loss scaler's record of the current iteration). A pass
+// calls grad_stats() instead of the bare op: same found_inf and sum_sq, plus the telemetry.
+class GradTelemetrySink {
+ public:
+  virtual ~GradTelemetrySink() = default;
+  // fusedamp::grad_stats_(grads, found_inf, sum_sq) over `grads`, the gradients of `params`
+  // (same order), adding what it sees to this iteration's record.
+  virtual void grad_stats(const ParamList& params, at::TensorList grads,
+                          const at::Tensor& found_inf, const at::Tensor& sum_sq) = 0;
+};
+
+// The recorded iterations, oldest first (at most the capacity).
+struct TelemetryLog {
+  std::vector<int64_t> step;          // iteration number (update() calls since construction)
+  std::vector<double> scale;          // the loss scale the iteration's gradients carried
+  std::vector<bool> found_inf;        // a gradient held inf/NaN (the step was skipped)
+  std::vector<double> grad_norm;      // global L2 norm of the unscaled gradients
+  std::vector<double> amax;           // largest finite |gradient| of the scaled gradients
+  std::vector<double> underflow_fraction;  // elements that are zero or subnormal in their dtype
+  std::vector<at::Tensor> first_nonfinite;  // the parameter whose gradient overflowed first,
+                                            // undefined where none did
+};
+
+}  // namespace fusedamp
