@@ -62,9 +62,9 @@ struct AlgorithmOf<AdamOptions> {
     } else if (name == "eps") {
       o.eps(v);
     } else if (name == "decoupled_weight_decay") {
-      o.decoupled_weight_decay(v != 0.0);
+      o.decoupled_weight_decay(detail::flag_option(name, v));
     } else if (name == "amsgrad") {
-      o.amsgrad(v != 0.0);
+      o.amsgrad(detail::flag_option(name, v));
     } else {
       return false;
     }

@@ -92,15 +92,15 @@ bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
   } else if (name == "max_grad_norm") {
     o.max_grad_norm(value);  // checked by check_options(); "off" is set_group_max_grad_norm
   } else if (name == "maximize") {
-    o.maximize(value != 0.0);
+    o.maximize(detail::flag_option(name, value));
   } else if (name == "master_weights") {
-    o.master_weights(value != 0.0);
+    o.master_weights(detail::flag_option(name, value));
   } else if (name == "skip_nonfinite") {
-    o.skip_nonfinite(value != 0.0);
+    o.skip_nonfinite(detail::flag_option(name, value));
   } else if (name == "adopt_param_edits") {
-    o.adopt_param_edits(value != 0.0);
+    o.adopt_param_edits(detail::flag_option(name, value));
   } else if (name == "write_back_grads") {
-    o.write_back_grads(value != 0.0);
+    o.write_back_grads(detail::flag_option(name, value));
   } else {
     return AlgorithmOf<Options>::set_option(o, name, value);
   }

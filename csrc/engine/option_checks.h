@@ -5,8 +5,14 @@
 #include <fusedamp/optim/optimizer.h>
 
 #include <cstddef>
+#include <string>
 
 namespace fusedamp::optim::detail {
+
+// A yes/no option given as a number (param-group dicts pass True/False as 1/0): 0 or 1, nothing
+// else. master_weights=2 or 0.5 would otherwise silently mean True; for master_weights the
+// message names the modes that exist.
+bool flag_option(const std::string& name, double value);
 
 // lr, weight_decay and the engine fields, which every optimizer kind carries.
 void check_common_options(const char* who, double lr, double weight_decay,

@@ -48,7 +48,7 @@ struct AlgorithmOf<SGDOptions> {
     } else if (name == "dampening") {
       o.dampening(v);
     } else if (name == "nesterov") {
-      o.nesterov(v != 0.0);
+      o.nesterov(detail::flag_option(name, v));
     } else {
       return false;
     }

@@ -76,6 +76,10 @@ void sync_options(Optimizer& opt, const py::list& groups) {
         opt.try_set_group_option(i, name, value.cast<double>());
       } else {
         // A value the engine would read, of a type it cannot take: never ignore it silently.
+        TORCH_CHECK_VALUE(name != "master_weights", "param group ", i,
+                          ": master_weights must be True (an FP32 master copy of FP16/BF16 "
+                          "parameters) or False (none), got ", py::repr(value).cast<std::string>(),
+                          "; other master-weight modes are not implemented");
         TORCH_CHECK_TYPE(!opt.has_group_option(i, name), "param group ", i, ": '", name,
                          "' must be a number, got ", py::str(value).cast<std::string>());
       }

@@ -138,3 +138,20 @@ def test_grad_stats_and_unscale_bad_input(device, case, message):
         with pytest.raises(RuntimeError, match=re.escape(message)):
             inp.call("unscale_and_check_")
     assert_bitwise_equal(before, snapshot(*inp.tensors("grad_stats_")))
+
+
+@pytest.mark.parametrize("name", ["master_weights", "skip_nonfinite", "amsgrad",
+                                  "adopt_param_edits"])
+@pytest.mark.parametrize("value", ["kahan", 2, 0.5])
+def test_flag_options_refuse_anything_but_true_or_false(name, value):
+    """A flag given another value (master_weights="kahan", 2 or 0.5) is refused, never taken
+    as True; the optimizer is not built."""
+    import fusedamp.optim
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises((ValueError, TypeError),
+                       match="True .* or False|True or False|must be a number"):
+        fusedamp.optim.Adam([p], **{name: value})
+    if name == "master_weights":
+        with pytest.raises(ValueError, match="other master-weight modes are not implemented"):
+            fusedamp.optim.Adam([p], master_weights=value)
