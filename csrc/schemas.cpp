@@ -21,7 +21,8 @@ TORCH_LIBRARY(fusedamp, m) {
 
   // Loss-scale state machine (growth, backoff, hysteresis, bounds) on device tensors.
   // amax_target (with amax, FP64[1]: this step's largest finite |scaled gradient|, as
-  // grad_stats_'s telemetry gives it): the amax policy of math/scale_math.h.
+  // grad_stats_'s telemetry gives it; negative: not measured): the amax policy of
+  // math/scale_math.h.
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "

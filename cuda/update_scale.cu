@@ -18,7 +18,7 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
   float s = *scale;
   int32_t g = *growth_tracker;
   int32_t hy = *hysteresis_tracker;
-  math::update_scale(s, g, hy, *found_inf != 0.f, h, amax != nullptr ? *amax : 0.0);
+  math::update_scale(s, g, hy, *found_inf != 0.f, h, amax != nullptr ? *amax : -1.0);
   *scale = s;
   *growth_tracker = g;
   *hysteresis_tracker = hy;

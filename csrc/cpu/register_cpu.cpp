@@ -124,7 +124,7 @@ struct CpuOps {
     math::update_scale(*op.scale.data_ptr<float>(), *op.growth_tracker.data_ptr<int32_t>(),
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
                        *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper(),
-                       op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : 0.0);
+                       op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
   }
 
   static void adam_step(const prelude::AdamStep& step) {

@@ -234,11 +234,12 @@ void GradScaler::update() {
   std::optional<at::Tensor> amax;
   std::optional<double> amax_target;
   if (telemetry_) {
-    telemetry_->record(scale_, found_inf_);  // the scale the gradients carried
-    if (opts_.policy() == ScalePolicy::kAmax) {
+    // No pass this iteration (a sharded optimizer's step): nothing measured, torch's rule.
+    if (opts_.policy() == ScalePolicy::kAmax && telemetry_->measured()) {
       amax = telemetry_->amax();
       amax_target = opts_.amax_target();
     }
+    telemetry_->record(scale_, found_inf_);  // the scale the gradients carried
   }
   ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
                      opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),

@@ -15,8 +15,9 @@ namespace {
 constexpr double kNone = std::numeric_limits<double>::infinity();  // no non-finite gradient
 constexpr int64_t kSumSq = math::kTelemetrySlots;  // current_'s slot after the op's four
 
-// The ring's columns.
-enum Column : int64_t { kScale, kFoundInf, kGradNorm, kAmax, kUnderflow, kFirst, kColumns };
+// The ring's columns: the scale and found_inf, then current_ as it stands at update(). Derived
+// values (norm, fractions) are computed when read, on the host: a record is three device ops.
+enum Column : int64_t { kScale, kFoundInf, kCurrent, kColumns = kCurrent + kSumSq + 1 };
 
 }  // namespace
 
@@ -24,6 +25,7 @@ ScalerTelemetry::ScalerTelemetry(int64_t capacity) : capacity_(capacity) {
   TORCH_CHECK(capacity >= 1, "fusedamp::GradScaler: telemetry_capacity must be >= 1, got ",
               capacity);
   ring_layouts_.resize(static_cast<size_t>(capacity));
+  ring_elements_.resize(static_cast<size_t>(capacity));
 }
 
 void ScalerTelemetry::begin_iteration(const c10::Device& device) {
@@ -31,7 +33,7 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
     fresh_ = at::tensor({0.0, 0.0, 0.0, kNone, 0.0}, at::dtype(at::kDouble)).to(device);
     current_ = at::empty({kSumSq + 1}, f64);
-    ring_ = at::full({capacity_, kColumns}, std::numeric_limits<double>::quiet_NaN(), f64);
+    ring_ = at::zeros({capacity_, kColumns}, f64);
     recorded_ = 0;
   }
   current_.copy_(fresh_);
@@ -70,8 +72,9 @@ void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
     auto own_first = current_.narrow(0, math::kFirstNonfinite, 1);
     own_first.copy_(at::minimum(own_first, local.narrow(0, math::kFirstNonfinite, 1)));
   }
-  current_.narrow(0, kSumSq, 1)
-      .add_(sum_sq.reshape({1}).to(current_.device(), at::kDouble, /*non_blocking=*/true));
+  const at::Tensor sum_sq_here =
+      here ? sum_sq.reshape({1}) : sum_sq.reshape({1}).to(current_.device(), /*non_blocking=*/true);
+  current_.narrow(0, kSumSq, 1).add_(sum_sq_here);  // FP32 into FP64, in place
   layouts_.push_back(PassLayout{params, walked_});
   walked_ += static_cast<int64_t>(grads.size());
   for (const auto& g : grads) {
@@ -90,18 +93,9 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
   const int64_t slot = recorded_ % capacity_;
   at::Tensor row = ring_.select(0, slot);
   row.narrow(0, kScale, 1).copy_(scale.reshape({1}));
-  row.narrow(0, kFoundInf, 1).copy_(found_inf.reshape({1}).ne(0));
-  if (elements_ > 0) {
-    const auto scale64 = scale.reshape({1}).to(at::kDouble);
-    row.narrow(0, kGradNorm, 1).copy_(current_.narrow(0, kSumSq, 1).sqrt().div_(scale64));
-    row.narrow(0, kAmax, 1).copy_(current_.narrow(0, math::kAmax, 1));
-    row.narrow(0, kUnderflow, 1)
-        .copy_(current_.narrow(0, math::kSubnormal, 2).sum().div_(elements_));
-    row.narrow(0, kFirst, 1).copy_(current_.narrow(0, math::kFirstNonfinite, 1));
-  } else {  // no pass this iteration: nothing was measured
-    row.narrow(0, kGradNorm, kFirst - kGradNorm).fill_(std::numeric_limits<double>::quiet_NaN());
-    row.narrow(0, kFirst, 1).fill_(kNone);
-  }
+  row.narrow(0, kFoundInf, 1).copy_(found_inf.reshape({1}));
+  row.narrow(0, kCurrent, kSumSq + 1).copy_(current_);
+  ring_elements_[static_cast<size_t>(slot)] = elements_;
   ring_layouts_[static_cast<size_t>(slot)] = std::move(layouts_);
   layouts_.clear();
   ++recorded_;
@@ -120,15 +114,21 @@ TelemetryLog ScalerTelemetry::read() const {
   for (int64_t k = 0; k < n; ++k) {
     const int64_t slot = (start + k) % capacity_;
     const double* r = rows + slot * kColumns;
+    const double* measured = r + kCurrent;  // current_'s slots
+    const double elements = ring_elements_[static_cast<size_t>(slot)];
+    const double none = std::numeric_limits<double>::quiet_NaN();  // nothing was measured
     log.step.push_back(start + k);
     log.scale.push_back(r[kScale]);
     log.found_inf.push_back(r[kFoundInf] != 0.0);
-    log.grad_norm.push_back(r[kGradNorm]);
-    log.amax.push_back(r[kAmax]);
-    log.underflow_fraction.push_back(r[kUnderflow]);
+    log.grad_norm.push_back(elements > 0 ? std::sqrt(measured[kSumSq]) / r[kScale] : none);
+    log.amax.push_back(elements > 0 ? measured[math::kAmax] : none);
+    log.underflow_fraction.push_back(
+        elements > 0 ? (measured[math::kSubnormal] + measured[math::kZero]) / elements : none);
+    log.subnormal_fraction.push_back(elements > 0 ? measured[math::kSubnormal] / elements : none);
     at::Tensor param;
-    if (std::isfinite(r[kFirst])) {
-      const auto position = static_cast<int64_t>(r[kFirst]);
+    const double first = measured[math::kFirstNonfinite];
+    if (std::isfinite(first)) {
+      const auto position = static_cast<int64_t>(first);
       for (const auto& pass : ring_layouts_[static_cast<size_t>(slot)]) {
         if (position >= pass.base &&
             position < pass.base + static_cast<int64_t>(pass.params->size())) {

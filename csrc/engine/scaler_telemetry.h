@@ -24,6 +24,8 @@ class ScalerTelemetry final : public GradTelemetrySink {
   at::Tensor amax() const;
   // Closes the record: `scale` is what the gradients carried (read before it is updated).
   void record(const at::Tensor& scale, const at::Tensor& found_inf);
+  // Whether a gradient pass measured this iteration (amax() means something).
+  bool measured() const { return elements_ > 0; }
   // Drops the open record (update(new_scale): the iteration's outcome is not judged).
   void discard() { open_ = false; }
   TelemetryLog read() const;
@@ -37,7 +39,8 @@ class ScalerTelemetry final : public GradTelemetrySink {
   int64_t capacity_;
   at::Tensor fresh_;    // what a record starts as (see current_)
   at::Tensor current_;  // FP64[5]: amax, subnormal count, zero count, first non-finite, sum_sq
-  at::Tensor ring_;     // FP64[capacity, 6]: scale, found_inf, grad_norm, amax, underflow, first
+  at::Tensor ring_;     // FP64[capacity, 7]: scale, found_inf, then current_ at update()
+  std::vector<double> ring_elements_;  // per ring row: the gradient elements walked
   std::vector<PassLayout> layouts_;                 // this iteration's passes
   std::vector<std::vector<PassLayout>> ring_layouts_;  // per ring row
   double elements_ = 0.0;  // gradient elements walked this iteration

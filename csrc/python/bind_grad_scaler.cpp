@@ -79,6 +79,7 @@ void bind_grad_scaler(py::module_& m) {
              out["grad_norm"] = log.grad_norm;
              out["amax"] = log.amax;
              out["underflow_fraction"] = log.underflow_fraction;
+             out["subnormal_fraction"] = log.subnormal_fraction;
              out["first_nonfinite"] = first;
              return out;
            })

@@ -78,7 +78,7 @@ def nonfinite_grads(model_or_named_parameters):
 
 # Keys of a ``scaler.telemetry()`` record: one value per iteration, oldest first.
 _REQUIRED_KEYS = ("scale", "found_inf", "skipped", "grad_norm", "amax", "underflow_fraction")
-_PER_ITERATION_KEYS = ("step",) + _REQUIRED_KEYS + ("first_nonfinite",)
+_PER_ITERATION_KEYS = ("step",) + _REQUIRED_KEYS + ("subnormal_fraction", "first_nonfinite")
 _FP16_MAX = 65504.0
 # Run colours leave out the tab10 red ("C3"), which marks skipped steps.
 _RUN_COLORS = ("C0", "C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9")
@@ -190,6 +190,9 @@ def _draw(ax, runs, losses, key):
         elif key == "underflow_fraction":
             underflow = _as_array(run["underflow_fraction"])
             ax.plot(x, underflow, color=color, label=name)
+            if run.get("subnormal_fraction"):  # the part that is certainly precision lost
+                ax.plot(x, _as_array(run["subnormal_fraction"]), color=color, linestyle=":",
+                        label="subnormal" + (f" ({name})" if name else ""))
             if np.isfinite(underflow).any():
                 largest_underflow = max(largest_underflow, float(np.nanmax(underflow)))
         else:

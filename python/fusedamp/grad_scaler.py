@@ -22,7 +22,7 @@ overflowed, gathered by the gradient passes the step makes anyway (``unscale_`` 
 read-only pass) and kept on the device; ``telemetry()`` reads it with one synchronisation.
 
 ``policy="amax"`` moves the scale straight to the largest power of two that keeps the measured
-amax under ``amax_target`` (default 65504 / 64) instead of learning the ceiling by overflowing
+amax under ``amax_target`` (default 65504 / 256) instead of learning the ceiling by overflowing
 and growing once per ``growth_interval`` clean steps; overflows back off as torch's rule does,
 further when the overflowing step's finite gradients show the scale is far too high.
 """
@@ -177,13 +177,15 @@ class GradScaler:
         equal-length lists: ``step``, ``scale`` (what the gradients carried), ``found_inf``,
         ``skipped`` (the step was skipped: an overflow), ``grad_norm`` (unscaled),
         ``amax`` (largest finite |scaled gradient|), ``underflow_fraction`` (gradient
-        elements that are zero or subnormal in their dtype), ``first_nonfinite`` (the name
+        elements that are zero or subnormal in their dtype), ``subnormal_fraction`` (the
+        subnormal ones alone: zeros may be structural, e.g. unused embedding rows or dead
+        units, subnormals have certainly lost precision), ``first_nonfinite`` (the name
         of the first parameter whose gradient held inf/NaN, from ``model``'s
         named_parameters(), else ``"param<k>"``; None where none did); and ``dtype_max`` and
         ``amax_target``. One synchronisation. Feed it to ``fusedamp.diagnostics.plot``."""
         log = self._engine.telemetry() if self._enabled else {
             k: [] for k in ("step", "scale", "found_inf", "grad_norm", "amax",
-                            "underflow_fraction", "first_nonfinite")}
+                            "underflow_fraction", "subnormal_fraction", "first_nonfinite")}
         names = {}
         if model is not None:
             named = model.named_parameters() if isinstance(model, torch.nn.Module) else model

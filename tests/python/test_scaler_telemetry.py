@@ -33,17 +33,19 @@ def loss_of(model, x, y, loss_factor):
 
 def reference(named_grads, scale):
     """What the record must hold, from the scaled gradients as the step saw them (FP64)."""
-    amax, small, elements, sum_sq, first = 0.0, 0, 0, 0.0, None
+    amax, small, zero, elements, sum_sq, first = 0.0, 0, 0, 0, 0.0, None
     for name, g in named_grads:
         x = g.detach().double()
         finite = torch.isfinite(x)
         amax = max(amax, x.abs().where(finite, 0.0).max().item())
         small += int((x.abs() < torch.finfo(g.dtype).tiny).sum())
+        zero += int((x == 0).sum())
         elements += x.numel()
         sum_sq += x.square().sum().item()
         if first is None and not bool(finite.all()):
             first = name
     return dict(scale=scale, amax=amax, underflow_fraction=small / elements,
+                subnormal_fraction=(small - zero) / elements,
                 grad_norm=math.sqrt(sum_sq) / scale, found_inf=first is not None,
                 first_nonfinite=first)
 
@@ -56,6 +58,7 @@ def check_record(log, k, want, norm_rtol=1e-5):
         return
     assert log["amax"][k] == want["amax"]
     assert log["underflow_fraction"][k] == pytest.approx(want["underflow_fraction"], abs=1e-15)
+    assert log["subnormal_fraction"][k] == pytest.approx(want["subnormal_fraction"], abs=1e-15)
     assert log["grad_norm"][k] == pytest.approx(want["grad_norm"], rel=norm_rtol)
 
 

@@ -129,7 +129,7 @@ def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0
               backoff=0.5, interval=2000, hysteresis=1, min_scale=None, max_scale=None):
     """math/scale_math.h's update_scale with amax_target, in Python (FP32 scale via torch)."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
-    measured = amax > 0 and math.isfinite(amax)
+    measured = amax >= 0 and math.isfinite(amax)  # negative: not measured
 
     def target_scale():
         e = math.frexp(target * scale / amax)[1] - 1
@@ -147,6 +147,7 @@ def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0
         return scale, growth, hyst
     hyst = hysteresis
     if measured:
+        amax = amax if amax > 0 else 2.0 ** -24  # all zero: all were below FP16's subnormals
         s = target_scale()
         if max_scale is not None:
             s = min(s, max_scale)
@@ -174,8 +175,8 @@ def test_amax_policy_follows_rule(device, bounds, hysteresis):
     target = 65504.0 / 2 ** 8
     for step in range(300):
         overflow = torch.rand((), generator=gen).item() < 0.2
-        kind = step % 7
-        value = 0.0 if kind == 0 else float(torch.rand((), generator=gen)) * 10.0 ** (kind - 3)
+        kind = step % 8
+        value = {0: 0.0, 1: -1.0}.get(kind, float(torch.rand((), generator=gen)) * 10.0 ** (kind - 4))
         found.fill_(1.0 if overflow else 0.0)
         amax.fill_(value)
         ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 3, hysteresis,
@@ -205,6 +206,15 @@ def test_amax_policy_moves_to_the_measured_power_of_two(device):
     amax.fill_(2.0 ** 20)
     ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
     assert scale.item() == 2.0 ** -3
+    # A clean step with every gradient zero: all were below 2^-24, so x 2^32 keeps them <= 256.
+    found.fill_(0.0)
+    amax.fill_(0.0)
+    ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
+    assert scale.item() == 2.0 ** 29
+    # Not measured (negative amax): torch's rule, growth_tracker counts.
+    amax.fill_(-1.0)
+    ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, 1, None, None, amax, 256.0)
+    assert scale.item() == 2.0 ** 29 and growth.item() == 1
 
 
 def test_amax_policy_argument_errors_change_nothing(device):

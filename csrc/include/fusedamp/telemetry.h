@@ -36,6 +36,8 @@ struct TelemetryLog {
   std::vector<double> grad_norm;      // global L2 norm of the unscaled gradients
   std::vector<double> amax;           // largest finite |gradient| of the scaled gradients
   std::vector<double> underflow_fraction;  // elements that are zero or subnormal in their dtype
+  std::vector<double> subnormal_fraction;  // of them, the subnormal ones (nonzero: certainly
+                                           // lost precision; zeros may also be structural)
   std::vector<at::Tensor> first_nonfinite;  // the parameter whose gradient overflowed first,
                                             // undefined where none did
 };

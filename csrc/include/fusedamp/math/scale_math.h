@@ -16,8 +16,11 @@
 // amax): the scale backs off to where that bound would sit under the target, or by torch's
 // backoff factor if that is further. Overflowing from far too high a scale (2^24, say) then
 // costs one or two skipped steps instead of one per halving, and the first clean step moves
-// the scale back up to what it measures. A clean step with amax == 0 (all gradients zero)
-// carries no measurement: torch's growth rule.
+// the scale back up to what it measures. Symmetrically, a clean step whose gradients are all
+// zero (amax == 0) proves that every one was below FP16's smallest subnormal, 2^-24, at this
+// scale: the scale grows at once to where 2^-24 would sit under the target (x 2^34 for the
+// default target). A caller with no measurement at all (no gradient pass this step) passes no
+// amax: torch's rule.
 #include <c10/macros/Macros.h>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +43,8 @@ struct ScaleHyper {
 // The amax an overflow proves at least: FP16's largest finite value (loss scaling exists for
 // FP16; a BF16 or FP32 gradient that overflows went past far more).
 constexpr double kOverflowAmax = 65504.0;
+// The amax an all-zero step proves at most: FP16's smallest subnormal (2^-24).
+constexpr double kAllZeroAmax = 5.9604644775390625e-08;
 
 C10_HOST_DEVICE inline bool finite_f(float x) {
   return x - x == 0.f;
@@ -75,12 +80,13 @@ C10_HOST_DEVICE inline float clamp_scale(float s, const ScaleHyper& h) {
   return s;
 }
 
-// amax: this step's largest finite |scaled gradient|; read only when h.amax_target > 0.
+// amax: this step's largest finite |scaled gradient|; read only when h.amax_target > 0 (a
+// negative or NaN amax: no measurement).
 C10_HOST_DEVICE inline void update_scale(
     float& scale, int32_t& growth_tracker, int32_t& hysteresis_tracker, bool found_inf,
-    const ScaleHyper& h, double amax = 0.0) {
+    const ScaleHyper& h, double amax = -1.0) {
   const bool amax_policy = h.amax_target > 0.0;
-  const bool measured = amax_policy && amax > 0.0 && amax - amax == 0.0;
+  const bool measured = amax_policy && amax >= 0.0 && amax - amax == 0.0;
   if (found_inf) {
     growth_tracker = 0;
     hysteresis_tracker = hysteresis_tracker > 0 ? hysteresis_tracker - 1 : 0;
@@ -100,7 +106,8 @@ C10_HOST_DEVICE inline void update_scale(
   }
   hysteresis_tracker = h.hysteresis;
   if (measured) {
-    scale = clamp_scale(amax_policy_scale(scale, amax, h.amax_target), h);
+    const double at_most = amax > 0.0 ? amax : kAllZeroAmax;
+    scale = clamp_scale(amax_policy_scale(scale, at_most, h.amax_target), h);
     growth_tracker = 0;
     return;
   }
