@@ -70,3 +70,12 @@ bench-host: build
 .PHONY: bench-train
 bench-train: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_train.py $(BENCH_ARGS)
+
+# The loss-scale policies side by side (issue 15): benchmarks/results/scale_policy_<device>.*;
+# and the measurement behind the amax policy's default target: results/amax_margin.*.
+.PHONY: bench-scale-policy bench-amax-margin
+bench-scale-policy: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_scale_policy.py $(BENCH_ARGS)
+
+bench-amax-margin: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/amax_margin.py $(BENCH_ARGS)

@@ -170,7 +170,7 @@ def start_iteration(scaler, device):
     scaler.scale(torch.ones((), device=device))
 
 
-def fusedamp_whole_step(clip, lean=False):
+def fusedamp_whole_step(clip, lean=False, telemetry=True):
     def build(device, n, numel):
         require_real_device(device)
         import fusedamp
@@ -186,7 +186,10 @@ def fusedamp_whole_step(clip, lean=False):
         except (TypeError, ValueError) as e:
             refused = sorted(LEAN_OPTIONS if lean else options)
             raise Skip(f"the installed fusedamp.optim.AdamW refuses {refused} ({e})") from e
-        scaler = fusedamp.GradScaler(device, init_scale=LOSS_SCALE)
+        try:
+            scaler = fusedamp.GradScaler(device, init_scale=LOSS_SCALE, telemetry=telemetry)
+        except TypeError as e:
+            raise Skip(f"the installed fusedamp.GradScaler has no telemetry switch ({e})") from e
         start_iteration(scaler, device)
 
         def call():
@@ -250,6 +253,10 @@ ROWS = [
     Row("whole AMP step", TORCH_STEP,
         Side("fusedamp_step", "fusedamp.GradScaler + fusedamp.optim.AdamW", MIXED_DTYPE,
              fusedamp_whole_step(clip=False)), "step"),
+    Row("whole AMP step, telemetry off", TORCH_STEP,
+        Side("fusedamp_step_no_telemetry", "fusedamp.GradScaler(telemetry=False) + "
+             "fusedamp.optim.AdamW", MIXED_DTYPE, fusedamp_whole_step(clip=False,
+                                                                   telemetry=False)), "step"),
     Row("whole AMP step, clipping", TORCH_STEP_CLIP,
         Side("fusedamp_step_clip", "fusedamp.GradScaler + fusedamp.optim.AdamW("
              "max_grad_norm=1.0)", MIXED_DTYPE, fusedamp_whole_step(clip=True)), "step"),
