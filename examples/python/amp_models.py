@@ -130,7 +130,8 @@ class CharGPT(nn.Module):
 class Setup:
     """One training set-up: model + optimizer + the per-step recipe of its mode."""
 
-    def __init__(self, mode, model, lr, weight_decay, device, max_grad_norm=None):
+    def __init__(self, mode, model, lr, weight_decay, device, max_grad_norm=None,
+                 scaler_args=None):
         import fusedamp
 
         self.mode, self.device, self.max_grad_norm = mode, device, max_grad_norm
@@ -152,7 +153,7 @@ class Setup:
             dtype = torch.float16 if mode.endswith("fp16") else torch.bfloat16
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
             self.model, self.opt, self.scaler = fusedamp.initialize(
-                model, opt, dtype, max_grad_norm=max_grad_norm)
+                model, opt, dtype, max_grad_norm=max_grad_norm, **(scaler_args or {}))
         else:
             raise ValueError(mode)
         self.fused = mode.startswith("fusedamp")
@@ -232,12 +233,14 @@ def _rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
-def _task(model_name, mode, device, seed):
-    """(setup, batch(), loss_fn, evaluate()) for one model."""
+def _task(model_name, mode, device, seed, scaler_args=None):
+    """(setup, batch(), loss_fn, evaluate()) for one model; scaler_args go to
+    fusedamp.initialize (fusedamp set-ups)."""
     g = torch.Generator().manual_seed(seed)
     if model_name == "digits-cnn":
         (xtr, ytr), (xte, yte) = digits_data(device)
-        setup = Setup(mode, DigitsCNN().to(device), lr=3e-3, weight_decay=1e-4, device=device)
+        setup = Setup(mode, DigitsCNN().to(device), lr=3e-3, weight_decay=1e-4, device=device,
+                      scaler_args=scaler_args)
 
         def batch():
             ix = torch.randint(0, len(xtr), (64,), generator=g).to(device)
@@ -265,7 +268,7 @@ def _task(model_name, mode, device, seed):
             def loss_fn(m, x, y):
                 return char_loss(lambda idx: m(idx).logits, x, y)
         setup = Setup(mode, model.to(device), lr=2e-3, weight_decay=0.01, device=device,
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, scaler_args=scaler_args)
 
         def batch():
             return char_batch(train, 32, context, g)
@@ -335,3 +338,22 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
     else:  # growth of the process's peak resident set during training
         result["peak_mem_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     return result
+
+
+def policy_run(model_name, policy, steps, *, init_scale=2.0 ** 16, loss_factor=1.0, seed=0):
+    """A fusedamp FP16 run under a loss-scale policy ("torch" or "amax"), optionally with the
+    loss multiplied by `loss_factor` (a deliberately tiny loss); returns the scaler's telemetry,
+    the per-step losses (divided back by loss_factor) and the evaluation."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    setup, batch, loss_fn, evaluate = _task(model_name, "fusedamp-fp16", device, seed,
+                                            scaler_args=dict(policy=policy,
+                                                             init_scale=init_scale))
+
+    def scaled_loss(model, x, y):
+        return loss_fn(model, x, y) * loss_factor
+
+    losses = [setup.train_step(scaled_loss, *batch()) for _ in range(steps)]
+    return {"telemetry": setup.scaler.telemetry(setup.model),
+            "loss": [v / loss_factor for v in torch.stack(losses).float().cpu().tolist()],
+            "eval": evaluate()}

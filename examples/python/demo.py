@@ -1,10 +1,18 @@
 """fusedamp demo: trains real models with FP32, torch.amp and fusedamp (FP16, BF16) side by
-side on real data, then prints a comparison table and saves a plot.
+side on real data, then two stress runs of the char-GPT in FP16 under torch's loss-scale rule
+and under fusedamp's amax policy; prints the comparison and the stress outcomes, and saves one
+picture of it all (demo.png).
 
     python examples/python/demo.py [--steps-scale 1.0] [--out demo_output]
 
 Every (model, set-up) pair runs in its own process, so peak memory is measured per run
-(torch.cuda.max_memory_allocated on a GPU, peak resident set on the CPU).
+(torch.cuda.max_memory_allocated on a GPU, peak resident set on the CPU). The stress runs:
+  "scale too high"  init_scale = 2^24, which overflows: torch's rule halves once per skipped
+                    step; the amax policy drops to what an overflow proves and then moves to
+                    the measured scale;
+  "loss too small"  the loss multiplied by 1e-6 (a mis-normalised loss, a tiny auxiliary
+                    weight) at torch's default init_scale: FP16 gradients underflow to zero or
+                    subnormals until the scale grows (torch's rule: x2 per 2000 clean steps).
 """
 from __future__ import annotations
 
@@ -19,12 +27,43 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 
+# The stress runs: name -> policy_run's keyword arguments.
+STRESS = {"scale too high": dict(init_scale=2.0 ** 24),
+          "loss too small": dict(loss_factor=1e-6)}
+POLICIES = ("torch", "amax")
+
+
 def worker(model_name, mode, steps, out_path, seed=0):
     import amp_models as am
 
     result = am.train_run(model_name, mode, steps, seed=seed, progress=True)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def stress_worker(steps, out_path):
+    import amp_models as am
+
+    runs = {name: {policy: am.policy_run("char-gpt", policy, steps, **kwargs)
+                   for policy in POLICIES}
+            for name, kwargs in STRESS.items()}
+    with open(out_path, "w") as f:
+        json.dump(runs, f)
+
+
+def stress_table(stress):
+    lines = ["| stress run | policy | skipped steps | skipped before the first applied | "
+             "underflow, first step | underflow, last step | final scale | final train loss |",
+             "|---|---|--:|--:|--:|--:|--:|--:|"]
+    for name, runs in stress.items():
+        for policy, r in runs.items():
+            t = r["telemetry"]
+            first_applied = next((k for k, s in enumerate(t["skipped"]) if not s), len(t["skipped"]))
+            tail = r["loss"][-20:]
+            lines.append(f"| {name} | {policy} | {sum(t['skipped'])} | {first_applied} | "
+                         f"{t['underflow_fraction'][0]:.2%} | {t['underflow_fraction'][-1]:.2%} | "
+                         f"{t['scale'][-1]:g} | {sum(tail) / len(tail):.3f} |")
+    return "\n".join(lines)
 
 
 def fmt(v, spec):
@@ -36,9 +75,13 @@ def main():
     ap.add_argument("--out", default="demo_output")
     ap.add_argument("--steps-scale", type=float, default=1.0)
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "STEPS", "OUT"))
+    ap.add_argument("--stress-worker", nargs=2, metavar=("STEPS", "OUT"))
     args = ap.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3])
+        return
+    if args.stress_worker:
+        stress_worker(int(args.stress_worker[0]), args.stress_worker[1])
         return
 
     from amp_models import MODES, REFERENCE_OF, TORCH_AMP_BF16
@@ -85,42 +128,82 @@ def main():
             f"{metric} | {r['ms_per_step']:.2f} | {base['ms_per_step'] / r['ms_per_step']:.2f}x | "
             f"{r['peak_mem_mb']:.0f} | {fmt(r['skipped_steps'], 'd')} | "
             f"{fmt(r['final_scale'], '.0f')} |")
-    table = "\n".join(lines)
+    stress_steps = plan[1][1]
+    print(f"  stress runs: char-gpt FP16, {stress_steps} steps, "
+          f"{' / '.join(STRESS)} x policy {' / '.join(POLICIES)} ...", flush=True)
+    stress_path = os.path.join(args.out, "stress.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--stress-worker",
+                    str(stress_steps), stress_path], check=True)
+    with open(stress_path) as f:
+        stress = json.load(f)
+    table = "\n".join(lines) + "\n\nStress runs (char-gpt, fusedamp FP16):\n\n" + \
+        stress_table(stress)
     print(table)
     with open(os.path.join(args.out, "demo_table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "demo_results.json"), "w") as f:
         json.dump(results, f)
-    plot(results, os.path.join(args.out, "demo.png"))
+    plot(results, stress, os.path.join(args.out, "demo.png"))
     print(f"\nplot: {os.path.join(args.out, 'demo.png')}   table: {os.path.join(args.out, 'demo_table.md')}")
 
 
-def plot(results, path):
-    import matplotlib
+def smoothed(curve, k=10):
+    return [sum(curve[max(0, i - k):i + 1]) / len(curve[max(0, i - k):i + 1])
+            for i in range(len(curve))]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot(results, stress, path):
+    """One picture: the side-by-side runs (loss curves, step time and peak memory) on top, the
+    stress runs' telemetry (torch's rule vs the amax policy) below."""
+    from fusedamp.diagnostics import draw_panel
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(18, 13), layout="constrained")
+    axes = fig.subplots(3, 3)
     models = sorted({r["model"] for r in results})
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7))
-    for col, m in enumerate(models):
-        ax, sax = axes[0][col], axes[1][col]
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    for ax, m in zip(axes[0][:2], models):
         for r in (r for r in results if r["model"] == m):
-            curve = r["loss_curve"]
-            k = 10
-            smooth = [sum(curve[max(0, i - k):i + 1]) / len(curve[max(0, i - k):i + 1])
-                      for i in range(len(curve))]
-            ax.plot(smooth, label=r["mode"])
-            if r["scale_history"]:
-                sax.semilogy(r["scale_history"], label=r["mode"])
+            ax.plot(smoothed(r["loss_curve"]), label=r["mode"])
         ax.set_title(f"{m}: training loss (smoothed)")
         ax.set_xlabel("step")
-        ax.legend()
-        sax.set_title(f"{m}: loss scale")
-        sax.set_xlabel("step")
-        sax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    width = 0.8 / len(modes)
+    for ax, key, title in ((axes[0][2], "ms_per_step", "ms per step (lower is faster)"),
+                           (axes[1][2], "peak_mem_mb", "peak memory, MB")):
+        for k, mode in enumerate(modes):
+            values = [next(r[key] for r in results if r["model"] == m and r["mode"] == mode)
+                      for m in models]
+            ax.bar([i + k * width for i in range(len(models))], values, width, label=mode)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    high = {p: r["telemetry"] for p, r in stress["scale too high"].items()}
+    small = {p: r["telemetry"] for p, r in stress["loss too small"].items()}
+    for ax, telemetry, key, title in (
+            (axes[1][0], high, "scale", "scale too high (init 2^24): loss scale, skips in red"),
+            (axes[2][0], small, "underflow_fraction",
+             "loss too small (x1e-6): FP16 gradients underflowed"),
+            (axes[2][1], small, "scale", "loss too small: loss scale"),
+            (axes[2][2], small, "amax", "loss too small: amax of the scaled gradients")):
+        draw_panel(ax, {f"policy={p}": t for p, t in telemetry.items()}, key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    ax = axes[1][1]
+    for policy, r in stress["scale too high"].items():
+        ax.plot(smoothed(r["loss"]), label=f"policy={policy}")
+    ax.set_title("scale too high: training loss (smoothed)")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.suptitle(f"fusedamp demo ({results[0]['device']}): fusedamp vs torch.amp, and the loss "
+                 "scale under stress")
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
