@@ -271,12 +271,41 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
 
 }  // namespace
 
+namespace {
+
+// grad_stats_'s telemetry output, where either op takes it.
+void check_telemetry(const char* op, const OptTensor& telemetry, const c10::Device& device) {
+  if (!telemetry.has_value() || !telemetry->defined()) {
+    return;
+  }
+  const Tensor& t = *telemetry;
+  TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 1 && t.is_contiguous() &&
+                  t.sym_numel() == math::kTelemetrySlots,
+              op, ": telemetry must be a contiguous 1-D tensor of ", math::kTelemetrySlots,
+              " elements (amax, subnormal count, zero count, first non-finite position), got "
+              "shape ", t.sym_sizes());
+  TORCH_CHECK(t.scalar_type() == at::kDouble, op, ": telemetry must be float64, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == device, op, ": telemetry is on ", t.device(),
+              " but found_inf is on ", device);
+}
+
+}  // namespace
+
 bool unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
-                       const Tensor& inv_scale) {
+                       const Tensor& inv_scale, const OptTensor& sum_sq,
+                       const OptTensor& telemetry) {
   TORCH_CHECK(found_inf.defined(), op, ": found_inf is undefined");
   const auto device = found_inf.device();
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
   check_scalar(op, "inv_scale", inv_scale, at::kFloat, device);
+  const bool with_sum_sq = sum_sq.has_value() && sum_sq->defined();
+  if (with_sum_sq) {
+    check_scalar(op, "sum_sq", *sum_sq, at::kFloat, device);
+  }
+  TORCH_CHECK(with_sum_sq || !telemetry.has_value() || !telemetry->defined(), op,
+              ": telemetry needs sum_sq (the statistics pass gives both)");
+  check_telemetry(op, telemetry, device);
   return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
 }
 
@@ -301,18 +330,7 @@ bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const
     TORCH_CHECK(f.device() == device, op, ": tensor_flags is on ", f.device(),
                 " but found_inf is on ", device);
   }
-  if (telemetry.has_value() && telemetry->defined()) {
-    const Tensor& t = *telemetry;
-    TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 1 && t.is_contiguous() &&
-                    t.sym_numel() == math::kTelemetrySlots,
-                op, ": telemetry must be a contiguous 1-D tensor of ", math::kTelemetrySlots,
-                " elements (amax, subnormal count, zero count, first non-finite position), got "
-                "shape ", t.sym_sizes());
-    TORCH_CHECK(t.scalar_type() == at::kDouble, op, ": telemetry must be float64, got ",
-                t.scalar_type());
-    TORCH_CHECK(t.device() == device, op, ": telemetry is on ", t.device(),
-                " but found_inf is on ", device);
-  }
+  check_telemetry(op, telemetry, device);
   return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
 }
 

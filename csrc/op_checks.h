@@ -14,7 +14,8 @@ using OptTensor = std::optional<Tensor>;
 
 // Returns whether some grads are for torch's per-tensor kernel (per_tensor_grad below).
 bool unscale_and_check(const char* op, TensorList grads, const Tensor& found_inf,
-                       const Tensor& inv_scale);
+                       const Tensor& inv_scale, const OptTensor& sum_sq,
+                       const OptTensor& telemetry);
 
 // A grad the fused kernels do not walk (they take FP32, FP16 and BF16 grads as one flat block):
 // FP64, or strided but not dense. unscale_and_check_ leaves it to torch's own

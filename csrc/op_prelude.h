@@ -37,6 +37,8 @@ struct UnscaleAndCheck {
   TensorList grads;
   const Tensor& found_inf;
   const Tensor& inv_scale;
+  const OptTensor& sum_sq;     // given: grad_stats_'s sum of squares too (before unscaling)
+  const OptTensor& telemetry;  // given (only with sum_sq): grad_stats_'s telemetry too
 };
 
 struct GradStats {
@@ -157,18 +159,26 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
 // ---- the ops, as registered -----------------------------------------------------------------
 
 // Grads the fused kernels do not walk (FP64, or strided but not dense) go to torch's own
-// kernel, which torch's op also uses for them; the contract is the same.
+// kernel, which torch's op also uses for them; the contract is the same. With statistics and
+// such grads (a rare mix), grad_stats_'s own path reads them all first, then the plain unscale.
 template <typename Backend>
-void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale) {
-  if (!checks::unscale_and_check(UnscaleAndCheck::kOp, grads, found_inf, inv_scale)) {
-    Backend::unscale_and_check(UnscaleAndCheck{grads, found_inf, inv_scale});
+void unscale_and_check(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
+                       const OptTensor& sum_sq, const OptTensor& telemetry) {
+  const bool per_tensor_grads = checks::unscale_and_check(UnscaleAndCheck::kOp, grads, found_inf,
+                                                          inv_scale, sum_sq, telemetry);
+  if (!per_tensor_grads) {
+    Backend::unscale_and_check(UnscaleAndCheck{grads, found_inf, inv_scale, sum_sq, telemetry});
     return;
+  }
+  if (sum_sq && sum_sq->defined()) {
+    grad_stats_split(&Backend::grad_stats, grads, found_inf, *sum_sq, std::nullopt, telemetry);
   }
   std::vector<Tensor> fused, per_tensor;
   for (const auto& g : grads) {
     (checks::per_tensor_grad(g) ? per_tensor : fused).push_back(g);
   }
-  Backend::unscale_and_check(UnscaleAndCheck{fused, found_inf, inv_scale});
+  Backend::unscale_and_check(
+      UnscaleAndCheck{fused, found_inf, inv_scale, std::nullopt, std::nullopt});
   Tensor found_inf_handle = found_inf;  // the same tensor; torch's signature takes Tensor&
   at::_amp_foreach_non_finite_check_and_unscale_(per_tensor, found_inf_handle, inv_scale);
 }

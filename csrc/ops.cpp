@@ -5,11 +5,14 @@
 
 namespace fusedamp::ops {
 
-void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedamp::unscale_and_check_", "")
-                             .typed<void(TensorList, const Tensor&, const Tensor&)>();
-  op.call(grads, found_inf, inv_scale);
+void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
+                        const OptTensor& sum_sq, const OptTensor& telemetry) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusedamp::unscale_and_check_", "")
+          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
+                      const OptTensor&)>();
+  op.call(grads, found_inf, inv_scale, sum_sq, telemetry);
 }
 
 void grad_stats_(

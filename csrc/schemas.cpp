@@ -6,8 +6,12 @@
 
 TORCH_LIBRARY(fusedamp, m) {
   // grads *= inv_scale; found_inf = 1 if any element of any grad is inf/NaN (never reset to 0).
-  // Same contract as torch._amp_foreach_non_finite_check_and_unscale_.
-  m.def("unscale_and_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  // Same contract as torch._amp_foreach_non_finite_check_and_unscale_. With sum_sq (and
+  // telemetry, which needs it), also what grad_stats_ adds to them, of the values before they
+  // are unscaled, in the same read.
+  m.def(
+      "unscale_and_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "Tensor(c!)? sum_sq=None, Tensor(d!)? telemetry=None) -> ()");
 
   // Read-only pass over the grads: found_inf |= any non-finite; sum_sq += sum of squares of all
   // elements (FP32 accumulation); tensor_flags[i] = 1 where grads[i] holds a non-finite value.

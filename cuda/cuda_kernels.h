@@ -16,7 +16,8 @@ namespace fusedamp::cuda {
 
 // unscale_kernels.cu
 void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
-                       const at::Tensor& inv_scale);
+                       const at::Tensor& inv_scale, const std::optional<at::Tensor>& sum_sq,
+                       const std::optional<at::Tensor>& telemetry);
 void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
                 const std::optional<at::Tensor>& tensor_flags,
                 const std::optional<at::Tensor>& telemetry);

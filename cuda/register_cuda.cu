@@ -22,7 +22,7 @@ namespace {
 struct CudaOps {
   static void unscale_and_check(const prelude::UnscaleAndCheck& op) {
     const c10::cuda::CUDAGuard guard(op.found_inf.device());
-    cuda::unscale_and_check(op.grads, op.found_inf, op.inv_scale);
+    cuda::unscale_and_check(op.grads, op.found_inf, op.inv_scale, op.sum_sq, op.telemetry);
   }
 
   static void grad_stats(const prelude::GradStats& op) {

@@ -2,6 +2,8 @@
 //   unscale_and_check_  read 1 + write 1 element of the grad dtype (FP16: 4 bytes/element).
 //   grad_stats_         read 1 element (FP16: 2 bytes/element), plus one FP32 partial per
 //                       block of kChunk elements (negligible).
+//   unscale_and_check_ with sum_sq (and telemetry): grad_stats_'s pass writing the unscaled
+//                       values back: read 1 + write 1 element, no second pass.
 // Lists may mix dtypes: tensors are grouped by dtype and each group is one multi-tensor apply.
 // The non-finite test and the square sum are fusedamp::math's, shared with the CPU kernels.
 //
@@ -23,6 +25,7 @@
 #include <fusedamp/math/unscale_math.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../csrc/dispatch_float_types.h"
@@ -86,14 +89,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, bool kTelemetry>
-struct StatsOp : GradLanes<const T> {
+// The statistics pass: check, sum of squares and (kTelemetry) telemetry of the values as read;
+// with kUnscale they are then unscaled and written back in the same pass (unscale_and_check_
+// with statistics).
+template <typename T, bool kUnscale, bool kTelemetry>
+struct StatsOp : GradLanes<std::conditional_t<kUnscale, T, const T>> {
+  using Lanes = GradLanes<std::conditional_t<kUnscale, T, const T>>;
+  float inv_scale = 1.f;
   float bad = 0.f;
   float sq = 0.f;
   math::TelemetryLanes<float> tele = math::telemetry_zero<float>();
 
   template <int L>
-  using Regs = typename GradLanes<const T>::template Regs<L>;
+  using Regs = typename Lanes::template Regs<L>;
   template <int L>
   __device__ __forceinline__ void apply(Regs<L>& r) {
 #pragma unroll
@@ -103,10 +111,17 @@ struct StatsOp : GradLanes<const T> {
       if constexpr (kTelemetry) {
         math::accumulate_telemetry(tele, r.x[l], math::smallest_normal<T>());
       }
+      if constexpr (kUnscale) {
+        r.x[l] = math::unscale(r.x[l], inv_scale);
+      }
     }
   }
   template <int L>
-  __device__ __forceinline__ void store(int, const Regs<L>&) const {}
+  __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
+    if constexpr (kUnscale) {
+      store_lanes<L>(this->g + i, r.x);
+    }
+  }
 };
 
 __device__ __forceinline__ unsigned long long* as_bits(double* p) {
@@ -116,12 +131,16 @@ __device__ __forceinline__ unsigned long long bits_of(double x) {
   return static_cast<unsigned long long>(__double_as_longlong(x));
 }
 
-template <typename T, bool kTelemetry>
+// inv_scale: nullptr for grad_stats_ (read only), the scale's inverse to unscale as well.
+template <typename T, bool kUnscale, bool kTelemetry>
 __global__ void __launch_bounds__(kThreads)
     grad_stats_kernel(const __grid_constant__ StatsBatch m, float* found_inf, float* partials,
-                      double* telemetry) {
+                      double* telemetry, const float* inv_scale) {
   const ChunkRef c = this_chunk(m);
-  StatsOp<T, kTelemetry> op{{static_cast<const T*>(m.ptr[0][c.t]) + c.offset}};
+  StatsOp<T, kUnscale, kTelemetry> op{{static_cast<T*>(m.ptr[0][c.t]) + c.offset}};
+  if constexpr (kUnscale) {
+    op.inv_scale = *inv_scale;
+  }
   chunk_loop<vec_width<T>()>(op, c.n, c.aligned);
   const bool bad = __syncthreads_or(math::is_nonfinite_marker(op.bad)) != 0;
   const float sq = block_sum(op.sq);
@@ -196,27 +215,12 @@ auto no_extra = [](size_t, void**) {};
 
 }  // namespace
 
-void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
-                       const at::Tensor& inv_scale) {
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  float* fi = found_inf.data_ptr<float>();
-  const float* is = inv_scale.const_data_ptr<float>();
-  for (const auto& grp : group_by_dtype(grads)) {
-    FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_unscale_and_check_cuda", [&] {
-      multi_tensor_apply<1, 0>(
-          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), no_extra,
-          [&](const UnscaleBatch& b, int64_t blocks) {
-            unscale_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-                b, fi, is);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          });
-    });
-  }
-}
+namespace {
 
-void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
+// grad_stats_'s pass (see the kernel), unscaling as well when inv_scale is given.
+void stats_pass(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
                 const std::optional<at::Tensor>& tensor_flags,
-                const std::optional<at::Tensor>& telemetry) {
+                const std::optional<at::Tensor>& telemetry, const float* inv_scale) {
   const int64_t total = total_chunks(grads);
   if (total == 0) {
     return;  // nothing to add; found_inf, the flags and the telemetry keep their values
@@ -236,21 +240,55 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
       slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(grp.idx[k]));
     };
     FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_grad_stats_cuda", [&] {
-      BoolSwitch{tele != nullptr}.visit([&](auto with_telemetry) {
-        multi_tensor_apply<1, 2>(
-            {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
-            [&](const StatsBatch& b, int64_t blocks) {
-              grad_stats_kernel<scalar_t, decltype(with_telemetry)::value>
-                  <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, fi, part + base,
-                                                                           tele);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-            });
-      });
+      static_switch(
+          [&](auto unscale, auto with_telemetry) {
+            multi_tensor_apply<1, 2>(
+                {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
+                [&](const StatsBatch& b, int64_t blocks) {
+                  grad_stats_kernel<scalar_t, decltype(unscale)::value,
+                                    decltype(with_telemetry)::value>
+                      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                          b, fi, part + base, tele, inv_scale);
+                  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                });
+          },
+          BoolSwitch{inv_scale != nullptr}, BoolSwitch{tele != nullptr});
     });
     base += total_chunks(grp.tensors);
   }
   sum_partials_kernel<<<1, kThreads, 0, stream>>>(part, total, sum_sq.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale, const std::optional<at::Tensor>& sum_sq,
+                       const std::optional<at::Tensor>& telemetry) {
+  const float* is = inv_scale.const_data_ptr<float>();
+  if (sum_sq && sum_sq->defined()) {
+    stats_pass(grads, found_inf, *sum_sq, std::nullopt, telemetry, is);
+    return;
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  float* fi = found_inf.data_ptr<float>();
+  for (const auto& grp : group_by_dtype(grads)) {
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_unscale_and_check_cuda", [&] {
+      multi_tensor_apply<1, 0>(
+          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), no_extra,
+          [&](const UnscaleBatch& b, int64_t blocks) {
+            unscale_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                b, fi, is);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+    });
+  }
+}
+
+void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& sum_sq,
+                const std::optional<at::Tensor>& tensor_flags,
+                const std::optional<at::Tensor>& telemetry) {
+  stats_pass(grads, found_inf, sum_sq, tensor_flags, telemetry, nullptr);
 }
 
 }  // namespace fusedamp::cuda

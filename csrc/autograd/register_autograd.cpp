@@ -72,22 +72,45 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 }
 
 // ---- unscale_and_check_ --------------------------------------------------------------------
-using UnscaleSig = void(TensorList, const Tensor&, const Tensor&);
+using UnscaleSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
+                        const OptTensor&);
 const c10::TypedOperatorHandle<UnscaleSig>& unscale_op() {
   static const auto op = find<UnscaleSig>("fusedamp::unscale_and_check_");
   return op;
 }
 
+// The optional outputs a statistics pass writes (grad_stats_'s and unscale_and_check_'s).
+void refuse_optional_in_grad_mode(const char* op, const OptTensor& a, const OptTensor& b) {
+  for (const OptTensor* written : {&a, &b}) {
+    if (*written && (*written)->defined()) {
+      refuse_in_grad_mode(op, {**written});
+    }
+  }
+}
+
+void bump_optional(const OptTensor& a, const OptTensor& b) {
+  for (const OptTensor* written : {&a, &b}) {
+    if (*written && (*written)->defined()) {
+      bump_versions({**written});
+    }
+  }
+}
+
 void unscale_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
-                      const Tensor& inv_scale) {
+                      const Tensor& inv_scale, const OptTensor& sum_sq,
+                      const OptTensor& telemetry) {
   refuse_in_grad_mode("fusedamp::unscale_and_check_", {grads, found_inf});
-  unscale_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, inv_scale);
+  refuse_optional_in_grad_mode("fusedamp::unscale_and_check_", sum_sq, telemetry);
+  unscale_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, inv_scale, sum_sq,
+                          telemetry);
 }
 
 void unscale_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
-                  const Tensor& inv_scale) {
-  unscale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+                  const Tensor& inv_scale, const OptTensor& sum_sq, const OptTensor& telemetry) {
+  unscale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale,
+                          sum_sq, telemetry);
   bump_versions({grads, found_inf});
+  bump_optional(sum_sq, telemetry);
 }
 
 // ---- grad_stats_ ---------------------------------------------------------------------------
@@ -101,9 +124,7 @@ const c10::TypedOperatorHandle<StatsSig>& stats_op() {
 void stats_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
                     const Tensor& sum_sq, const OptTensor& flags, const OptTensor& telemetry) {
   refuse_in_grad_mode("fusedamp::grad_stats_", {found_inf, sum_sq});
-  if (telemetry) {
-    refuse_in_grad_mode("fusedamp::grad_stats_", {*telemetry});
-  }
+  refuse_optional_in_grad_mode("fusedamp::grad_stats_", telemetry, std::nullopt);
   stats_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, sum_sq, flags,
                         telemetry);
 }
@@ -113,11 +134,7 @@ void stats_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_in
   stats_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, sum_sq, flags,
                         telemetry);
   bump_versions({found_inf, sum_sq});
-  for (const OptTensor* written : {&flags, &telemetry}) {
-    if (*written && (*written)->defined()) {
-      bump_versions({**written});
-    }
-  }
+  bump_optional(flags, telemetry);
 }
 
 // ---- update_scale_ -------------------------------------------------------------------------

@@ -47,8 +47,10 @@ struct GradTelemetry {
 };
 
 struct KernelTable {
-  // grads *= inv_scale; returns true if any element was non-finite.
-  bool (*unscale_and_check)(at::TensorList grads, float inv_scale);
+  // grads *= inv_scale; returns true if any element was non-finite. With sum_sq, also what
+  // grad_stats adds to *sum_sq and *telemetry (optional), of the values before unscaling.
+  bool (*unscale_and_check)(at::TensorList grads, float inv_scale, double* sum_sq,
+                            GradTelemetry* telemetry);
   // Adds the sum of squares to *sum_sq; sets flags[i] = true where grads[i] is non-finite;
   // fills *telemetry when given. Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
@@ -61,7 +63,8 @@ struct KernelTable {
 
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
   namespace NS {                                                                             \
-  bool unscale_and_check(at::TensorList grads, float inv_scale);                             \
+  bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,              \
+                         GradTelemetry* telemetry);                                          \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,           \
                   GradTelemetry* telemetry);                                                 \
   void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,       \

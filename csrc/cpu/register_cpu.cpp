@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,10 +82,36 @@ void run_step(const Step& step, const Kernel& kernel) {
 }
 
 // What the CPU does once op_prelude.h has checked the arguments.
+// A statistics pass's results into the op's tensors (math::TelemetrySlot's combination rules).
+void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telemetry,
+                 const std::optional<at::Tensor>& telemetry_out) {
+  *sum_sq.data_ptr<float>() += static_cast<float>(sq);
+  if (telemetry == nullptr) {
+    return;
+  }
+  double* t = telemetry_out->data_ptr<double>();
+  t[math::kAmax] = std::max(t[math::kAmax], telemetry->amax);
+  t[math::kSubnormal] += telemetry->n_subnormal;
+  t[math::kZero] += telemetry->n_zero;
+  if (telemetry->first_nonfinite >= 0) {
+    t[math::kFirstNonfinite] =
+        std::min(t[math::kFirstNonfinite], static_cast<double>(telemetry->first_nonfinite));
+  }
+}
+
 struct CpuOps {
   static void unscale_and_check(const prelude::UnscaleAndCheck& op) {
-    if (kernels().unscale_and_check(op.grads, *op.inv_scale.const_data_ptr<float>())) {
+    const bool want_stats = op.sum_sq && op.sum_sq->defined();
+    const bool want_telemetry = op.telemetry && op.telemetry->defined();
+    double sq = 0.0;
+    GradTelemetry telemetry;
+    if (kernels().unscale_and_check(op.grads, *op.inv_scale.const_data_ptr<float>(),
+                                    want_stats ? &sq : nullptr,
+                                    want_telemetry ? &telemetry : nullptr)) {
       *op.found_inf.data_ptr<float>() = 1.f;
+    }
+    if (want_stats) {
+      write_stats(sq, *op.sum_sq, want_telemetry ? &telemetry : nullptr, op.telemetry);
     }
   }
 
@@ -96,17 +123,7 @@ struct CpuOps {
     GradTelemetry telemetry;
     const bool any = kernels().grad_stats(op.grads, &sq, want_flags ? &flags : nullptr,
                                           want_telemetry ? &telemetry : nullptr);
-    *op.sum_sq.data_ptr<float>() += static_cast<float>(sq);
-    if (want_telemetry) {
-      double* t = op.telemetry->data_ptr<double>();
-      t[math::kAmax] = std::max(t[math::kAmax], telemetry.amax);
-      t[math::kSubnormal] += telemetry.n_subnormal;
-      t[math::kZero] += telemetry.n_zero;
-      if (telemetry.first_nonfinite >= 0) {
-        t[math::kFirstNonfinite] =
-            std::min(t[math::kFirstNonfinite], static_cast<double>(telemetry.first_nonfinite));
-      }
-    }
+    write_stats(sq, op.sum_sq, want_telemetry ? &telemetry : nullptr, op.telemetry);
     if (any) {
       *op.found_inf.data_ptr<float>() = 1.f;
     }

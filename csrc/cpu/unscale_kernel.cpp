@@ -1,6 +1,8 @@
-// CPU: unscale_and_check_ (read 1, write 1 element) and grad_stats_ (read 1), vectorised.
+// CPU: unscale_and_check_ (read 1, write 1 element) and grad_stats_ (read 1), vectorised;
+// unscale_and_check_ with statistics is grad_stats_'s pass writing the unscaled values back.
 // Compiled once per instruction set; see cpu_kernels.h.
 #include "../dispatch_float_types.h"
+#include "../static_switch.h"
 #include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/math/unscale_math.h>
 
@@ -49,6 +51,7 @@ struct ChunkTelemetry {
   float n_zero = 0.f;
 };
 
+// A plain unscale: read, check, multiply, write; nothing else accumulated.
 template <typename T>
 bool unscale_range(T* p, int64_t n, float inv_scale) {
   const Vec s(inv_scale);
@@ -62,9 +65,12 @@ bool unscale_range(T* p, int64_t n, float inv_scale) {
   return has_nan(bad);
 }
 
+// The statistics pass over one chunk: check, sum of squares and (kTelemetry) telemetry of the
+// values as read; with kUnscale they are then unscaled and written back in the same pass.
 // The tail load pads with zeros: those lanes must not count as zero elements.
-template <typename T, bool kTelemetry>
-bool stats_range(const T* p, int64_t n, float* sum_sq, ChunkTelemetry* telemetry) {
+template <typename T, bool kUnscale, bool kTelemetry>
+bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry* telemetry) {
+  const Vec s(inv_scale);
   Vec bad(0.f), sq0(0.f), sq1(0.f);
   auto tele = math::telemetry_zero<Vec>();
   const Vec smallest_normal(math::smallest_normal<T>());
@@ -78,6 +84,9 @@ bool stats_range(const T* p, int64_t n, float* sum_sq, ChunkTelemetry* telemetry
       math::accumulate_telemetry(tele, a, smallest_normal);
       math::accumulate_telemetry(tele, b, smallest_normal);
     }
+    if constexpr (kUnscale) {
+      PairIO<T>::store(p + i, n - i, math::unscale(a, s), math::unscale(b, s));
+    }
   }
   *sum_sq = lane_sum(sq0 + sq1);
   if constexpr (kTelemetry) {
@@ -89,22 +98,9 @@ bool stats_range(const T* p, int64_t n, float* sum_sq, ChunkTelemetry* telemetry
   return has_nan(bad);
 }
 
-}  // namespace
-
-bool unscale_and_check(at::TensorList grads, float inv_scale) {
-  const ChunkPlan plan(grads);
-  std::vector<char> chunk_bad(plan.total, 0);
-  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
-    const at::Tensor& g = grads[i];
-    FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
-      chunk_bad[c] = unscale_range(g.data_ptr<scalar_t>() + begin, end - begin, inv_scale);
-    });
-  });
-  return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });
-}
-
-bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
-                GradTelemetry* telemetry) {
+// grad_stats over `grads`, unscaling them too when inv_scale is given (see cpu_kernels.h).
+bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
+                std::vector<char>* flags, GradTelemetry* telemetry) {
   const ChunkPlan plan(grads);
   std::vector<char> chunk_bad(plan.total, 0);
   std::vector<float> chunk_sq(plan.total, 0.f);
@@ -112,16 +108,23 @@ bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
   for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
-      const scalar_t* p = g.const_data_ptr<scalar_t>() + begin;
-      chunk_bad[c] = telemetry != nullptr
-                         ? stats_range<scalar_t, true>(p, end - begin, &chunk_sq[c], &chunk_tele[c])
-                         : stats_range<scalar_t, false>(p, end - begin, &chunk_sq[c], nullptr);
+      // Read-only unless unscaling: grad_stats_ may be given tensors it must not write.
+      auto* p = const_cast<scalar_t*>(g.const_data_ptr<scalar_t>()) + begin;
+      ChunkTelemetry* tele = telemetry != nullptr ? &chunk_tele[c] : nullptr;
+      const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
+      static_switch(
+          [&](auto unscale, auto with_telemetry) {
+            chunk_bad[c] = stats_range<scalar_t, decltype(unscale)::value,
+                                       decltype(with_telemetry)::value>(p, end - begin, inv,
+                                                                        &chunk_sq[c], tele);
+          },
+          BoolSwitch{inv_scale != nullptr}, BoolSwitch{telemetry != nullptr});
     });
   });
   // Combined in chunk order, so the result does not depend on the number of threads.
   double total = 0.0;
-  for (float s : chunk_sq) {
-    total += s;
+  for (float sq : chunk_sq) {
+    total += sq;
   }
   *sum_sq += total;
   bool any = false;
@@ -144,6 +147,29 @@ bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
     telemetry->n_zero += static_cast<double>(t.n_zero);
   }
   return any;
+}
+
+}  // namespace
+
+bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
+                       GradTelemetry* telemetry) {
+  if (sum_sq != nullptr) {
+    return stats_pass(grads, &inv_scale, sum_sq, nullptr, telemetry);
+  }
+  const ChunkPlan plan(grads);
+  std::vector<char> chunk_bad(plan.total, 0);
+  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+    const at::Tensor& g = grads[i];
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
+      chunk_bad[c] = unscale_range(g.data_ptr<scalar_t>() + begin, end - begin, inv_scale);
+    });
+  });
+  return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });
+}
+
+bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
+                GradTelemetry* telemetry) {
+  return stats_pass(grads, nullptr, sum_sq, flags, telemetry);
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

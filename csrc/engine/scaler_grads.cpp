@@ -77,10 +77,8 @@ void flag_nonfinite(const at::Tensor& g, at::Tensor& flag) {
   flag.add_(at::logical_not(at::isfinite(g)).any());
 }
 
-// The read-only pass through the sink (found_inf into `flag`; the norm only for the record).
-void telemetry_pass(GradTelemetrySink& sink, const DeviceGrads& grads, at::Tensor& flag) {
-  auto params = std::make_shared<const std::vector<at::Tensor>>(grads.fused_params);
-  sink.grad_stats(params, grads.fused, flag, at::zeros({1}, flag.options()));
+ParamList params_of(const DeviceGrads& grads) {
+  return std::make_shared<const std::vector<at::Tensor>>(grads.fused_params);
 }
 
 }  // namespace
@@ -91,10 +89,9 @@ at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
     const auto inv = inv_scale.device() == grads.device
                          ? inv_scale
                          : inv_scale.to(grads.device, /*non_blocking=*/true);
-    if (!grads.fused.empty()) {
-      if (telemetry != nullptr) {
-        telemetry_pass(*telemetry, grads, flag);  // reads the grads while they are scaled
-      }
+    if (!grads.fused.empty() && telemetry != nullptr) {
+      telemetry->unscale_and_check(params_of(grads), grads.fused, flag, inv.reshape({1}));
+    } else if (!grads.fused.empty()) {
       ops::unscale_and_check_(grads.fused, flag, inv.reshape({1}));
     }
     for (auto& g : grads.other) {
@@ -108,7 +105,8 @@ at::Tensor check_grads(at::TensorList params, const c10::Device& target,
                        GradTelemetrySink* telemetry) {
   return flag_over_devices(params, target, [&](DeviceGrads& grads, at::Tensor& flag) {
     if (telemetry != nullptr && !grads.fused.empty()) {
-      telemetry_pass(*telemetry, grads, flag);
+      // The norm goes to the record only.
+      telemetry->grad_stats(params_of(grads), grads.fused, flag, at::zeros({1}, flag.options()));
     } else if (!grads.fused.empty()) {
       ops::grad_stats_(grads.fused, flag, at::zeros_like(flag));
     }

@@ -5,8 +5,8 @@
 // coalesced first, as torch does, since values at duplicate indices could overflow only once
 // summed), and a per-tensor path for dtypes the ops refuse. Flags are 0-dim FP32 on `target`,
 // nonzero where any gradient held inf/NaN; nothing here waits for the device.
-// With a telemetry sink the gradients the ops take are read by grad_stats_ through the sink:
-// check_grads' one pass; before unscale_grads' pass, one read-only pass more.
+// With a telemetry sink the passes go through the sink, which records the gradients (as they
+// were before unscaling) in the same pass.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>

@@ -49,6 +49,28 @@ void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
     ops::grad_stats_(grads, found_inf, sum_sq);
     return;
   }
+  record_pass(params, grads, found_inf, sum_sq, [&](const at::Tensor& telemetry) {
+    ops::grad_stats_(grads, found_inf, sum_sq, std::nullopt, telemetry);
+  });
+}
+
+void ScalerTelemetry::unscale_and_check(const ParamList& params, at::TensorList grads,
+                                        const at::Tensor& found_inf,
+                                        const at::Tensor& inv_scale) {
+  if (!open_ || grads.empty()) {
+    ops::unscale_and_check_(grads, found_inf, inv_scale);
+    return;
+  }
+  const at::Tensor sum_sq = at::zeros({1}, found_inf.options());
+  record_pass(params, grads, found_inf, sum_sq, [&](const at::Tensor& telemetry) {
+    ops::unscale_and_check_(grads, found_inf, inv_scale, sum_sq, telemetry);
+  });
+}
+
+template <typename RunPass>
+void ScalerTelemetry::record_pass(const ParamList& params, at::TensorList grads,
+                                  const at::Tensor& found_inf, const at::Tensor& sum_sq,
+                                  const RunPass& run_pass) {
   // The op gives the first non-finite grad's position in *its* list; the record keeps positions
   // among all gradients the iteration walked. Shifting the running minimum down by the number
   // walked before and back up afterwards makes the op's min() do that without another tensor:
@@ -60,7 +82,7 @@ void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
   if (here && walked_ > 0) {
     first.sub_(static_cast<double>(walked_));
   }
-  ops::grad_stats_(grads, found_inf, sum_sq, std::nullopt, telemetry);
+  run_pass(telemetry);
   if (walked_ > 0) {
     first.add_(static_cast<double>(walked_));
   }

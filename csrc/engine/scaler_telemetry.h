@@ -19,6 +19,8 @@ class ScalerTelemetry final : public GradTelemetrySink {
   void begin_iteration(const c10::Device& device);
   void grad_stats(const ParamList& params, at::TensorList grads, const at::Tensor& found_inf,
                   const at::Tensor& sum_sq) override;
+  void unscale_and_check(const ParamList& params, at::TensorList grads,
+                         const at::Tensor& found_inf, const at::Tensor& inv_scale) override;
   // This iteration's largest finite |scaled gradient| so far: FP64[1] on the scaler's device
   // (0 before any pass: "no measurement").
   at::Tensor amax() const;
@@ -35,6 +37,10 @@ class ScalerTelemetry final : public GradTelemetrySink {
     ParamList params;
     int64_t base;  // position of params->front() among the iteration's walked gradients
   };
+  // run_pass(telemetry) runs the op with this pass's telemetry tensor; the rest is the record's.
+  template <typename RunPass>
+  void record_pass(const ParamList& params, at::TensorList grads, const at::Tensor& found_inf,
+                   const at::Tensor& sum_sq, const RunPass& run_pass);
 
   int64_t capacity_;
   at::Tensor fresh_;    // what a record starts as (see current_)

@@ -66,7 +66,8 @@ class OpInputs:
         in this order: an override, the field of that name (lists as fresh shallow copies, so a
         caller may edit them), HYPER_DEFAULTS. The schema's required positional arguments come
         back positional, the rest as kwargs; an override of None drops a keyword argument.
-        grad_sum_sq goes to a step only with max_grad_norm: the step reads it only to clip."""
+        grad_sum_sq goes to a step only with max_grad_norm: the step reads it only to clip, and
+        to unscale_and_check_ (as sum_sq) only as an override: it asks for the statistics."""
         schema = getattr(torch.ops.fusedamp, op).default._schema
         names = {a.name for a in schema.arguments}
         unknown = set(overrides) - names
@@ -92,6 +93,8 @@ class OpInputs:
                 kwargs[a.name] = value
         if kwargs.get("max_grad_norm") is None and "grad_sum_sq" not in overrides:
             kwargs.pop("grad_sum_sq", None)
+        if op == "unscale_and_check_" and "sum_sq" not in overrides:
+            kwargs.pop("sum_sq", None)  # the plain unscale unless statistics are asked for
         return tuple(args), kwargs
 
     def tensors(self, op):

@@ -44,12 +44,18 @@ def test_opcheck_with_write_back_and_amsgrad(device, name):
 
 
 def test_opcheck_telemetry_and_amax_policy(device):
-    """grad_stats_'s telemetry output and update_scale_'s amax policy under opcheck."""
+    """grad_stats_'s and unscale_and_check_'s statistics outputs and update_scale_'s amax
+    policy under opcheck."""
     inp = op_inputs(device, [(5,), (3, 4)], param_dtype=torch.float16, seed=32,
                     scalars=dict(found_inf=0.0, grad_sum_sq=0.0))
     telemetry = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64, device=device)
     args, kwargs = inp.args("grad_stats_", telemetry=telemetry)
     torch.library.opcheck(ops.grad_stats_.default, args, kwargs)
+    inp = op_inputs(device, [(5,), (3, 4)], param_dtype=torch.float16, seed=33,
+                    scalars=dict(found_inf=0.0, inv_scale=0.5, grad_sum_sq=0.0))
+    args, kwargs = inp.args("unscale_and_check_", sum_sq=inp.grad_sum_sq,
+                            telemetry=telemetry.clone())
+    torch.library.opcheck(ops.unscale_and_check_.default, args, kwargs)
     inp = op_inputs(device, [(5,)], loss_scale=8.0, scalars=dict(found_inf=0.0))
     amax = torch.tensor([3.0], dtype=torch.float64, device=device)
     args, kwargs = inp.args("update_scale_", amax=amax, amax_target=64.0)

@@ -231,3 +231,44 @@ def test_amax_policy_argument_errors_change_nothing(device):
         with pytest.raises(RuntimeError, match=words):
             ops.update_scale_(scale, growth, hyst, found, 2.0, 0.5, 2000, **kwargs)
         assert scale.item() == 8.0 and growth.item() == 0 and hyst.item() == 1
+
+
+# ---- unscale_and_check_ with statistics: grad_stats_'s pass that also unscales ----------------
+
+@pytest.mark.parametrize("mix", ["fused", "with per-tensor grads"])
+def test_unscale_with_stats_is_grad_stats_then_unscale(device, mix):
+    """One pass gives exactly what grad_stats_ gives of the scaled values and leaves exactly
+    what the plain unscale leaves."""
+    grads = grads_with_extremes(device, torch.float16, SIZES, seed=9)
+    grads += grads_with_extremes(device, torch.bfloat16, [300, 5], seed=10)
+    if mix != "fused":
+        grads += [grads_with_extremes(device, torch.float64, [40], seed=11)[0],
+                  grads_with_extremes(device, torch.float32, [90], seed=12)[0][::3]]
+    grads[4][17] = INF
+    inv = torch.tensor([2.0 ** -7], device=device)
+
+    want_telemetry, want_found = run([g.clone() for g in grads], device)
+    want_sum_sq = torch.zeros(1, device=device)
+    ops.grad_stats_([g.clone() for g in grads], torch.zeros(1, device=device), want_sum_sq)
+    plain = [g.clone() for g in grads]
+    ops.unscale_and_check_(plain, torch.zeros(1, device=device), inv)
+
+    found = torch.zeros(1, device=device)
+    sum_sq = torch.zeros(1, device=device)
+    telemetry = torch.tensor([0.0, 0.0, 0.0, INF], dtype=torch.float64, device=device)
+    ops.unscale_and_check_(grads, found, inv, sum_sq, telemetry)
+    assert found.item() == want_found == 1.0
+    assert telemetry.tolist() == want_telemetry
+    assert sum_sq.item() == want_sum_sq.item()
+    for got, want in zip(grads, plain):
+        assert torch.equal(got, want)
+
+
+def test_unscale_telemetry_needs_sum_sq(device):
+    grads = grads_with_extremes(device, torch.float16, [10], seed=13)
+    before = [g.clone() for g in grads]
+    telemetry = torch.zeros(4, dtype=torch.float64, device=device)
+    with pytest.raises(RuntimeError, match="telemetry needs sum_sq"):
+        ops.unscale_and_check_(grads, torch.zeros(1, device=device),
+                               torch.ones(1, device=device), None, telemetry)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before))

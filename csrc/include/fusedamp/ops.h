@@ -13,7 +13,9 @@ using at::Tensor;
 using at::TensorList;
 using OptTensor = std::optional<Tensor>;
 
-void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale);
+void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
+                        const OptTensor& sum_sq = std::nullopt,
+                        const OptTensor& telemetry = std::nullopt);
 
 void grad_stats_(
     TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,

@@ -26,6 +26,10 @@ class GradTelemetrySink {
   // (same order), adding what it sees to this iteration's record.
   virtual void grad_stats(const ParamList& params, at::TensorList grads,
                           const at::Tensor& found_inf, const at::Tensor& sum_sq) = 0;
+  // fusedamp::unscale_and_check_(grads, found_inf, inv_scale), recording the gradients as they
+  // were before unscaling, in the same pass.
+  virtual void unscale_and_check(const ParamList& params, at::TensorList grads,
+                                 const at::Tensor& found_inf, const at::Tensor& inv_scale) = 0;
 };
 
 // The recorded iterations, oldest first (at most the capacity).
