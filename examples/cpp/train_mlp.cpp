@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cstdio>
+#include <string>
 
 namespace {
 
@@ -88,6 +89,28 @@ void train(at::ScalarType dtype, const c10::Device& device) {
                 loss_sum.item<float>() / (kSamples / kBatch),
                 correct.item<int64_t>() / static_cast<double>(kSamples), scaler.get_scale(),
                 static_cast<long long>(opt.skipped_steps().item<int64_t>()));
+  }
+  if (fp16) {
+    // What the scaler recorded of every iteration (one sync): why the first steps were skipped.
+    const fusedamp::TelemetryLog log = scaler.telemetry();
+    int64_t overflows = 0;
+    std::string first_overflow = "-";
+    for (size_t i = 0; i < log.step.size(); ++i) {
+      if (!log.found_inf[i]) {
+        continue;
+      }
+      if (overflows++ == 0 && log.first_nonfinite[i].defined()) {
+        for (const auto& named : model->named_parameters()) {
+          if (named.value().is_same(log.first_nonfinite[i])) {
+            first_overflow = named.key();
+          }
+        }
+      }
+    }
+    std::printf("telemetry: %zu iterations, %lld overflowed (the first in %s); last: amax %.1f, "
+                "%.3f%% of the gradients zero or subnormal\n",
+                log.step.size(), static_cast<long long>(overflows), first_overflow.c_str(),
+                log.amax.back(), 100.0 * log.underflow_fraction.back());
   }
 }
 

@@ -1,6 +1,6 @@
 // Exits non-zero unless the installed fusedamp works from a separate executable: the operators
 // are registered (the library was not dropped by the linker), and one scaled FP16 AdamW step
-// with master weights runs through the C++ API.
+// with master weights runs through the C++ API, recorded by the scaler's telemetry.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <fusedamp/fusedamp.h>
@@ -31,6 +31,10 @@ int main() {
     expect(at::allclose(w.to(at::kFloat), at::full({4}, 0.9f), 0, 1e-3), "weights 1 -> 0.9");
     expect(opt.param_state(w).count("master_param") == 1, "FP32 master weights kept");
     expect(scaler.get_scale() == 128.0, "scale unchanged after a clean step");
+    // The gradient (2 per weight, scaled by 128) as the scaler's telemetry recorded it.
+    const fusedamp::TelemetryLog log = scaler.telemetry();
+    expect(log.step.size() == 1 && log.amax[0] == 256.0 && !log.found_inf[0],
+           "telemetry recorded the iteration");
   } catch (const c10::Error& e) {
     std::printf("FAIL %s\n", e.what_without_backtrace());
     ++failures;
