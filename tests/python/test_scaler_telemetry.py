@@ -232,3 +232,19 @@ def test_amax_policy_resumes_bit_exactly(device):
     other = fusedamp.GradScaler(device, policy="torch")
     with pytest.raises(ValueError, match="policy"):
         other.load_state_dict(saved[0])
+
+
+def test_initialize_and_copies_keep_the_policy(device):
+    """initialize(policy=...) builds the scaler with it; a deepcopy (pickling) keeps policy and
+    target, and starts its own record."""
+    model = make_model(device, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, scaler = fusedamp.initialize(model, opt, torch.float16, policy="amax",
+                                             amax_target=512.0)
+    if not scaler.is_enabled():
+        pytest.skip("no FP16 loss scaling on this device")
+    iterate(device, model, opt, scaler, range(2))
+    clone = copy.deepcopy(scaler)
+    assert clone.state_dict() == scaler.state_dict()
+    assert clone.state_dict()["policy"] == "amax" and clone.state_dict()["amax_target"] == 512.0
+    assert len(scaler.telemetry()["step"]) == 2 and clone.telemetry()["step"] == []
