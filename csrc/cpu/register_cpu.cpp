@@ -81,7 +81,6 @@ void run_step(const Step& step, const Kernel& kernel) {
   counts.advance();
 }
 
-// What the CPU does once op_prelude.h has checked the arguments.
 // A statistics pass's results into the op's tensors (math::TelemetrySlot's combination rules).
 void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telemetry,
                  const std::optional<at::Tensor>& telemetry_out) {
@@ -99,6 +98,7 @@ void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telem
   }
 }
 
+// What the CPU does once op_prelude.h has checked the arguments.
 struct CpuOps {
   static void unscale_and_check(const prelude::UnscaleAndCheck& op) {
     const bool want_stats = op.sum_sq && op.sum_sq->defined();

@@ -105,13 +105,13 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   std::vector<char> chunk_bad(plan.total, 0);
   std::vector<float> chunk_sq(plan.total, 0.f);
   std::vector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
+  const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
   for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
       // Read-only unless unscaling: grad_stats_ may be given tensors it must not write.
       auto* p = const_cast<scalar_t*>(g.const_data_ptr<scalar_t>()) + begin;
       ChunkTelemetry* tele = telemetry != nullptr ? &chunk_tele[c] : nullptr;
-      const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
       static_switch(
           [&](auto unscale, auto with_telemetry) {
             chunk_bad[c] = stats_range<scalar_t, decltype(unscale)::value,

@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <fusedamp/ops.h>
 
-#include <algorithm>
-#include <memory>
-
 namespace fusedamp::optim::detail {
 
 size_t DeviceStats::slot_of(const c10::Device& device) {
@@ -34,16 +31,6 @@ void DeviceStats::add_grad(size_t slot, const at::Tensor& param, const at::Tenso
   devices_[slot].grads.push_back(grad);
 }
 
-const ParamList& DeviceStats::params_for_sink(PerDevice& d) {
-  const bool same = d.shared_params && d.shared_params->size() == d.params.size() &&
-                    std::equal(d.params.begin(), d.params.end(), d.shared_params->begin(),
-                               [](const at::Tensor& x, const at::Tensor& y) { return x.is_same(y); });
-  if (!same) {
-    d.shared_params = std::make_shared<const std::vector<at::Tensor>>(d.params);
-  }
-  return d.shared_params;
-}
-
 void DeviceStats::seed(const at::Tensor& seed_found_inf) {
   for (size_t i = 0; i < devices_.size(); ++i) {
     sum_sq(i).zero_();
@@ -68,7 +55,7 @@ void DeviceStats::run_pass(const at::Tensor& seed_found_inf, GradTelemetrySink* 
       continue;
     }
     if (sink != nullptr) {
-      sink->grad_stats(params_for_sink(d), d.grads, found_inf(i), sum_sq(i));
+      sink->grad_stats(d.params, d.grads, found_inf(i), sum_sq(i));
     } else {
       ops::grad_stats_(d.grads, found_inf(i), sum_sq(i));
     }

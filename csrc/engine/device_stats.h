@@ -44,10 +44,8 @@ class DeviceStats {
     c10::Device device = c10::Device(c10::kCPU);
     at::Tensor stats;  // FP32[2]: found_inf, sum of squares
     std::vector<at::Tensor> grads;
-    std::vector<at::Tensor> params;  // of grads, same order
-    ParamList shared_params;         // the last list a sink saw (kept while unchanged)
+    std::vector<at::Tensor> params;  // of grads, same order (what a sink records)
   };
-  const ParamList& params_for_sink(PerDevice& d);
   void combine();
 
   std::vector<PerDevice> devices_;

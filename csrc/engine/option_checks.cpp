@@ -8,13 +8,12 @@
 namespace fusedamp::optim::detail {
 
 bool flag_option(const std::string& name, double value) {
-  if (name == "master_weights") {
-    TORCH_CHECK_VALUE(value == 0.0 || value == 1.0, "fusedamp: master_weights must be True (an "
-                      "FP32 master copy of FP16/BF16 parameters) or False (none), got ", value,
-                      "; other master-weight modes are not implemented");
-  }
   TORCH_CHECK_VALUE(value == 0.0 || value == 1.0, "fusedamp: '", name,
-                    "' is a flag: True or False, got ", value);
+                    "' is a flag: True or False, got ", value,
+                    name == "master_weights" ? " (True: an FP32 master copy of FP16/BF16 "
+                                               "parameters; other master-weight modes are not "
+                                               "implemented)"
+                                             : "");
   return value != 0.0;
 }
 namespace {

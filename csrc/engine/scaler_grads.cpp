@@ -5,7 +5,6 @@
 #include <fusedamp/ops.h>
 
 #include <algorithm>
-#include <memory>
 #include <vector>
 
 namespace fusedamp::detail {
@@ -77,10 +76,6 @@ void flag_nonfinite(const at::Tensor& g, at::Tensor& flag) {
   flag.add_(at::logical_not(at::isfinite(g)).any());
 }
 
-ParamList params_of(const DeviceGrads& grads) {
-  return std::make_shared<const std::vector<at::Tensor>>(grads.fused_params);
-}
-
 }  // namespace
 
 at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
@@ -90,7 +85,7 @@ at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
                          ? inv_scale
                          : inv_scale.to(grads.device, /*non_blocking=*/true);
     if (!grads.fused.empty() && telemetry != nullptr) {
-      telemetry->unscale_and_check(params_of(grads), grads.fused, flag, inv.reshape({1}));
+      telemetry->unscale_and_check(grads.fused_params, grads.fused, flag, inv.reshape({1}));
     } else if (!grads.fused.empty()) {
       ops::unscale_and_check_(grads.fused, flag, inv.reshape({1}));
     }
@@ -106,7 +101,7 @@ at::Tensor check_grads(at::TensorList params, const c10::Device& target,
   return flag_over_devices(params, target, [&](DeviceGrads& grads, at::Tensor& flag) {
     if (telemetry != nullptr && !grads.fused.empty()) {
       // The norm goes to the record only.
-      telemetry->grad_stats(params_of(grads), grads.fused, flag, at::zeros({1}, flag.options()));
+      telemetry->grad_stats(grads.fused_params, grads.fused, flag, at::zeros({1}, flag.options()));
     } else if (!grads.fused.empty()) {
       ops::grad_stats_(grads.fused, flag, at::zeros_like(flag));
     }

@@ -6,6 +6,7 @@
 #include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/ops.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -43,7 +44,7 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
   open_ = true;
 }
 
-void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
+void ScalerTelemetry::grad_stats(at::TensorList params, at::TensorList grads,
                                  const at::Tensor& found_inf, const at::Tensor& sum_sq) {
   if (!open_ || grads.empty()) {
     ops::grad_stats_(grads, found_inf, sum_sq);
@@ -54,7 +55,7 @@ void ScalerTelemetry::grad_stats(const ParamList& params, at::TensorList grads,
   });
 }
 
-void ScalerTelemetry::unscale_and_check(const ParamList& params, at::TensorList grads,
+void ScalerTelemetry::unscale_and_check(at::TensorList params, at::TensorList grads,
                                         const at::Tensor& found_inf,
                                         const at::Tensor& inv_scale) {
   if (!open_ || grads.empty()) {
@@ -67,8 +68,30 @@ void ScalerTelemetry::unscale_and_check(const ParamList& params, at::TensorList 
   });
 }
 
+ScalerTelemetry::ParamList ScalerTelemetry::list_of(at::TensorList params) const {
+  const size_t pass = layouts_.size();
+  if (pass < last_layouts_.size()) {
+    const ParamList& last = last_layouts_[pass].params;
+    const bool same =
+        last->size() == params.size() &&
+        std::equal(params.begin(), params.end(), last->begin(),
+                   [](const at::Tensor& p, const WeakParam& w) {
+                     return p.unsafeGetTensorImpl() == w._unsafe_get_target();
+                   });
+    if (same) {
+      return last;
+    }
+  }
+  auto list = std::make_shared<std::vector<WeakParam>>();
+  list->reserve(params.size());
+  for (const auto& p : params) {
+    list->emplace_back(p.getIntrusivePtr());
+  }
+  return list;
+}
+
 template <typename RunPass>
-void ScalerTelemetry::record_pass(const ParamList& params, at::TensorList grads,
+void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
                                   const at::Tensor& found_inf, const at::Tensor& sum_sq,
                                   const RunPass& run_pass) {
   // The op gives the first non-finite grad's position in *its* list; the record keeps positions
@@ -97,7 +120,7 @@ void ScalerTelemetry::record_pass(const ParamList& params, at::TensorList grads,
   const at::Tensor sum_sq_here =
       here ? sum_sq.reshape({1}) : sum_sq.reshape({1}).to(current_.device(), /*non_blocking=*/true);
   current_.narrow(0, kSumSq, 1).add_(sum_sq_here);  // FP32 into FP64, in place
-  layouts_.push_back(PassLayout{params, walked_});
+  layouts_.push_back(PassLayout{list_of(params), walked_});
   walked_ += static_cast<int64_t>(grads.size());
   for (const auto& g : grads) {
     elements_ += static_cast<double>(g.numel());
@@ -118,8 +141,9 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
   row.narrow(0, kFoundInf, 1).copy_(found_inf.reshape({1}));
   row.narrow(0, kCurrent, kSumSq + 1).copy_(current_);
   ring_elements_[static_cast<size_t>(slot)] = elements_;
-  ring_layouts_[static_cast<size_t>(slot)] = std::move(layouts_);
+  last_layouts_ = std::move(layouts_);
   layouts_.clear();
+  ring_layouts_[static_cast<size_t>(slot)] = last_layouts_;
   ++recorded_;
   open_ = false;
 }
@@ -154,7 +178,8 @@ TelemetryLog ScalerTelemetry::read() const {
       for (const auto& pass : ring_layouts_[static_cast<size_t>(slot)]) {
         if (position >= pass.base &&
             position < pass.base + static_cast<int64_t>(pass.params->size())) {
-          param = (*pass.params)[static_cast<size_t>(position - pass.base)];
+          // Undefined if the parameter no longer exists.
+          param = at::Tensor((*pass.params)[static_cast<size_t>(position - pass.base)].lock());
         }
       }
     }

@@ -4,9 +4,12 @@
 // on the device. Nothing here syncs with the host except read().
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
 #include <fusedamp/telemetry.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace fusedamp::detail {
@@ -17,9 +20,9 @@ class ScalerTelemetry final : public GradTelemetrySink {
 
   // Starts this iteration's record on `device` (the scaler's); forgets an unclosed one.
   void begin_iteration(const c10::Device& device);
-  void grad_stats(const ParamList& params, at::TensorList grads, const at::Tensor& found_inf,
+  void grad_stats(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
                   const at::Tensor& sum_sq) override;
-  void unscale_and_check(const ParamList& params, at::TensorList grads,
+  void unscale_and_check(at::TensorList params, at::TensorList grads,
                          const at::Tensor& found_inf, const at::Tensor& inv_scale) override;
   // This iteration's largest finite |scaled gradient| so far: FP64[1] on the scaler's device
   // (0 before any pass: "no measurement").
@@ -33,13 +36,21 @@ class ScalerTelemetry final : public GradTelemetrySink {
   TelemetryLog read() const;
 
  private:
+  // The parameters a pass walked, in the order of its gradient list, held weakly (the record
+  // must not keep a model alive). One list serves every recorded iteration whose pass at the
+  // same position walked the same parameters: a step's lists rarely change.
+  using WeakParam = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  using ParamList = std::shared_ptr<const std::vector<WeakParam>>;
   struct PassLayout {
     ParamList params;
     int64_t base;  // position of params->front() among the iteration's walked gradients
   };
+  // The last iteration's list for this iteration's next pass if it holds the same parameters,
+  // else a new one.
+  ParamList list_of(at::TensorList params) const;
   // run_pass(telemetry) runs the op with this pass's telemetry tensor; the rest is the record's.
   template <typename RunPass>
-  void record_pass(const ParamList& params, at::TensorList grads, const at::Tensor& found_inf,
+  void record_pass(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
                    const at::Tensor& sum_sq, const RunPass& run_pass);
 
   int64_t capacity_;
@@ -49,6 +60,7 @@ class ScalerTelemetry final : public GradTelemetrySink {
   std::vector<double> ring_elements_;  // per ring row: the gradient elements walked
   std::vector<PassLayout> layouts_;                 // this iteration's passes
   std::vector<std::vector<PassLayout>> ring_layouts_;  // per ring row
+  std::vector<PassLayout> last_layouts_;            // the last recorded iteration's
   double elements_ = 0.0;  // gradient elements walked this iteration
   int64_t walked_ = 0;     // gradients walked this iteration
   int64_t recorded_ = 0;   // iterations recorded

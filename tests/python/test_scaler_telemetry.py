@@ -248,3 +248,26 @@ def test_initialize_and_copies_keep_the_policy(device):
     assert clone.state_dict() == scaler.state_dict()
     assert clone.state_dict()["policy"] == "amax" and clone.state_dict()["amax_target"] == 512.0
     assert len(scaler.telemetry()["step"]) == 2 and clone.telemetry()["step"] == []
+
+
+def test_record_does_not_keep_parameters_alive(device):
+    """The record names parameters but holds them weakly: a model deleted while its scaler lives
+    is freed, and its overflow reads back as an unnamed one."""
+    import gc
+    import weakref
+
+    model = make_model(device)
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 8)
+    x, y, f = batch(device, torch.float16, 0)
+    scaler.scale(loss_of(model, x, y, f)).backward()
+    model[0].weight.grad.fill_(INF)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.telemetry(model)["first_nonfinite"] == ["0.weight"]
+    alive = weakref.ref(model[0].weight)
+    del model, opt, x, y
+    gc.collect()
+    assert alive() is None
+    assert scaler.telemetry()["first_nonfinite"] == [None]
+    assert scaler.telemetry()["found_inf"] == [True]

@@ -8,14 +8,9 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 namespace fusedamp {
-
-// The parameters a gradient pass walked, in the order of its gradient list. Shared by every
-// recorded iteration whose pass walked the same list (a step's list rarely changes).
-using ParamList = std::shared_ptr<const std::vector<at::Tensor>>;
 
 // Where a gradient pass reports (a loss scaler's record of the current iteration). A pass
 // calls grad_stats() instead of the bare op: same found_inf and sum_sq, plus the telemetry.
@@ -24,11 +19,11 @@ class GradTelemetrySink {
   virtual ~GradTelemetrySink() = default;
   // fusedamp::grad_stats_(grads, found_inf, sum_sq) over `grads`, the gradients of `params`
   // (same order), adding what it sees to this iteration's record.
-  virtual void grad_stats(const ParamList& params, at::TensorList grads,
+  virtual void grad_stats(at::TensorList params, at::TensorList grads,
                           const at::Tensor& found_inf, const at::Tensor& sum_sq) = 0;
   // fusedamp::unscale_and_check_(grads, found_inf, inv_scale), recording the gradients as they
   // were before unscaling, in the same pass.
-  virtual void unscale_and_check(const ParamList& params, at::TensorList grads,
+  virtual void unscale_and_check(at::TensorList params, at::TensorList grads,
                                  const at::Tensor& found_inf, const at::Tensor& inv_scale) = 0;
 };
 
@@ -43,7 +38,7 @@ struct TelemetryLog {
   std::vector<double> subnormal_fraction;  // of them, the subnormal ones (nonzero: certainly
                                            // lost precision; zeros may also be structural)
   std::vector<at::Tensor> first_nonfinite;  // the parameter whose gradient overflowed first,
-                                            // undefined where none did
+                                            // undefined where none did (or it no longer exists)
 };
 
 }  // namespace fusedamp

@@ -18,7 +18,7 @@
 // costs one or two skipped steps instead of one per halving, and the first clean step moves
 // the scale back up to what it measures. Symmetrically, a clean step whose gradients are all
 // zero (amax == 0) proves that every one was below FP16's smallest subnormal, 2^-24, at this
-// scale: the scale grows at once to where 2^-24 would sit under the target (x 2^34 for the
+// scale: the scale grows at once to where 2^-24 would sit under the target (x 2^31 for the
 // default target). A caller with no measurement at all (no gradient pass this step) passes no
 // amax: torch's rule.
 #include <c10/macros/Macros.h>
