@@ -64,7 +64,7 @@ C10_ALWAYS_INLINE void check_dense(const char* op, const char* list, size_t i,
 enum class DtypeRule : uint8_t {
   kLikeParams0,  // params: params[0]'s
   kLikeGrads0,   // grads of a step: grads[0]'s
-  kFloat32,      // master weights and optimizer state
+  kLikeList0,    // master_params and the state lists: their own list's [0] (checked once)
   kFloatKind,    // grads of unscale_and_check_ / grad_stats_: FP32, FP16 or BF16
 };
 
@@ -77,8 +77,9 @@ enum class DtypeRule : uint8_t {
                   "; one call takes one params dtype");
     case DtypeRule::kLikeGrads0:
       TORCH_CHECK(false, op, ": grads[", i, "] has dtype ", got, " but grads[0] has ", want);
-    case DtypeRule::kFloat32:
-      TORCH_CHECK(false, op, ": ", list, "[", i, "] must be float32, got ", got);
+    case DtypeRule::kLikeList0:
+      TORCH_CHECK(false, op, ": ", list, "[", i, "] has dtype ", got, " but ", list,
+                  "[0] has ", want, "; one call takes one dtype per list");
     case DtypeRule::kFloatKind:
       break;
   }
@@ -198,7 +199,8 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
                                         TensorList master_params, TensorList grads,
                                         TensorList steps, const StateLists& state,
                                         const c10::Device& device, c10::ScalarType pdtype,
-                                        c10::ScalarType gdtype) {
+                                        c10::ScalarType gdtype, c10::ScalarType mdtype,
+                                        c10::ScalarType sdtype) {
   const bool has_master = !master_params.empty();
   const size_t n = state.count;
   TensorFacts p, g, mp{}, s[StateLists::kMax];
@@ -220,14 +222,14 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
   check_no_overlap(op, i, g, "grads", p, "params");
   if (has_master) {
     check_dense(op, "master_params", i, mp, device);
-    check_dtype(op, "master_params", i, mp, at::kFloat, DtypeRule::kFloat32);
+    check_dtype(op, "master_params", i, mp, mdtype, DtypeRule::kLikeList0);
     check_same_layout(op, "master_params", i, mp, p);
     check_no_overlap(op, i, mp, "master_params", p, "params");
     check_no_overlap(op, i, mp, "master_params", g, "grads");
   }
   for (size_t k = 0; k < n; ++k) {
     check_dense(op, names[k], i, s[k], device);
-    check_dtype(op, names[k], i, s[k], at::kFloat, DtypeRule::kFloat32);
+    check_dtype(op, names[k], i, s[k], sdtype, DtypeRule::kLikeList0);
     check_same_layout(op, names[k], i, s[k], p);
     check_no_overlap(op, i, s[k], names[k], p, "params");
     check_no_overlap(op, i, s[k], names[k], g, "grads");
@@ -242,9 +244,38 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
   check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
 }
 
+// How the weights are kept, from master_params[0]'s dtype (static_switch.h WeightStore): FP32
+// masters for any params; int16 remainders for BF16 params; a compensation of the params' own
+// 16-bit dtype. Stochastic rounding (rounding_seeds) keeps nothing but BF16 params.
+void check_weight_store(const char* op, TensorList params, TensorList master_params,
+                        c10::ScalarType pdtype, c10::OptionalIntArrayRef rounding_seeds) {
+  const size_t n = params.size();
+  if (rounding_seeds.has_value()) {
+    TORCH_CHECK(rounding_seeds->size() == n, op, ": rounding_seeds has ", rounding_seeds->size(),
+                " seeds but params has ", n, " tensors; one seed per tensor");
+    TORCH_CHECK(master_params.empty(), op,
+                ": stochastic rounding (rounding_seeds) keeps no master_params; got ",
+                master_params.size());
+    TORCH_CHECK(pdtype == at::kBFloat16, op,
+                ": stochastic rounding (rounding_seeds) is for bfloat16 params, got ", pdtype);
+  }
+  if (master_params.empty()) {
+    return;
+  }
+  const auto mdtype = master_params[0].defined() ? master_params[0].scalar_type() : pdtype;
+  const bool fp32_master = mdtype == at::kFloat;
+  const bool split = mdtype == at::kShort && pdtype == at::kBFloat16;
+  const bool kahan = mdtype == pdtype && (pdtype == at::kHalf || pdtype == at::kBFloat16);
+  TORCH_CHECK(fp32_master || split || kahan, op, ": master_params have dtype ", mdtype,
+              " for ", pdtype, " params; supported are float32 (FP32 master weights), int16 "
+              "(remainders beside bfloat16 params: master_weights=\"split\") and the params' "
+              "own float16/bfloat16 (Kahan compensations: master_weights=\"kahan\")");
+}
+
 // The common list checks of adam_step_ and sgd_step_.
 void check_step_lists(const char* op, TensorList params, TensorList master_params,
-                      TensorList grads, TensorList steps, const StateLists& state) {
+                      TensorList grads, TensorList steps, const StateLists& state,
+                      c10::OptionalIntArrayRef rounding_seeds) {
   const size_t n = params.size();
   TORCH_CHECK(master_params.empty() || master_params.size() == n, op, ": master_params has ",
               master_params.size(), " tensors; expected 0 (no master weights) or ", n);
@@ -264,8 +295,19 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
   TORCH_CHECK(gdtype == pdtype || gdtype == at::kFloat, op, ": grads have dtype ", gdtype,
               " but params have dtype ", pdtype,
               "; grads must have the params' dtype or float32");
+  check_weight_store(op, params, master_params, pdtype, rounding_seeds);
+  const auto mdtype = master_params.empty() || !master_params[0].defined()
+                          ? at::kFloat
+                          : master_params[0].scalar_type();
+  // The optimizer state (moments, momentum buffers): FP32 or BF16 (state_dtype), one dtype.
+  const auto sdtype = state.count == 0 || !state.lists[0][0].defined()
+                          ? at::kFloat
+                          : state.lists[0][0].scalar_type();
+  TORCH_CHECK(sdtype == at::kFloat || sdtype == at::kBFloat16, op, ": ", state.names[0],
+              " have dtype ", sdtype, "; optimizer state is float32 or bfloat16");
   for (size_t i = 0; i < n; ++i) {
-    check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype);
+    check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype,
+                     mdtype, sdtype);
   }
 }
 
@@ -388,8 +430,9 @@ namespace {  // A step's lists, then its device scalars; false when there are no
 bool check_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
                 TensorList steps, const StateLists& state, const OptTensor& lr_tensor,
                 const OptTensor& inv_scale, const OptTensor& found_inf,
-                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
-  check_step_lists(op, params, master_params, grads, steps, state);
+                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+                c10::OptionalIntArrayRef rounding_seeds) {
+  check_step_lists(op, params, master_params, grads, steps, state, rounding_seeds);
   if (params.empty()) {
     return false;
   }
@@ -404,7 +447,7 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
                double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
-               std::optional<double> max_grad_norm) {
+               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds) {
   check_finite_nonneg(op, "lr", lr);
   check_beta(op, "beta1", beta1);
   check_beta(op, "beta2", beta2);
@@ -416,14 +459,15 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
     state.add("max_exp_avg_sqs", max_exp_avg_sqs);
   }
   return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
-                    found_inf, grad_sum_sq, max_grad_norm);
+                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds);
 }
 
 bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
               const OptTensor& inv_scale, const OptTensor& found_inf,
-              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+              c10::OptionalIntArrayRef rounding_seeds) {
   check_finite_nonneg(op, "lr", lr);
   check_finite_nonneg(op, "momentum", momentum);
   TORCH_CHECK(hyper::valid_dampening(dampening), op, ": invalid dampening ", dampening);
@@ -438,7 +482,7 @@ bool sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
     state.add("momentum_buffers", momentum_buffers);
   }
   return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
-                    found_inf, grad_sum_sq, max_grad_norm);
+                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds);
 }
 
 }  // namespace fusedamp::checks

@@ -4,6 +4,7 @@
 // argument so that the user can find the mistake.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/OptionalArrayRef.h>
 #include <optional>
 
 namespace fusedamp::checks {
@@ -36,7 +37,8 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
 // The optional device scalars of a fused step.
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,
                   const OptTensor& inv_scale, const OptTensor& found_inf,
-                  const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm);
+                  const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+              c10::OptionalIntArrayRef rounding_seeds);
 
 // The whole argument check of a fused step: lists, hyper-parameters and (when there are
 // params) the device scalars. Returns false for empty lists (a no-op).
@@ -46,12 +48,13 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
                double beta1, double beta2, double eps, double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
-               std::optional<double> max_grad_norm);
+               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds);
 
 bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
               const OptTensor& inv_scale, const OptTensor& found_inf,
-              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm);
+              const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
+              c10::OptionalIntArrayRef rounding_seeds);
 
 }  // namespace fusedamp::checks

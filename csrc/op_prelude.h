@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "op_checks.h"
+#include "static_switch.h"
 #include "step_scalars.h"
 
 namespace fusedamp::prelude {
@@ -125,13 +126,18 @@ struct ScalarArgs {
 template <typename Hyper>
 struct Step {
   TensorList params;
-  TensorList master_params;  // empty: no master weights
+  TensorList master_params;  // empty, FP32 masters, int16 remainders or compensations
   TensorList grads;
   TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
   Hyper hyper;
   ScalarArgs scalars;
   bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
   bool write_back_grads;   // grads := the multiplied gradient the update used
+  c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
+
+  WeightStore weight_store() const {
+    return weight_store_of(master_params, adopt_param_edits, !rounding_seeds.empty());
+  }
 };
 
 struct AdamStep : Step<math::AdamHyper> {
@@ -216,17 +222,17 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                const OptTensor& inv_scale, const OptTensor& found_inf,
                const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
                bool adopt_param_edits, bool write_back_grads,
-               std::optional<TensorList> max_exp_avg_sqs) {
+               std::optional<TensorList> max_exp_avg_sqs, c10::OptionalIntArrayRef rounding_seeds) {
   const TensorList v_maxes = max_exp_avg_sqs.value_or(TensorList());
   if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
                         v_maxes, steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
-                        found_inf, grad_sum_sq, max_grad_norm)) {
+                        found_inf, grad_sum_sq, max_grad_norm, rounding_seeds)) {
     Backend::adam_step(AdamStep{
         {params, master_params, grads, steps,
          math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
                                maximize),
          ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
-         adopt_param_edits, write_back_grads},
+         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef())},
         exp_avgs,
         exp_avg_sqs,
         v_maxes});
@@ -239,15 +245,16 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
               double dampening, double weight_decay, bool nesterov, bool maximize,
               const OptTensor& lr_tensor, const OptTensor& inv_scale, const OptTensor& found_inf,
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
-              bool adopt_param_edits, bool write_back_grads) {
+              bool adopt_param_edits, bool write_back_grads,
+              c10::OptionalIntArrayRef rounding_seeds) {
   if (checks::sgd_step(SgdStep::kOp, params, master_params, grads, momentum_buffers, steps, lr,
                        momentum, dampening, weight_decay, nesterov, lr_tensor, inv_scale,
-                       found_inf, grad_sum_sq, max_grad_norm)) {
+                       found_inf, grad_sum_sq, max_grad_norm, rounding_seeds)) {
     Backend::sgd_step(SgdStep{
         {params, master_params, grads, steps,
          math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize),
          ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
-         adopt_param_edits, write_back_grads},
+         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef())},
         momentum_buffers});
   }
 }

@@ -54,13 +54,15 @@ void adam_step_(
               TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
               double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
               const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
-              std::optional<TensorList>)>();
+              std::optional<TensorList>, c10::OptionalIntArrayRef)>();
   op.call(
       params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
       a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
       s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
       modes.write_back_grads,
-      max_exp_avg_sqs.empty() ? std::nullopt : std::optional<TensorList>(max_exp_avg_sqs));
+      max_exp_avg_sqs.empty() ? std::nullopt : std::optional<TensorList>(max_exp_avg_sqs),
+      modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
+                                   : c10::OptionalIntArrayRef(modes.rounding_seeds));
 }
 
 void sgd_step_(
@@ -72,11 +74,13 @@ void sgd_step_(
           .typed<void(
               TensorList, TensorList, TensorList, TensorList, TensorList, double, double, double,
               double, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-              const OptTensor&, std::optional<double>, bool, bool)>();
+              const OptTensor&, std::optional<double>, bool, bool, c10::OptionalIntArrayRef)>();
   op.call(
       params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
       a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
-      s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads);
+      s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads,
+      modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
+                                   : c10::OptionalIntArrayRef(modes.rounding_seeds));
 }
 
 }  // namespace fusedamp::ops

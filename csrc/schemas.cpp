@@ -33,14 +33,21 @@ TORCH_LIBRARY(fusedamp, m) {
       "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
       "float? amax_target=None) -> ()");
 
-  // Adam/AdamW step over lists, FP32 state, optional FP32 master weights. grads are multiplied
+  // Adam/AdamW step over lists. grads are multiplied
   // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if
   // found_inf is set nothing is modified (steps included). lr_tensor, when given, overrides lr.
   // adopt_param_edits: where params[i] differs from the rounding of master_params[i] (the model
   // was edited: a loaded snapshot, a clamp, a pruning mask), the master takes the param's value
   // before the update. write_back_grads: grads[i] receive the multiplied gradient (unscaled and
   // clipped), as torch's fused optimizers leave them. max_exp_avg_sqs, when given, is AMSGrad's
-  // running maximum of exp_avg_sqs (FP32, one per param), used in the denominator.
+  // running maximum of exp_avg_sqs (one per param), used in the denominator.
+  // How the weights are kept (master_weights), from master_params' dtype: empty = none (params
+  // rounded to nearest); float32 = FP32 masters; int16 (bfloat16 params) = remainders, the
+  // pair being the FP32 master exactly ("split", math/split_math.h); the params' float16/
+  // bfloat16 = Kahan compensations ("kahan", math/kahan_math.h). rounding_seeds (one per
+  // tensor, bfloat16 params, no master_params): stochastic rounding from the counter (seed,
+  // step count, element index) (math/stochastic_rounding_math.h). The state lists (moments,
+  // AMSGrad maxima, momentum buffers) are all float32 or all bfloat16.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(f!)[] grads, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, float lr, "
@@ -48,9 +55,10 @@ TORCH_LIBRARY(fusedamp, m) {
       "bool maximize=False, Tensor? lr_tensor=None, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None, "
       "bool adopt_param_edits=True, bool write_back_grads=False, "
-      "Tensor(g!)[]? max_exp_avg_sqs=None) -> ()");
+      "Tensor(g!)[]? max_exp_avg_sqs=None, int[]? rounding_seeds=None) -> ()");
 
-  // SGD (momentum, dampening, Nesterov, weight decay) with the same contract.
+  // SGD (momentum, dampening, Nesterov, weight decay) with the same contract (weights kept as
+  // adam_step_'s).
   // momentum_buffers is empty when momentum == 0.
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(e!)[] grads, "
@@ -58,5 +66,5 @@ TORCH_LIBRARY(fusedamp, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize=False, "
       "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
       "Tensor? grad_sum_sq=None, float? max_grad_norm=None, bool adopt_param_edits=True, "
-      "bool write_back_grads=False) -> ()");
+      "bool write_back_grads=False, int[]? rounding_seeds=None) -> ()");
 }

@@ -15,6 +15,10 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
 #include <type_traits>
 
 #include "dispatch_float_types.h"
@@ -72,30 +76,100 @@ void static_switch(Body&& body, const First& first, const Rest&... rest) {
   });
 }
 
-// The choices every fused step kernel makes, then the kernel's own: body(param, grad,
-// kHasMaster, kAdoptEdits, kWriteGrads, more...), where param has the params' element type
-// (FP32, FP16 or BF16), grad the grads' (FP32 or the params'), kHasMaster says whether FP32
-// master weights are given, kAdoptEdits whether edited params are adopted into their masters
-// (never without masters: that combination is not instantiated) and kWriteGrads whether the
-// multiplied gradients are written back. The lists have been checked (op_checks.h); empty ones
-// have nothing to run.
+// How a step keeps the weights it updates (master_weights of the optimizers): the element
+// math sees FP32 lanes either way; only the loads and stores differ (cpu/vec_io.h and
+// cuda/step_weights.cuh StepWeights).
+enum class WeightStore : uint8_t {
+  kParams,                // no master: the params are read and written (round to nearest)
+  kMaster,                // FP32 master_params (master_weights=True)
+  kMasterAdoptingEdits,   // the same, and edited params are taken into their masters
+  kSplit,                 // BF16 params + int16 remainders in master_params (math/split_math.h)
+  kKahan,                 // FP16/BF16 params + compensations of their dtype (math/kahan_math.h)
+  kStochastic,            // BF16 params, stochastic rounding (math/stochastic_rounding_math.h)
+};
+
+// Which stores exist for a param element type; no kernel is instantiated for the others (the
+// argument checks reject them first).
+template <typename TP>
+constexpr bool weight_store_fits(WeightStore store) {
+  constexpr bool bf16 = std::is_same_v<TP, c10::BFloat16>;
+  constexpr bool half = std::is_same_v<TP, c10::Half>;
+  switch (store) {
+    case WeightStore::kSplit:
+    case WeightStore::kStochastic:
+      return bf16;
+    case WeightStore::kKahan:
+      return bf16 || half;
+    default:
+      return true;
+  }
+}
+
+// The store a step's arguments ask for (checked by op_checks.h): master_params' dtype names
+// it — FP32 masters, int16 remainders, or compensations of the params' dtype — and stochastic
+// rounding comes with its seeds and no master_params.
+inline WeightStore weight_store_of(at::TensorList master_params, bool adopt_param_edits,
+                                   bool stochastic_rounding) {
+  if (stochastic_rounding) {
+    return WeightStore::kStochastic;
+  }
+  if (master_params.empty()) {
+    return WeightStore::kParams;
+  }
+  switch (master_params[0].scalar_type()) {
+    case at::kFloat:
+      return adopt_param_edits ? WeightStore::kMasterAdoptingEdits : WeightStore::kMaster;
+    case at::kShort:
+      return WeightStore::kSplit;
+    default:
+      return WeightStore::kKahan;
+  }
+}
+
+// A WeightStore: visits std::integral_constant<WeightStore, store>.
+struct WeightStoreSwitch {
+  WeightStore store;
+
+  template <typename Fn>
+  void visit(Fn&& fn) const {
+    switch (store) {
+      case WeightStore::kParams:
+        return fn(std::integral_constant<WeightStore, WeightStore::kParams>{});
+      case WeightStore::kMaster:
+        return fn(std::integral_constant<WeightStore, WeightStore::kMaster>{});
+      case WeightStore::kMasterAdoptingEdits:
+        return fn(std::integral_constant<WeightStore, WeightStore::kMasterAdoptingEdits>{});
+      case WeightStore::kSplit:
+        return fn(std::integral_constant<WeightStore, WeightStore::kSplit>{});
+      case WeightStore::kKahan:
+        return fn(std::integral_constant<WeightStore, WeightStore::kKahan>{});
+      case WeightStore::kStochastic:
+        return fn(std::integral_constant<WeightStore, WeightStore::kStochastic>{});
+    }
+  }
+};
+
+// The choices every fused step kernel makes, then the kernel's own: body(param, grad, kStore,
+// kWriteGrads, more...), where param has the params' element type (FP32, FP16 or BF16), grad
+// the grads' (FP32 or the params'), kStore is how the weights are kept (WeightStore; only the
+// combinations weight_store_fits allows are instantiated) and kWriteGrads whether the multiplied
+// gradients are written back. The lists have been checked (op_checks.h); empty ones have
+// nothing to run.
 template <typename Body, typename... More>
-void step_switch(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                 bool adopt_param_edits, bool write_back_grads, Body&& body,
-                 const More&... more) {
+void step_switch(at::TensorList params, at::TensorList grads, WeightStore store,
+                 bool write_back_grads, Body&& body, const More&... more) {
   if (params.empty()) {
     return;
   }
-  const bool has_master = !master_params.empty();
   FUSEDAMP_DISPATCH_FLOAT_TYPES(params[0].scalar_type(), "fusedamp_step", [&] {
     static_switch(
-        [&](auto grad, auto master_on, auto adopt_on, auto... chosen) {
-          if constexpr (decltype(master_on)::value || !decltype(adopt_on)::value) {
-            body(scalar_t{}, grad, master_on, adopt_on, chosen...);
+        [&](auto grad, auto kept, auto... chosen) {
+          if constexpr (weight_store_fits<scalar_t>(decltype(kept)::value)) {
+            body(scalar_t{}, grad, kept, chosen...);
           }
         },
-        DtypeSwitch<float, scalar_t>{grads[0].scalar_type()}, BoolSwitch{has_master},
-        BoolSwitch{has_master && adopt_param_edits}, BoolSwitch{write_back_grads}, more...);
+        DtypeSwitch<float, scalar_t>{grads[0].scalar_type()}, WeightStoreSwitch{store},
+        BoolSwitch{write_back_grads}, more...);
   });
 }
 

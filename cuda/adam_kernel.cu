@@ -1,8 +1,10 @@
 // CUDA: fused Adam/AdamW step over lists (fusedamp::math::adam_update, shared with the CPU).
-// Memory traffic per element (P = param bytes, G = grad bytes):
-//   with FP32 master weights: read G + 12 (master, m, v), write P + 12  (FP16: 14 + 14)
-//   (AMSGrad: + 4 read and 4 written, the running maximum of v)
-//   without:                  read G + P + 8 (m, v),      write P + 8   (FP32: 16 + 12)
+// Memory traffic per element (P = param bytes, G = grad bytes, S = 8 with FP32 moments, 4
+// with BF16 ones):
+//   with FP32 master weights: read G + 4 + S (master, m, v), write P + 4 + S  (FP16: 14 + 14)
+//   split / kahan:            read G + P + 2 + S,            write P + 2 + S  (BF16: 14 + 12)
+//   none / stochastic:        read G + P + S,                write P + S      (FP32: 16 + 12)
+//   (AMSGrad: + S/2 read and written, the running maximum of v)
 // plus P read when masters adopt edits of the params (the default), G written when the
 // multiplied grads are written back, and, per block of kChunk elements, the device scalars and
 // the tensor's step count.
@@ -24,28 +26,32 @@ namespace {
 constexpr int kAdamElemsPerThread = 8;
 
 // List positions; the optional lists come last and exist only when used.
-template <bool kHasMaster, bool kAmsgrad>
+template <bool kStoreList, bool kAmsgrad>
 struct AdamLists {
   static constexpr int kP = 0;
   static constexpr int kG = 1;
   static constexpr int kM = 2;
   static constexpr int kV = 3;
-  static constexpr int kMaster = 4;                     // valid if kHasMaster
-  static constexpr int kVMax = kHasMaster ? 5 : 4;      // valid if kAmsgrad
-  static constexpr int kCount = 4 + (kHasMaster ? 1 : 0) + (kAmsgrad ? 1 : 0);
+  static constexpr int kStore = 4;                      // valid if kStoreList
+  static constexpr int kVMax = kStoreList ? 5 : 4;      // valid if kAmsgrad
+  static constexpr int kCount = 4 + (kStoreList ? 1 : 0) + (kAmsgrad ? 1 : 0);
 };
 
-template <bool kHasMaster, bool kAmsgrad>
-using AdamBatch = TensorBatch<AdamLists<kHasMaster, kAmsgrad>::kCount, 1>;  // extra: step
+template <WeightStore kStore, bool kAmsgrad>
+using AdamPositions = AdamLists<has_store_list(kStore), kAmsgrad>;
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kAmsgrad>
+// extra: the step count (and the rounding seed, see extra_slots_of)
+template <WeightStore kStore, bool kAmsgrad>
+using AdamBatch = TensorBatch<AdamPositions<kStore, kAmsgrad>::kCount, extra_slots_of(kStore)>;
+
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 struct AdamOp {
-  StepWeights<TP, kHasMaster, kAdoptEdits> weights;
+  StepWeights<TP, kStore> weights;
   StepGrads<TG, kWriteGrads> grads;
-  float* m;
-  float* v;
-  float* v_max;  // AMSGrad's running maximum of v; nullptr without
+  TS* m;
+  TS* v;
+  TS* v_max;  // AMSGrad's running maximum of v; nullptr without
   math::AdamHyper h;
   math::AdamCoeffs c;
   float mult;
@@ -85,64 +91,70 @@ struct AdamOp {
   }
 };
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kAmsgrad>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 __global__ void __launch_bounds__(kThreads)
-    adam_kernel(const __grid_constant__ AdamBatch<kHasMaster, kAmsgrad> b, math::AdamHyper h,
+    adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
                 StepScalarPointers s) {
-  using Pos = AdamLists<kHasMaster, kAmsgrad>;
+  using Pos = AdamPositions<kStore, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
   const ChunkRef ch = this_chunk(b);
   const float lr = s.learning_rate();
+  const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
   // Bias corrections in FP64 from the step count before its increment, as on the CPU; once
   // per block, shared with the block.
   __shared__ math::AdamCoeffs coeffs;
   if (threadIdx.x == 0) {
-    const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
     coeffs = math::adam_coeffs<double>(h, lr, step_before);
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad> op{
-      {list_at<TP>(b, ch, true, Pos::kP), list_at<float>(b, ch, kHasMaster, Pos::kMaster)},
+  AdamOp<TP, TG, kStore, kWriteGrads, kAmsgrad, TS> op{
+      step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
       {list_at<TG>(b, ch, true, Pos::kG)},
-      list_at<float>(b, ch, true, Pos::kM),
-      list_at<float>(b, ch, true, Pos::kV),
-      list_at<float>(b, ch, kAmsgrad, Pos::kVMax),
+      list_at<TS>(b, ch, true, Pos::kM),
+      list_at<TS>(b, ch, true, Pos::kV),
+      list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
       h,
       coeffs,
       mult};
-  constexpr int W = vec_width_of<TP, TG, float>();
+  constexpr int W = vec_width_of<TP, TG, TS>();
   // 8 elements of 4-6 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kAmsgrad>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
             at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-            at::TensorList steps, const math::AdamHyper& h, const StepScalarPointers& s) {
-  using Pos = AdamLists<kHasMaster, kAmsgrad>;
+            at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
+            const StepScalarPointers& s) {
+  using Pos = AdamPositions<kStore, kAmsgrad>;
   std::array<at::TensorList, Pos::kCount> lists;
   lists[Pos::kP] = params;
   lists[Pos::kG] = grads;
   lists[Pos::kM] = exp_avgs;
   lists[Pos::kV] = exp_avg_sqs;
-  if constexpr (kHasMaster) {
-    lists[Pos::kMaster] = master_params;
+  if constexpr (has_store_list(kStore)) {
+    lists[Pos::kStore] = master_params;
   }
   if constexpr (kAmsgrad) {
     lists[Pos::kVMax] = max_exp_avg_sqs;
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
-  constexpr int W = vec_width_of<TP, TG, float>();
-  multi_tensor_apply<Pos::kCount, 1>(
+  constexpr int W = vec_width_of<TP, TG, TS>();
+  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
       lists, W,
-      [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
-      [&](const AdamBatch<kHasMaster, kAmsgrad>& b, int64_t blocks) {
-        adam_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad>
+      [&](size_t i, void** slots) {
+        slots[0] = const_cast<void*>(steps[i].const_data_ptr());
+        if constexpr (kStore == WeightStore::kStochastic) {
+          slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(rounding_seeds[i]));
+        }
+      },
+      [&](const AdamBatch<kStore, kAmsgrad>& b, int64_t blocks) {
+        adam_kernel<TP, TG, kStore, kWriteGrads, kAmsgrad, TS>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -152,16 +164,17 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-          at::TensorList steps, const math::AdamHyper& h, const StepScalarPointers& s,
-          bool adopt_param_edits, bool write_back_grads) {
+          at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
+          const StepScalarPointers& s, WeightStore store, bool write_back_grads) {
   step_switch(
-      params, grads, master_params, adopt_param_edits, write_back_grads,
-      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
-          auto amsgrad) {
-        launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads, amsgrad>(
-            params, master_params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, h, s);
+      params, grads, store, write_back_grads,
+      [&](auto param, auto grad, auto kept, auto write_grads, auto amsgrad, auto state) {
+        launch<decltype(param), decltype(grad), kept, write_grads, amsgrad, decltype(state)>(
+            params, master_params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            rounding_seeds, h, s);
       },
-      BoolSwitch{!max_exp_avg_sqs.empty()});
+      BoolSwitch{!max_exp_avg_sqs.empty()},
+      DtypeSwitch<float, c10::BFloat16>{exp_avgs[0].scalar_type()});
   advance_steps(steps, s.found_inf);
 }
 

@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "../csrc/static_switch.h"
 #include "../csrc/step_scalars.h"
 
 namespace fusedamp::cuda {
@@ -28,17 +29,18 @@ void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const std::optional<at::Tensor>& amax, const math::ScaleHyper& h);
 
 // adam_kernel.cu
-// max_exp_avg_sqs: empty without AMSGrad.
+// max_exp_avg_sqs: empty without AMSGrad. store: how the weights are kept (master_params and
+// rounding_seeds as that store needs them).
 void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
           at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-          at::TensorList steps,
-          const math::AdamHyper& h, const StepScalarPointers& s, bool adopt_param_edits,
-          bool write_back_grads);
+          at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
+          const StepScalarPointers& s, WeightStore store, bool write_back_grads);
 
 // sgd_kernel.cu
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalarPointers& s, bool adopt_param_edits, bool write_back_grads);
+         c10::IntArrayRef rounding_seeds, const StepScalarPointers& s, WeightStore store,
+         bool write_back_grads);
 
 // step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
 void advance_steps(at::TensorList steps, const float* found_inf);

@@ -143,42 +143,57 @@ __device__ __forceinline__ T from_float(float x) {
   return static_cast<T>(x);
 }
 
-// W consecutive elements at p (aligned to the access width when W > 1) into FP32 lanes.
+// W consecutive elements at p (aligned to the access width when W > 1) as they are, moved in
+// accesses of up to kMaxVecBytes: the bit patterns of the 16-bit weight formats
+// (math/split_math.h, math/stochastic_rounding_math.h), and the loads under load_lanes.
 template <int W, typename T>
-__device__ __forceinline__ void load_lanes(const T* p, float (&out)[W]) {
-  if constexpr (W == 1) {
-    out[0] = to_float(p[0]);
-  } else {
-    constexpr int A = access_elems<T, W>();
-    static_assert(W % A == 0, "W must be a multiple of the access width");
+__device__ __forceinline__ void load_raw(const T* p, T (&out)[W]) {
+  constexpr int A = access_elems<T, W>();
+  static_assert(W % A == 0, "W must be a multiple of the access width");
 #pragma unroll
-    for (int q = 0; q < W / A; ++q) {
-      const Pack<T, A> pk = *reinterpret_cast<const Pack<T, A>*>(p + q * A);
+  for (int q = 0; q < W / A; ++q) {
+    const Pack<T, A> pk = *reinterpret_cast<const Pack<T, A>*>(p + q * A);
 #pragma unroll
-      for (int l = 0; l < A; ++l) {
-        out[q * A + l] = to_float(pk.v[l]);
-      }
+    for (int l = 0; l < A; ++l) {
+      out[q * A + l] = pk.v[l];
     }
   }
 }
 
 template <int W, typename T>
-__device__ __forceinline__ void store_lanes(T* p, const float (&in)[W]) {
-  if constexpr (W == 1) {
-    p[0] = from_float<T>(in[0]);
-  } else {
-    constexpr int A = access_elems<T, W>();
-    static_assert(W % A == 0, "W must be a multiple of the access width");
+__device__ __forceinline__ void store_raw(T* p, const T (&in)[W]) {
+  constexpr int A = access_elems<T, W>();
+  static_assert(W % A == 0, "W must be a multiple of the access width");
 #pragma unroll
-    for (int q = 0; q < W / A; ++q) {
-      Pack<T, A> pk;
+  for (int q = 0; q < W / A; ++q) {
+    Pack<T, A> pk;
 #pragma unroll
-      for (int l = 0; l < A; ++l) {
-        pk.v[l] = from_float<T>(in[q * A + l]);
-      }
-      *reinterpret_cast<Pack<T, A>*>(p + q * A) = pk;
+    for (int l = 0; l < A; ++l) {
+      pk.v[l] = in[q * A + l];
     }
+    *reinterpret_cast<Pack<T, A>*>(p + q * A) = pk;
   }
+}
+
+// W consecutive elements at p into FP32 lanes, and back (rounded to nearest).
+template <int W, typename T>
+__device__ __forceinline__ void load_lanes(const T* p, float (&out)[W]) {
+  T raw[W];
+  load_raw<W>(p, raw);
+#pragma unroll
+  for (int l = 0; l < W; ++l) {
+    out[l] = to_float(raw[l]);
+  }
+}
+
+template <int W, typename T>
+__device__ __forceinline__ void store_lanes(T* p, const float (&in)[W]) {
+  T raw[W];
+#pragma unroll
+  for (int l = 0; l < W; ++l) {
+    raw[l] = from_float<T>(in[l]);
+  }
+  store_raw<W>(p, raw);
 }
 
 // W for a kernel whose narrowest list has element type T: 16 bytes of it per vector.

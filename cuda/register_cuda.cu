@@ -39,14 +39,15 @@ struct CudaOps {
   static void adam_step(const prelude::AdamStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     adam(step.params, step.master_params, step.grads, step.exp_avgs, step.exp_avg_sqs,
-         step.max_exp_avg_sqs, step.steps, step.hyper, step.scalars.pointers(),
-         step.adopt_param_edits, step.write_back_grads);
+         step.max_exp_avg_sqs, step.steps, step.rounding_seeds, step.hyper,
+         step.scalars.pointers(), step.weight_store(), step.write_back_grads);
   }
 
   static void sgd_step(const prelude::SgdStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     sgd(step.params, step.master_params, step.grads, step.momentum_buffers, step.steps,
-        step.hyper, step.scalars.pointers(), step.adopt_param_edits, step.write_back_grads);
+        step.hyper, step.rounding_seeds, step.scalars.pointers(), step.weight_store(),
+        step.write_back_grads);
   }
 };
 

@@ -1,8 +1,10 @@
 // CUDA: fused SGD step (momentum, dampening, Nesterov, weight decay) over lists
 // (fusedamp::math::sgd_update, shared with the CPU).
-// Memory traffic per element (P = param bytes, G = grad bytes, B = 4 with momentum, else 0):
-//   with FP32 master weights: read G + 4 + B, write P + 4 + B
-//   without:                  read G + P + B, write P + B
+// Memory traffic per element (P = param bytes, G = grad bytes, B = the momentum buffer's
+// bytes (4 FP32, 2 BF16) with momentum, else 0):
+//   with FP32 master weights: read G + 4 + B,     write P + 4 + B
+//   split / kahan:            read G + P + 2 + B, write P + 2 + B
+//   none / stochastic:        read G + P + B,     write P + B
 // plus P read when masters adopt edits of the params (the default) and G written when the
 // multiplied grads are written back.
 // On a tensor's first step (step count 0) the momentum buffer is only written (buf = g), as
@@ -21,24 +23,28 @@ namespace fusedamp::cuda {
 namespace {
 
 // List positions; the optional lists come last and exist only when used.
-template <bool kHasMaster, bool kMomentum>
+template <bool kStoreList, bool kMomentum>
 struct SgdLists {
   static constexpr int kP = 0;
   static constexpr int kG = 1;
   static constexpr int kBuf = 2;                     // valid if kMomentum
-  static constexpr int kMaster = kMomentum ? 3 : 2;  // valid if kHasMaster
-  static constexpr int kCount = 2 + (kMomentum ? 1 : 0) + (kHasMaster ? 1 : 0);
+  static constexpr int kStore = kMomentum ? 3 : 2;   // valid if kStoreList
+  static constexpr int kCount = 2 + (kMomentum ? 1 : 0) + (kStoreList ? 1 : 0);
 };
 
-template <bool kHasMaster, bool kMomentum>
-using SgdBatch = TensorBatch<SgdLists<kHasMaster, kMomentum>::kCount, 1>;  // extra: step
+template <WeightStore kStore, bool kMomentum>
+using SgdPositions = SgdLists<has_store_list(kStore), kMomentum>;
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kMomentum>
+// extra: the step count (and the rounding seed, see extra_slots_of)
+template <WeightStore kStore, bool kMomentum>
+using SgdBatch = TensorBatch<SgdPositions<kStore, kMomentum>::kCount, extra_slots_of(kStore)>;
+
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 struct SgdOp {
-  StepWeights<TP, kHasMaster, kAdoptEdits> weights;
+  StepWeights<TP, kStore> weights;
   StepGrads<TG, kWriteGrads> grads;
-  float* buf;
+  TS* buf;
   math::SgdHyper h;
   float lr;
   float mult;
@@ -80,53 +86,58 @@ struct SgdOp {
   }
 };
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kMomentum>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 __global__ void __launch_bounds__(kThreads)
-    sgd_kernel(const __grid_constant__ SgdBatch<kHasMaster, kMomentum> b, math::SgdHyper h,
+    sgd_kernel(const __grid_constant__ SgdBatch<kStore, kMomentum> b, math::SgdHyper h,
                StepScalarPointers s) {
-  using Pos = SgdLists<kHasMaster, kMomentum>;
+  using Pos = SgdPositions<kStore, kMomentum>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
   const ChunkRef ch = this_chunk(b);
   const float lr = s.learning_rate();
   const float mult = s.grad_multiplier();
-  const bool first = *static_cast<const float*>(b.extra[0][ch.t]) == 0.f;
-  SgdOp<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kMomentum> op{
-      {list_at<TP>(b, ch, true, Pos::kP), list_at<float>(b, ch, kHasMaster, Pos::kMaster)},
+  const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
+  SgdOp<TP, TG, kStore, kWriteGrads, kMomentum, TS> op{
+      step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
       {list_at<TG>(b, ch, true, Pos::kG)},
-      list_at<float>(b, ch, kMomentum, Pos::kBuf),
+      list_at<TS>(b, ch, kMomentum, Pos::kBuf),
       h,
       lr,
       mult,
-      first};
-  constexpr int W = vec_width_of<TP, TG>();
+      step_before == 0.f};
+  constexpr int W = vec_width_of<TP, TG, TS>();
   chunk_loop<W>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, bool kHasMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kMomentum>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-            at::TensorList bufs, at::TensorList steps, const math::SgdHyper& h,
-            const StepScalarPointers& s) {
-  using Pos = SgdLists<kHasMaster, kMomentum>;
+            at::TensorList bufs, at::TensorList steps, c10::IntArrayRef rounding_seeds,
+            const math::SgdHyper& h, const StepScalarPointers& s) {
+  using Pos = SgdPositions<kStore, kMomentum>;
   std::array<at::TensorList, Pos::kCount> lists;
   lists[Pos::kP] = params;
   lists[Pos::kG] = grads;
   if constexpr (kMomentum) {
     lists[Pos::kBuf] = bufs;
   }
-  if constexpr (kHasMaster) {
-    lists[Pos::kMaster] = master_params;
+  if constexpr (has_store_list(kStore)) {
+    lists[Pos::kStore] = master_params;
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
-  constexpr int W = vec_width_of<TP, TG>();
-  multi_tensor_apply<Pos::kCount, 1>(
+  constexpr int W = vec_width_of<TP, TG, TS>();
+  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
       lists, W,
-      [&](size_t i, void** slots) { slots[0] = const_cast<void*>(steps[i].const_data_ptr()); },
-      [&](const SgdBatch<kHasMaster, kMomentum>& b, int64_t blocks) {
-        sgd_kernel<TP, TG, kHasMaster, kAdoptEdits, kWriteGrads, kMomentum>
+      [&](size_t i, void** slots) {
+        slots[0] = const_cast<void*>(steps[i].const_data_ptr());
+        if constexpr (kStore == WeightStore::kStochastic) {
+          slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(rounding_seeds[i]));
+        }
+      },
+      [&](const SgdBatch<kStore, kMomentum>& b, int64_t blocks) {
+        sgd_kernel<TP, TG, kStore, kWriteGrads, kMomentum, TS>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -136,15 +147,18 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
          at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         const StepScalarPointers& s, bool adopt_param_edits, bool write_back_grads) {
+         c10::IntArrayRef rounding_seeds, const StepScalarPointers& s, WeightStore store,
+         bool write_back_grads) {
+  const bool momentum = h.momentum != 0.f;
+  const auto state_dtype = momentum ? momentum_buffers[0].scalar_type() : at::kFloat;
   step_switch(
-      params, grads, master_params, adopt_param_edits, write_back_grads,
-      [&](auto param, auto grad, auto has_master, auto adopt_edits, auto write_grads,
-          auto has_momentum) {
-        launch<decltype(param), decltype(grad), has_master, adopt_edits, write_grads,
-               has_momentum>(params, master_params, grads, momentum_buffers, steps, h, s);
+      params, grads, store, write_back_grads,
+      [&](auto param, auto grad, auto kept, auto write_grads, auto has_momentum, auto state) {
+        launch<decltype(param), decltype(grad), kept, write_grads, has_momentum,
+               decltype(state)>(params, master_params, grads, momentum_buffers, steps,
+                                rounding_seeds, h, s);
       },
-      BoolSwitch{h.momentum != 0.f});
+      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
   advance_steps(steps, s.found_inf);
 }
 

@@ -1,27 +1,46 @@
 #pragma once
-// The weights a fused step kernel updates, seen as FP32 lanes. With master weights the FP32
-// master copy is read and written and the params are written (rounded from it) and, with
-// kAdoptEdits, read too: where a param is not its master's rounding, the model was edited and
-// the step starts from the param (math/master_math.h). Without master weights the params
-// themselves are read and written. Adam and SGD share it, so the two read and write the weights
-// in one way (the memory traffic each kernel's header states).
+// The weights and grads a fused step kernel reads and writes (the memory traffic each
+// kernel's header states).
+#include <fusedamp/math/kahan_math.h>
 #include <fusedamp/math/master_math.h>
+#include <fusedamp/math/split_math.h>
+#include <fusedamp/math/stochastic_rounding_math.h>
 
+#include <cstdint>
+#include <type_traits>
+
+#include "../csrc/static_switch.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusedamp::cuda {
 
-template <typename TP, bool kHasMaster, bool kAdoptEdits>
+// The weights a fused step kernel updates, seen as FP32 lanes, for each way of keeping them
+// (static_switch.h WeightStore; the CPU twin is csrc/cpu/vec_io.h StepWeights):
+//   kParams         the params themselves are read and written;
+//   kMaster         the FP32 master is read, both are written; kMasterAdoptingEdits reads the
+//                   param too: where it is not its master's rounding, the model was edited and
+//                   the step starts from the param (math/master_math.h);
+//   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
+//   kKahan          param + compensation of the param's dtype (math/kahan_math.h);
+//   kStochastic     the params, stored with stochastic rounding from the counter (seed, step,
+//                   first_index + element) (math/stochastic_rounding_math.h).
+// Adam and SGD share it, so the two read and write the weights in one way.
+template <typename TP, WeightStore kStore>
 struct StepWeights {
-  static_assert(kHasMaster || !kAdoptEdits, "edits are adopted into master weights only");
+  static_assert(weight_store_fits<TP>(kStore), "no such weight store for this param dtype");
+  static constexpr bool kFp32Master =
+      kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits;
   TP* param;
-  float* master;  // nullptr without master weights
+  void* extra;  // master (float), remainder (int16) or compensation (TP); nullptr otherwise
+  uint64_t seed;
+  uint32_t step;
+  int64_t first_index;  // the chunk's first element in the tensor
 
   template <int L>
   __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
-    if constexpr (kHasMaster) {
-      load_lanes<L>(master + i, lanes);
-      if constexpr (kAdoptEdits) {
+    if constexpr (kFp32Master) {
+      load_lanes<L>(static_cast<const float*>(extra) + i, lanes);
+      if constexpr (kStore == WeightStore::kMasterAdoptingEdits) {
         float params[L];
         load_lanes<L>(param + i, params);
 #pragma unroll
@@ -31,18 +50,108 @@ struct StepWeights {
           lanes[l] = math::weight_to_update(lanes[l], params[l], rounded);
         }
       }
-    } else {
+    } else if constexpr (kStore == WeightStore::kSplit) {
+      uint16_t weight_bits[L];
+      int16_t remainder[L];
+      load_raw<L>(reinterpret_cast<const uint16_t*>(param) + i, weight_bits);
+      load_raw<L>(static_cast<const int16_t*>(extra) + i, remainder);
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
+      }
+    } else if constexpr (kStore == WeightStore::kKahan) {
+      float compensation[L];
+      load_lanes<L>(param + i, lanes);
+      load_lanes<L>(static_cast<const TP*>(extra) + i, compensation);
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        const float sum = lanes[l] + compensation[l];
+        lanes[l] = math::kahan_weight(lanes[l], sum, to_float(from_float<TP>(sum)));
+      }
+    } else {  // kParams, kStochastic
       load_lanes<L>(param + i, lanes);
     }
   }
+
   template <int L>
   __device__ __forceinline__ void store(int i, const float (&lanes)[L]) const {
-    if constexpr (kHasMaster) {
-      store_lanes<L>(master + i, lanes);
+    if constexpr (kFp32Master) {
+      store_lanes<L>(static_cast<float*>(extra) + i, lanes);
+      store_lanes<L>(param + i, lanes);
+    } else if constexpr (kStore == WeightStore::kSplit) {
+      uint16_t weight_bits[L];
+      int16_t remainder[L];
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        const math::SplitMaster split = math::split_master(lanes[l]);
+        weight_bits[l] = split.weight_bits;
+        remainder[l] = split.remainder;
+      }
+      store_raw<L>(reinterpret_cast<uint16_t*>(param) + i, weight_bits);
+      store_raw<L>(static_cast<int16_t*>(extra) + i, remainder);
+    } else if constexpr (kStore == WeightStore::kKahan) {
+      float rounded[L], compensation[L];
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        rounded[l] = to_float(from_float<TP>(lanes[l]));
+        compensation[l] = math::kahan_compensation(lanes[l], rounded[l]);
+      }
+      store_lanes<L>(param + i, rounded);
+      store_lanes<L>(static_cast<TP*>(extra) + i, compensation);
+    } else if constexpr (kStore == WeightStore::kStochastic) {
+      uint16_t weight_bits[L];
+      const uint64_t first = static_cast<uint64_t>(first_index + i);
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        weight_bits[l] = math::stochastic_round_bf16(
+            lanes[l], math::counter_random_bits(seed, step, first + l));
+      }
+      store_raw<L>(reinterpret_cast<uint16_t*>(param) + i, weight_bits);
+    } else {
+      store_lanes<L>(param + i, lanes);
     }
-    store_lanes<L>(param + i, lanes);
   }
 };
+
+// The element type of the weight store's own list (master_params), for vector widths.
+template <typename TP, WeightStore kStore>
+using WeightStoreElem = std::conditional_t<
+    kStore == WeightStore::kSplit, int16_t,
+    std::conditional_t<kStore == WeightStore::kKahan, TP, float>>;
+
+// Whether a store has a list of its own beside the params (master_params).
+constexpr bool has_store_list(WeightStore store) {
+  return store == WeightStore::kMaster || store == WeightStore::kMasterAdoptingEdits ||
+         store == WeightStore::kSplit || store == WeightStore::kKahan;
+}
+
+// Per-tensor scalars of a step beyond its step count: the stochastic-rounding seed, passed
+// through a pointer-sized slot of the launch metadata as its value (not an address).
+constexpr int extra_slots_of(WeightStore store) {
+  return store == WeightStore::kStochastic ? 2 : 1;
+}
+
+// Tensor t's weights at this block's chunk.
+template <typename TP, WeightStore kStore, typename Batch>
+__device__ __forceinline__ StepWeights<TP, kStore> step_weights_at(const Batch& b,
+                                                                   const ChunkRef& ch,
+                                                                   int param_list,
+                                                                   int store_list,
+                                                                   float step_before) {
+  StepWeights<TP, kStore> w;
+  w.param = static_cast<TP*>(b.ptr[param_list][ch.t]) + ch.offset;
+  w.extra = nullptr;
+  if constexpr (has_store_list(kStore)) {
+    w.extra = static_cast<WeightStoreElem<TP, kStore>*>(b.ptr[store_list][ch.t]) + ch.offset;
+  }
+  w.seed = 0;
+  if constexpr (kStore == WeightStore::kStochastic) {
+    w.seed = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(b.extra[1][ch.t]));
+  }
+  w.step = static_cast<uint32_t>(step_before);
+  w.first_index = ch.offset;
+  return w;
+}
 
 // The grads a step reads and, with kWriteGrads, writes back: the multiplied (unscaled, clipped)
 // gradient the update used, as torch's fused optimizers leave .grad.

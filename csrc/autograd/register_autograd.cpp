@@ -172,7 +172,8 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
 using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
                      double, double, double, double, double, bool, bool, const OptTensor&,
                      const OptTensor&, const OptTensor&, const OptTensor&,
-                     std::optional<double>, bool, bool, std::optional<TensorList>);
+                     std::optional<double>, bool, bool, std::optional<TensorList>,
+                     c10::OptionalIntArrayRef);
 const c10::TypedOperatorHandle<AdamSig>& adam_op() {
   static const auto op = find<AdamSig>("fusedamp::adam_step_");
   return op;
@@ -184,14 +185,15 @@ void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters
                    double weight_decay, bool decoupled, bool maximize, const OptTensor& lr_t,
                    const OptTensor& inv_scale, const OptTensor& found_inf,
                    const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
-                   bool write_grads, std::optional<TensorList> v_maxes) {
+                   bool write_grads, std::optional<TensorList> v_maxes,
+                   c10::OptionalIntArrayRef seeds) {
   refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps,
                                                write_grads ? grads : TensorList(),
                                                v_maxes.value_or(TensorList())});
   adam_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
                        maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
-                       write_grads, v_maxes);
+                       write_grads, v_maxes, seeds);
 }
 
 void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
@@ -200,11 +202,11 @@ void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Te
                bool maximize, const OptTensor& lr_t, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& sum_sq,
                std::optional<double> max_norm, bool adopt_edits, bool write_grads,
-               std::optional<TensorList> v_maxes) {
+               std::optional<TensorList> v_maxes, c10::OptionalIntArrayRef seeds) {
   adam_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
                        maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
-                       write_grads, v_maxes);
+                       write_grads, v_maxes, seeds);
   bump_versions({params, masters, exp_avgs, exp_avg_sqs, steps,
                  write_grads ? grads : TensorList(), v_maxes.value_or(TensorList())});
 }
@@ -212,7 +214,8 @@ void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Te
 // ---- sgd_step_ -----------------------------------------------------------------------------
 using SgdSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, double, double,
                     double, double, bool, bool, const OptTensor&, const OptTensor&,
-                    const OptTensor&, const OptTensor&, std::optional<double>, bool, bool);
+                    const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
+                    c10::OptionalIntArrayRef);
 const c10::TypedOperatorHandle<SgdSig>& sgd_op() {
   static const auto op = find<SgdSig>("fusedamp::sgd_step_");
   return op;
@@ -223,22 +226,23 @@ void sgd_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
                   double dampening, double weight_decay, bool nesterov, bool maximize,
                   const OptTensor& lr_t, const OptTensor& inv_scale, const OptTensor& found_inf,
                   const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
-                  bool write_grads) {
+                  bool write_grads, c10::OptionalIntArrayRef seeds) {
   refuse_in_grad_mode("fusedamp::sgd_step_",
                       {params, masters, bufs, steps, write_grads ? grads : TensorList()});
   sgd_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, bufs, steps, lr,
                       momentum, dampening, weight_decay, nesterov, maximize, lr_t, inv_scale,
-                      found_inf, sum_sq, max_norm, adopt_edits, write_grads);
+                      found_inf, sum_sq, max_norm, adopt_edits, write_grads, seeds);
 }
 
 void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
               TensorList bufs, TensorList steps, double lr, double momentum, double dampening,
               double weight_decay, bool nesterov, bool maximize, const OptTensor& lr_t,
               const OptTensor& inv_scale, const OptTensor& found_inf, const OptTensor& sum_sq,
-              std::optional<double> max_norm, bool adopt_edits, bool write_grads) {
+              std::optional<double> max_norm, bool adopt_edits, bool write_grads,
+              c10::OptionalIntArrayRef seeds) {
   sgd_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, params, masters, grads, bufs,
                       steps, lr, momentum, dampening, weight_decay, nesterov, maximize, lr_t,
-                      inv_scale, found_inf, sum_sq, max_norm, adopt_edits, write_grads);
+                      inv_scale, found_inf, sum_sq, max_norm, adopt_edits, write_grads, seeds);
   bump_versions({params, masters, bufs, steps, write_grads ? grads : TensorList()});
 }
 

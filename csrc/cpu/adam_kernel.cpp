@@ -11,11 +11,10 @@
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kAmsgrad>
-void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m, float* v,
-                float* v_max, int64_t n, const math::AdamHyper& h, const math::AdamCoeffs& c,
-                float grad_mult) {
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
+void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max, int64_t n,
+                const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult) {
   const Vec mult(grad_mult);
   for (int64_t i = 0; i < n; i += kPair) {
     const int64_t k = n - i;
@@ -24,20 +23,20 @@ void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m,
     g0 = g0 * mult;
     g1 = g1 * mult;
     w.load(i, k, p0, p1);
-    PairIO<float>::load(m + i, k, m0, m1);
-    PairIO<float>::load(v + i, k, v0, v1);
+    PairIO<TS>::load(m + i, k, m0, m1);
+    PairIO<TS>::load(v + i, k, v0, v1);
     if constexpr (kAmsgrad) {
       Vec x0, x1;
-      PairIO<float>::load(v_max + i, k, x0, x1);
+      PairIO<TS>::load(v_max + i, k, x0, x1);
       math::adam_update(p0, m0, v0, g0, h, c, &x0);
       math::adam_update(p1, m1, v1, g1, h, c, &x1);
-      PairIO<float>::store(v_max + i, k, x0, x1);
+      PairIO<TS>::store(v_max + i, k, x0, x1);
     } else {
       math::adam_update(p0, m0, v0, g0, h, c);
       math::adam_update(p1, m1, v1, g1, h, c);
     }
-    PairIO<float>::store(m + i, k, m0, m1);
-    PairIO<float>::store(v + i, k, v0, v1);
+    PairIO<TS>::store(m + i, k, m0, m1);
+    PairIO<TS>::store(v + i, k, v0, v1);
     w.store(i, k, p0, p1);
     if constexpr (kWriteGrads) {
       PairIO<TG>::store(g + i, k, g0, g1);
@@ -45,8 +44,8 @@ void adam_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* m,
   }
 }
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kAmsgrad>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
   const at::TensorList params = step.params;
@@ -59,13 +58,11 @@ void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp
   }
   const ChunkPlan plan(params);
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
-    const StepWeights<TP, kMaster, kAdoptEdits> w{
-        params[i].data_ptr<TP>() + b,
-        kMaster ? step.master_params[i].data_ptr<float>() + b : nullptr};
-    adam_range<TP, TG, kMaster, kAdoptEdits, kWriteGrads, kAmsgrad>(
-        w, step.grads[i].data_ptr<TG>() + b, exp_avgs[i].data_ptr<float>() + b,
-        exp_avg_sqs[i].data_ptr<float>() + b,
-        kAmsgrad ? max_exp_avg_sqs[i].data_ptr<float>() + b : nullptr, e - b, h, coeffs[i],
+    const auto w = step_weights<TP, kStore>(step, i, b);
+    adam_range<TP, TG, kStore, kWriteGrads, kAmsgrad>(
+        w, step.grads[i].data_ptr<TG>() + b, exp_avgs[i].data_ptr<TS>() + b,
+        exp_avg_sqs[i].data_ptr<TS>() + b,
+        kAmsgrad ? max_exp_avg_sqs[i].data_ptr<TS>() + b : nullptr, e - b, h, coeffs[i],
         step.grad_mult);
   });
 }
@@ -74,11 +71,13 @@ void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp
 
 void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
           at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
-  // flags: kHasMaster, kAdoptEdits, kWriteGrads, kAmsgrad.
-  step_switch(step, [&](auto param, auto grad, auto... flags) {
-    adam_lists<decltype(param), decltype(grad), decltype(flags)::value...>(
+  // The moments are FP32 or BF16 (state_dtype), all lists alike.
+  step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto amsgrad,
+                        auto state) {
+    adam_lists<decltype(param), decltype(grad), store, write_grads, amsgrad, decltype(state)>(
         step, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, h);
-  }, BoolSwitch{!max_exp_avg_sqs.empty()});
+  }, BoolSwitch{!max_exp_avg_sqs.empty()},
+     DtypeSwitch<float, c10::BFloat16>{exp_avgs[0].scalar_type()});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -21,21 +21,22 @@ namespace fusedamp::cpu {
 // the step's modes (ops.h StepModes).
 struct CpuStep {
   at::TensorList params;
-  at::TensorList master_params;  // empty: no master weights
+  at::TensorList master_params;  // masters, remainders or compensations, as `store` says
   at::TensorList grads;
   const float* steps_before;
   float lr;
   float grad_mult;
-  bool adopt_param_edits;
+  WeightStore store;
+  const int64_t* rounding_seeds;  // kStochastic: one per tensor; nullptr otherwise
   bool write_back_grads;
 };
 
-// step_switch (static_switch.h) over a CpuStep's lists and modes: body(param, grad, kHasMaster,
-// kAdoptEdits, kWriteGrads, more...).
+// step_switch (static_switch.h) over a CpuStep's lists and modes: body(param, grad, kStore,
+// kWriteGrads, more...).
 template <typename Body, typename... More>
 void step_switch(const CpuStep& step, Body&& body, const More&... more) {
-  fusedamp::step_switch(step.params, step.grads, step.master_params, step.adopt_param_edits,
-                        step.write_back_grads, std::forward<Body>(body), more...);
+  fusedamp::step_switch(step.params, step.grads, step.store, step.write_back_grads,
+                        std::forward<Body>(body), more...);
 }
 
 // grad_stats's telemetry of one call (see math/telemetry_math.h).

@@ -77,7 +77,9 @@ void run_step(const Step& step, const Kernel& kernel) {
   TORCH_CHECK(lr >= 0.f && lr - lr == 0.f, Step::kOp, ": lr_tensor holds an invalid lr ", lr);
   const StepCounts counts(step.steps);
   kernel(CpuStep{step.params, step.master_params, step.grads, counts.before.data(), lr,
-                 scalars.grad_multiplier(), step.adopt_param_edits, step.write_back_grads});
+                 scalars.grad_multiplier(), step.weight_store(),
+                 step.rounding_seeds.empty() ? nullptr : step.rounding_seeds.data(),
+                 step.write_back_grads});
   counts.advance();
 }
 

@@ -12,9 +12,9 @@
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kMomentum>
-void sgd_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* buf, int64_t n,
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
+void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
                const math::SgdHyper& h, float lr, bool first_step, float grad_mult) {
   const Vec mult(grad_mult);
   for (int64_t i = 0; i < n; i += kPair) {
@@ -27,11 +27,11 @@ void sgd_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* buf
     if constexpr (kMomentum) {
       Vec b0, b1;
       if (!first_step) {
-        PairIO<float>::load(buf + i, k, b0, b1);
+        PairIO<TS>::load(buf + i, k, b0, b1);
       }
       math::sgd_update(p0, b0, g0, h, lr, first_step);
       math::sgd_update(p1, b1, g1, h, lr, first_step);
-      PairIO<float>::store(buf + i, k, b0, b1);
+      PairIO<TS>::store(buf + i, k, b0, b1);
     } else {
       math::sgd_update_no_momentum(p0, g0, h, lr);
       math::sgd_update_no_momentum(p1, g1, h, lr);
@@ -43,17 +43,15 @@ void sgd_range(const StepWeights<TP, kMaster, kAdoptEdits>& w, TG* g, float* buf
   }
 }
 
-template <typename TP, typename TG, bool kMaster, bool kAdoptEdits, bool kWriteGrads,
-          bool kMomentum>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 void sgd_lists(const CpuStep& step, at::TensorList bufs, const math::SgdHyper& h) {
   const at::TensorList params = step.params;
   const ChunkPlan plan(params);
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
-    const StepWeights<TP, kMaster, kAdoptEdits> w{
-        params[i].data_ptr<TP>() + b,
-        kMaster ? step.master_params[i].data_ptr<float>() + b : nullptr};
-    float* buf = kMomentum ? bufs[i].data_ptr<float>() + b : nullptr;
-    sgd_range<TP, TG, kMaster, kAdoptEdits, kWriteGrads, kMomentum>(
+    const auto w = step_weights<TP, kStore>(step, i, b);
+    TS* buf = kMomentum ? bufs[i].data_ptr<TS>() + b : nullptr;
+    sgd_range<TP, TG, kStore, kWriteGrads, kMomentum>(
         w, step.grads[i].data_ptr<TG>() + b, buf, e - b, h, step.lr,
         step.steps_before[i] == 0.f, step.grad_mult);
   });
@@ -62,11 +60,14 @@ void sgd_lists(const CpuStep& step, at::TensorList bufs, const math::SgdHyper& h
 }  // namespace
 
 void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h) {
-  // flags: kHasMaster, kAdoptEdits, kWriteGrads, kMomentum.
-  step_switch(step, [&](auto param, auto grad, auto... flags) {
-    sgd_lists<decltype(param), decltype(grad), decltype(flags)::value...>(step,
-                                                                          momentum_buffers, h);
-  }, BoolSwitch{h.momentum != 0.f});
+  // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none.
+  const bool momentum = h.momentum != 0.f;
+  const auto state_dtype = momentum ? momentum_buffers[0].scalar_type() : at::kFloat;
+  step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto with_momentum,
+                        auto state) {
+    sgd_lists<decltype(param), decltype(grad), store, write_grads, with_momentum,
+              decltype(state)>(step, momentum_buffers, h);
+  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

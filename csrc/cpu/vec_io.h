@@ -5,7 +5,13 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <fusedamp/math/lane_ops.h>
+#include <fusedamp/math/kahan_math.h>
 #include <fusedamp/math/master_math.h>
+#include <fusedamp/math/split_math.h>
+#include <fusedamp/math/stochastic_rounding_math.h>
+
+#include "../static_switch.h"
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <limits>
@@ -67,6 +73,12 @@ struct PairIO {
   static inline void round_trip(Vec& a, Vec& b) {
     std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
   }
+  // store(), then a, b become what was stored (one conversion for both).
+  static inline void store_read_back(T* p, int64_t n, Vec& a, Vec& b) {
+    const auto rounded = at::vec::convert_from_float<T>(a, b);
+    rounded.store(p, std::min<int64_t>(n, kPair));
+    std::tie(a, b) = at::vec::convert_to_float<T>(rounded);
+  }
 };
 
 template <>
@@ -96,36 +108,125 @@ struct PairIO<float> {
   static inline void round_trip(Vec&, Vec&) {}
 };
 
-// The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh).
-// With master weights the master is read (and, with kAdoptEdits, the param too: where the param
-// is not the master's rounding, math::weight_to_update starts from the param) and both are
-// written; without, the params themselves are read and written.
-template <typename TP, bool kMaster, bool kAdoptEdits>
+// f(l) for the lanes l < min(n, kPair) of one iteration; a full pair has a constant trip count
+// (the compiler unrolls and vectorises it), the tail the rest.
+template <typename F>
+inline void for_each_lane(int64_t n, const F& f) {
+  if (n >= kPair) {
+    for (int64_t l = 0; l < kPair; ++l) {
+      f(l);
+    }
+  } else {
+    for (int64_t l = 0; l < n; ++l) {
+      f(l);
+    }
+  }
+}
+
+// The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh), for
+// each way of storing them (static_switch.h WeightStore):
+//   kParams         the params themselves are read and written;
+//   kMaster         the FP32 master is read, both are written; kMasterAdoptingEdits reads the
+//                   param too: where it is not the master's rounding, math::weight_to_update
+//                   starts from the param;
+//   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
+//   kKahan          param + compensation of the param's dtype (math/kahan_math.h);
+//   kStochastic     the params, stored with stochastic rounding (math/stochastic_rounding_math.h)
+//                   from the counter (seed, step, first_index + element).
+template <typename TP, WeightStore kStore>
 struct StepWeights {
-  static_assert(kMaster || !kAdoptEdits, "edits are adopted into master weights only");
+  static_assert(weight_store_fits<TP>(kStore), "no such weight store for this param dtype");
   TP* param;
-  float* master;  // nullptr without master weights
+  void* extra;  // master (float), remainder (int16) or compensation (TP); nullptr otherwise
+  uint64_t seed = 0;
+  uint32_t step = 0;
+  int64_t first_index = 0;
 
   inline void load(int64_t i, int64_t n, Vec& a, Vec& b) const {
-    if constexpr (kMaster) {
-      PairIO<float>::load(master + i, n, a, b);
-      if constexpr (kAdoptEdits) {
+    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+      PairIO<float>::load(static_cast<float*>(extra) + i, n, a, b);
+      if constexpr (kStore == WeightStore::kMasterAdoptingEdits) {
         Vec pa, pb, ra = a, rb = b;
         PairIO<TP>::load(param + i, n, pa, pb);
         PairIO<TP>::round_trip(ra, rb);
         a = math::weight_to_update(a, pa, ra);
         b = math::weight_to_update(b, pb, rb);
       }
-    } else {
+    } else if constexpr (kStore == WeightStore::kSplit) {
+      alignas(64) float lanes[kPair] = {};
+      const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(param + i);
+      const int16_t* remainder = static_cast<const int16_t*>(extra) + i;
+      for_each_lane(n, [&](int64_t l) {
+        lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
+      });
+      a = Vec::loadu(lanes);
+      b = Vec::loadu(lanes + Vec::size());
+    } else if constexpr (kStore == WeightStore::kKahan) {
+      Vec ca, cb;
+      PairIO<TP>::load(param + i, n, a, b);
+      PairIO<TP>::load(static_cast<const TP*>(extra) + i, n, ca, cb);
+      Vec sa = a + ca, sb = b + cb;
+      Vec ra = sa, rb = sb;
+      PairIO<TP>::round_trip(ra, rb);
+      a = math::kahan_weight(a, sa, ra);
+      b = math::kahan_weight(b, sb, rb);
+    } else {  // kParams, kStochastic
       PairIO<TP>::load(param + i, n, a, b);
     }
   }
+
   inline void store(int64_t i, int64_t n, const Vec& a, const Vec& b) const {
-    if constexpr (kMaster) {
-      PairIO<float>::store(master + i, n, a, b);
+    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+      PairIO<float>::store(static_cast<float*>(extra) + i, n, a, b);
+      PairIO<TP>::store(param + i, n, a, b);
+    } else if constexpr (kStore == WeightStore::kSplit) {
+      alignas(64) float lanes[kPair];
+      a.store(lanes);
+      b.store(lanes + Vec::size());
+      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
+      int16_t* remainder = static_cast<int16_t*>(extra) + i;
+      for_each_lane(n, [&](int64_t l) {
+        const math::SplitMaster split = math::split_master(lanes[l]);
+        weight_bits[l] = split.weight_bits;
+        remainder[l] = split.remainder;
+      });
+    } else if constexpr (kStore == WeightStore::kKahan) {
+      Vec ra = a, rb = b;
+      PairIO<TP>::store_read_back(param + i, n, ra, rb);
+      PairIO<TP>::store(static_cast<TP*>(extra) + i, n, math::kahan_compensation(a, ra),
+                        math::kahan_compensation(b, rb));
+    } else if constexpr (kStore == WeightStore::kStochastic) {
+      alignas(64) float lanes[kPair];
+      a.store(lanes);
+      b.store(lanes + Vec::size());
+      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
+      const uint64_t first = static_cast<uint64_t>(first_index + i);
+      for_each_lane(n, [&](int64_t l) {
+        weight_bits[l] = math::stochastic_round_bf16(
+            lanes[l], math::counter_random_bits(seed, step, first + static_cast<uint64_t>(l)));
+      });
+    } else {
+      PairIO<TP>::store(param + i, n, a, b);
     }
-    PairIO<TP>::store(param + i, n, a, b);
   }
 };
+
+// Tensor i's weights from element `begin` on, as a step over `step`'s lists reads them.
+template <typename TP, WeightStore kStore>
+inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int64_t begin) {
+  StepWeights<TP, kStore> w{step.params[i].data_ptr<TP>() + begin, nullptr};
+  if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+    w.extra = step.master_params[i].data_ptr<float>() + begin;
+  } else if constexpr (kStore == WeightStore::kSplit) {
+    w.extra = step.master_params[i].data_ptr<int16_t>() + begin;
+  } else if constexpr (kStore == WeightStore::kKahan) {
+    w.extra = step.master_params[i].data_ptr<TP>() + begin;
+  } else if constexpr (kStore == WeightStore::kStochastic) {
+    w.seed = static_cast<uint64_t>(step.rounding_seeds[i]);
+    w.step = static_cast<uint32_t>(step.steps_before[i]);
+    w.first_index = begin;
+  }
+  return w;
+}
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -2,6 +2,7 @@
 #include "bucket_plan.h"
 
 #include <c10/util/Exception.h>
+#include <fusedamp/math/stochastic_rounding_math.h>
 
 #include <string>
 
@@ -41,10 +42,22 @@ void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_
               where());
 }
 
+// A parameter's stochastic-rounding seed: 64 mixed bits of (the group's seed, the parameter's
+// index), so that parameters draw independent streams from one user seed.
+int64_t rounding_seed_of(int64_t group_seed, int64_t param_index) {
+  const auto seed = static_cast<uint64_t>(group_seed);
+  const auto index = static_cast<uint64_t>(param_index);
+  const uint64_t high = math::counter_random_bits(seed, 0xFFFFFFFFu, index);
+  const uint64_t low = math::counter_random_bits(seed, 0xFFFFFFFEu, index);
+  return static_cast<int64_t>((high << 32) | low);
+}
+
 // The bucket list of each state slot, beside the member of ParamState it holds.
 std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
   switch (slot) {
     case StateSlot::kMasterParam:
+    case StateSlot::kParamRemainder:
+    case StateSlot::kKahanCompensation:
       return &Bucket::master_params;
     case StateSlot::kExpAvg:
       return &Bucket::exp_avgs;
@@ -67,8 +80,10 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
   group_keys.reserve(groups.size());
   param_keys.reserve(param_keys_.size());
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    group_keys.push_back({groups[gi].master_weights, groups[gi].slots});
-    const auto& params = *groups[gi].params;
+    const auto& group = groups[gi];
+    group_keys.push_back(
+        {group.master_weights, group.state_dtype, group.rounding_seed, group.slots});
+    const auto& params = *group.params;
     for (size_t j = 0; j < params.size(); ++j) {
       const auto& p = params[j];
       const auto& g = p.grad();
@@ -76,6 +91,10 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
         continue;
       }
       check_grad(who, p, g, gi, j);
+      TORCH_CHECK_VALUE(group.master_weights.fits(p.scalar_type()), "fusedamp::optim::", who,
+                        ": master_weights=\"", group.master_weights.name(),
+                        "\" keeps bfloat16 weights, but parameter ", j, " of param group ", gi,
+                        " is ", p.scalar_type(), "; use master_weights=True or \"kahan\"");
       param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                             p.device()});
     }
@@ -93,16 +112,20 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
                          DeviceStats& devices) {
   ++builds_;
   buckets_.clear();
+  int64_t param_index = -1;  // in the optimizer's order (all groups, with or without grads)
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& group = groups[gi];
     const size_t first = buckets_.size();
     for (const auto& p : *group.params) {
+      ++param_index;
       const auto& g = p.grad();
       if (!g.defined()) {
         continue;
       }
-      const bool want_master = group.master_weights && p.scalar_type() != at::kFloat;
-      const ParamState& s = states.ensure(p, want_master, group.slots);
+      // FP32 parameters are their own masters, whatever the group's mode.
+      const MasterWeights mode =
+          p.scalar_type() == at::kFloat ? MasterWeights(false) : group.master_weights;
+      const ParamState& s = states.ensure(p, mode, group.state_dtype, group.slots);
       Bucket* b = nullptr;
       for (size_t k = first; k < buckets_.size(); ++k) {
         auto& c = buckets_[k];
@@ -122,12 +145,15 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
       }
       b->params.push_back(p);
       b->steps.push_back(s.step);
-      const StateSlots slots = want_master ? group.slots.with(StateSlot::kMasterParam)
-                                           : group.slots;
       for (const auto& info : kStateSlots) {
-        if (slots.has(info.slot)) {
+        const bool kept = is_weight_store_slot(info.slot) ? (s.*info.member).defined()
+                                                          : group.slots.has(info.slot);
+        if (kept) {
           ((*b).*bucket_list(info.slot)).push_back(s.*info.member);
         }
+      }
+      if (mode == MasterWeights::kStochastic) {
+        b->rounding_seeds.push_back(rounding_seed_of(group.rounding_seed, param_index));
       }
     }
   }

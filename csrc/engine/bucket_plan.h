@@ -21,8 +21,13 @@ struct Bucket {
   at::ScalarType grad_dtype = at::kFloat;
   std::vector<at::Tensor> params, grads, steps;
   // One entry per parameter where the group needs the slot (empty list otherwise).
+  // master_params holds what the group's master_weights keeps: FP32 masters, int16
+  // remainders or Kahan compensations.
   std::vector<at::Tensor> master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
       momentum_buffers;
+  // master_weights "stochastic": each parameter's rounding seed (from the group's seed and
+  // the parameter's index in the optimizer); empty otherwise.
+  std::vector<int64_t> rounding_seeds;
 };
 
 class BucketPlan {
@@ -30,8 +35,10 @@ class BucketPlan {
   // What the plan needs to know of one param group.
   struct Group {
     const std::vector<at::Tensor>* params;
-    bool master_weights;  // FP32 masters for the group's FP16/BF16 parameters
-    StateSlots slots;     // the state its step needs besides masters
+    MasterWeights master_weights;  // how the group's FP16/BF16 weights are kept
+    at::ScalarType state_dtype;    // of the moments / momentum buffers
+    int64_t rounding_seed;         // master_weights "stochastic"
+    StateSlots slots;              // the state its step needs besides the weight store
   };
 
   // Checks every gradient (`who` names the optimizer in messages), rebuilds the buckets if the
@@ -48,10 +55,13 @@ class BucketPlan {
   // What the buckets depend on: per group, its state needs; per parameter with a gradient,
   // its identity, dtypes and device.
   struct GroupKey {
-    bool master_weights;
+    MasterWeights master_weights;
+    at::ScalarType state_dtype;
+    int64_t rounding_seed;
     StateSlots slots;
     bool operator==(const GroupKey& o) const {
-      return master_weights == o.master_weights && slots == o.slots;
+      return master_weights == o.master_weights && state_dtype == o.state_dtype &&
+             rounding_seed == o.rounding_seed && slots == o.slots;
     }
   };
   struct ParamKey {

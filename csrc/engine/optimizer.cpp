@@ -60,7 +60,8 @@ bool Optimizer::gather_grads() {
   std::vector<detail::BucketPlan::Group> groups;
   groups.reserve(param_groups_.size());
   for (const auto& g : param_groups_) {
-    groups.push_back({&g.params(), engine_options(g.options()).master_weights,
+    const auto e = engine_options(g.options());
+    groups.push_back({&g.params(), e.master_weights, e.state_dtype, e.rounding_seed,
                       slots_needed(g.options())});
   }
   plan_->update(kind(), groups, *states_, *stats_);
@@ -125,6 +126,7 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     }
     ops::StepModes modes;
     modes.adopt_param_edits = e.adopt_param_edits;
+    modes.rounding_seeds = b.rounding_seeds;
     // Unscaled and unclipped, the multiplier is 1: the grads already hold what the update used.
     modes.write_back_grads = e.write_back_grads && (s.inv_scale || s.max_grad_norm);
     {

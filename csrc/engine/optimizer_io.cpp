@@ -148,7 +148,8 @@ void Optimizer::load(torch::serialize::InputArchive& archive) {
     }
     StateDict d;
     for (const char* name :
-         {kStep, kMasterParam, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer}) {
+         {kStep, kMasterParam, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer,
+          kParamRemainder, kKahanCompensation}) {
       at::Tensor t;  // a fresh handle each time: try_read set_()s a defined tensor in place
       if (ps.try_read(name, t, /*is_buffer=*/true)) {
         d.emplace(name, t);

@@ -57,8 +57,16 @@ template <typename Options>
 EngineGroupOptions OptimizerOf<Options>::engine_options(
     const torch::optim::OptimizerOptions& base) const {
   const auto& o = detail::as<Options>(base);
-  return {o.master_weights(),    o.max_grad_norm(),     o.skip_nonfinite(),
-          o.lr_tensor(),         o.adopt_param_edits(), o.write_back_grads()};
+  EngineGroupOptions e;
+  e.master_weights = o.master_weights();
+  e.state_dtype = o.state_dtype();
+  e.rounding_seed = o.rounding_seed();
+  e.max_grad_norm = o.max_grad_norm();
+  e.skip_nonfinite = o.skip_nonfinite();
+  e.lr_tensor = o.lr_tensor();
+  e.adopt_param_edits = o.adopt_param_edits();
+  e.write_back_grads = o.write_back_grads();
+  return e;
 }
 
 template <typename Options>
@@ -94,7 +102,11 @@ bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
   } else if (name == "maximize") {
     o.maximize(detail::flag_option(name, value));
   } else if (name == "master_weights") {
-    o.master_weights(detail::flag_option(name, value));
+    o.master_weights(MasterWeights::from_code(value));
+  } else if (name == "state_dtype") {
+    o.state_dtype(detail::state_dtype_option(value));
+  } else if (name == "rounding_seed") {
+    o.rounding_seed(detail::seed_option(name, value));
   } else if (name == "skip_nonfinite") {
     o.skip_nonfinite(detail::flag_option(name, value));
   } else if (name == "adopt_param_edits") {
@@ -115,7 +127,9 @@ std::optional<double> OptimizerOf<Options>::own_option(const torch::optim::Optim
   if (name == "weight_decay") return o.weight_decay();
   if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
   if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
-  if (name == "master_weights") return o.master_weights() ? 1.0 : 0.0;
+  if (name == "master_weights") return static_cast<double>(o.master_weights().kind());
+  if (name == "state_dtype") return static_cast<double>(o.state_dtype());
+  if (name == "rounding_seed") return static_cast<double>(o.rounding_seed());
   if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
   if (name == "adopt_param_edits") return o.adopt_param_edits() ? 1.0 : 0.0;
   if (name == "write_back_grads") return o.write_back_grads() ? 1.0 : 0.0;

@@ -9,12 +9,26 @@ namespace fusedamp::optim::detail {
 
 bool flag_option(const std::string& name, double value) {
   TORCH_CHECK_VALUE(value == 0.0 || value == 1.0, "fusedamp: '", name,
-                    "' is a flag: True or False, got ", value,
-                    name == "master_weights" ? " (True: an FP32 master copy of FP16/BF16 "
-                                               "parameters; other master-weight modes are not "
-                                               "implemented)"
-                                             : "");
+                    "' is a flag: True or False, got ", value);
   return value != 0.0;
+}
+
+at::ScalarType state_dtype_option(double value) {
+  const bool fp32 = value == static_cast<double>(at::kFloat);
+  const bool bf16 = value == static_cast<double>(at::kBFloat16);
+  TORCH_CHECK_VALUE(fp32 || bf16, "fusedamp: state_dtype must be torch.float32 or "
+                    "torch.bfloat16 (as a number: the ScalarType code ",
+                    static_cast<int>(at::kFloat), " or ", static_cast<int>(at::kBFloat16),
+                    "), got ", value);
+  return fp32 ? at::kFloat : at::kBFloat16;
+}
+
+int64_t seed_option(const std::string& name, double value) {
+  constexpr double kMaxExact = 9007199254740992.0;  // 2^53: every integer below is a double
+  TORCH_CHECK_VALUE(value >= 0.0 && value <= kMaxExact && value == static_cast<double>(
+                        static_cast<int64_t>(value)),
+                    "fusedamp: '", name, "' must be a whole number in [0, 2^53], got ", value);
+  return static_cast<int64_t>(value);
 }
 namespace {
 
@@ -39,6 +53,10 @@ void check_common_options(const char* who, double lr, double weight_decay,
     TORCH_CHECK_VALUE(hyper::valid_max_grad_norm(*e.max_grad_norm), "Invalid max_grad_norm: ",
                       *e.max_grad_norm, " (must be finite and > 0, or None)", where);
   }
+  TORCH_CHECK_VALUE(e.state_dtype == at::kFloat || e.state_dtype == at::kBFloat16,
+                    "Invalid state_dtype: ", e.state_dtype, " (float32 or bfloat16)", where);
+  TORCH_CHECK_VALUE(e.rounding_seed >= 0, "Invalid rounding_seed: ", e.rounding_seed,
+                    " (must be >= 0)", where);
   if (e.lr_tensor.defined()) {
     const auto& t = e.lr_tensor;
     TORCH_CHECK_VALUE(

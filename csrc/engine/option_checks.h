@@ -10,9 +10,13 @@
 namespace fusedamp::optim::detail {
 
 // A yes/no option given as a number (param-group dicts pass True/False as 1/0): 0 or 1, nothing
-// else. master_weights=2 or 0.5 would otherwise silently mean True; for master_weights the
-// message names the modes that exist.
+// else (2 or 0.5 would otherwise silently mean True).
 bool flag_option(const std::string& name, double value);
+
+// state_dtype given as a number: the c10::ScalarType code of float32 or bfloat16.
+at::ScalarType state_dtype_option(double value);
+// An integer option given as a number (rounding_seed): a whole number in [0, 2^53].
+int64_t seed_option(const std::string& name, double value);
 
 // lr, weight_decay and the engine fields, which every optimizer kind carries.
 void check_common_options(const char* who, double lr, double weight_decay,

@@ -1,7 +1,10 @@
 #pragma once
 // Serialisation of the options every fusedamp optimizer carries (lr, weight_decay, maximize and
 // the engine fields), shared by AdamOptions and SGDOptions::serialize.
+#include <fusedamp/optim/options.h>
 #include <torch/serialize/archive.h>
+
+#include "option_checks.h"
 
 #include <optional>
 
@@ -12,7 +15,10 @@ void write_common_options(const Options& o, torch::serialize::OutputArchive& a) 
   a.write("lr", c10::IValue(o.lr()));
   a.write("weight_decay", c10::IValue(o.weight_decay()));
   a.write("maximize", c10::IValue(o.maximize()));
-  a.write("master_weights", c10::IValue(o.master_weights()));
+  // The mode's code (MasterWeights::Kind); archives before the modes wrote a bool.
+  a.write("master_weights", c10::IValue(static_cast<int64_t>(o.master_weights().kind())));
+  a.write("state_dtype", c10::IValue(static_cast<int64_t>(o.state_dtype())));
+  a.write("rounding_seed", c10::IValue(o.rounding_seed()));
   a.write("skip_nonfinite", c10::IValue(o.skip_nonfinite()));
   a.write("adopt_param_edits", c10::IValue(o.adopt_param_edits()));
   a.write("write_back_grads", c10::IValue(o.write_back_grads()));
@@ -31,7 +37,11 @@ void read_common_options(Options& o, torch::serialize::InputArchive& a) {
   a.read("maximize", v);
   o.maximize(v.toBool());
   a.read("master_weights", v);
-  o.master_weights(v.toBool());
+  o.master_weights(v.isBool() ? MasterWeights(v.toBool())
+                              : MasterWeights::from_code(static_cast<double>(v.toInt())));
+  o.state_dtype(a.try_read("state_dtype", v) ? state_dtype_option(static_cast<double>(v.toInt()))
+                                             : at::kFloat);
+  o.rounding_seed(a.try_read("rounding_seed", v) ? v.toInt() : 0);
   a.read("skip_nonfinite", v);
   o.skip_nonfinite(v.toBool());
   // Absent from archives written before these options existed: their defaults then.

@@ -2,16 +2,39 @@
 #include "param_state_store.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+
+#include "master_weights.h"
 
 namespace fusedamp::optim::detail {
 namespace {
 
-// An FP32 tensor with p's shape and strides on p's device holding `src`'s values.
-at::Tensor fp32_like(const at::Tensor& p, const at::Tensor& src) {
-  auto t = at::empty_like(p, p.options().dtype(at::kFloat));
+// A tensor of `dtype` with p's shape and strides on p's device holding `src`'s values.
+at::Tensor copy_like(const at::Tensor& p, const at::Tensor& src, at::ScalarType dtype) {
+  auto t = at::empty_like(p, p.options().dtype(dtype));
   t.copy_(src);
   return t;
+}
+
+at::Tensor fp32_like(const at::Tensor& p, const at::Tensor& src) {
+  return copy_like(p, src, at::kFloat);
+}
+
+// The dtype a state tensor is kept in when copied from a state dict: the remainder int16, the
+// compensation the weight's dtype, moments and buffers their own if FP32 or BF16 (the next
+// step converts them to the group's state_dtype), everything else FP32.
+at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at::Tensor& t) {
+  if (name == kParamRemainder) {
+    return at::kShort;
+  }
+  if (name == kKahanCompensation) {
+    return p.scalar_type();
+  }
+  if (name != kMasterParam && t.scalar_type() == at::kBFloat16) {
+    return at::kBFloat16;
+  }
+  return at::kFloat;
 }
 
 const StateSlotInfo* slot_named(const std::string& name) {
@@ -35,21 +58,89 @@ const ParamState* ParamStateStore::find(const at::Tensor& param) const {
   return it == by_param_.end() ? nullptr : &it->second;
 }
 
-ParamState& ParamStateStore::ensure(const at::Tensor& param, bool want_master,
-                                    StateSlots slots) {
+namespace {
+
+// s's weight store as `mode` keeps it for `param`, from whichever store s holds (a checkpoint
+// or the group's mode may differ); the others are dropped. FP32 parameters keep nothing.
+void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamState& s) {
+  const auto kind = param.scalar_type() == at::kFloat ? MasterWeights::kOff : mode.kind();
+  const bool bf16 = param.scalar_type() == at::kBFloat16;
+  const bool have_remainder = s.param_remainder.defined() && bf16;
+  const bool have_compensation = s.kahan_compensation.defined() &&
+                                 s.kahan_compensation.scalar_type() == param.scalar_type();
+  // The FP32 value the current store holds; undefined if none.
+  const auto held_fp32 = [&]() -> at::Tensor {
+    if (s.master_param.defined()) {
+      return s.master_param;
+    }
+    if (have_remainder) {
+      return fp32_from_split(param, s.param_remainder);
+    }
+    if (have_compensation) {
+      return fp32_from_kahan(param, s.kahan_compensation);
+    }
+    return at::Tensor();
+  };
+  at::Tensor master, remainder, compensation;
+  switch (kind) {
+    case MasterWeights::kFp32:
+      master = held_fp32();
+      if (!master.defined()) {
+        master = fp32_like(param, param.detach());
+      }
+      break;
+    case MasterWeights::kSplit:
+      if (have_remainder) {
+        remainder = s.param_remainder;
+      } else if (const auto held = held_fp32(); held.defined()) {
+        // The weight may move by one BF16 ulp where the master lies exactly halfway
+        // (math/split_math.h): the pair must be the master exactly.
+        auto split = split_from_fp32(param, held);
+        at::NoGradGuard no_grad;
+        param.detach().copy_(split.weight);
+        remainder = std::move(split.remainder);
+      } else {
+        remainder = at::zeros_like(param, param.options().dtype(at::kShort));
+      }
+      break;
+    case MasterWeights::kKahan:
+      if (have_compensation) {
+        compensation = s.kahan_compensation;
+      } else if (const auto held = held_fp32(); held.defined()) {
+        compensation = kahan_from_fp32(param, held);
+      } else {
+        compensation = at::zeros_like(param);
+      }
+      break;
+    case MasterWeights::kOff:
+    case MasterWeights::kStochastic:
+      break;
+  }
+  s.master_param = master;
+  s.param_remainder = remainder;
+  s.kahan_compensation = compensation;
+}
+
+}  // namespace
+
+ParamState& ParamStateStore::ensure(const at::Tensor& param, MasterWeights mode,
+                                    at::ScalarType state_dtype, StateSlots slots) {
   auto& s = by_param_[param.unsafeGetTensorImpl()];
   if (!s.step.defined()) {
     s.step = at::zeros({}, param.options().dtype(at::kFloat));
   }
-  if (want_master && !s.master_param.defined()) {
-    s.master_param = fp32_like(param, param.detach());
-  } else if (!want_master) {
-    s.master_param = at::Tensor();
-  }
+  convert_weight_store(param, mode, s);
   for (const auto& info : kStateSlots) {
-    if (info.slot != StateSlot::kMasterParam && slots.has(info.slot) &&
-        !(s.*info.member).defined()) {
-      s.*info.member = at::zeros_like(param, param.options().dtype(at::kFloat));
+    if (is_weight_store_slot(info.slot) || !slots.has(info.slot)) {
+      continue;
+    }
+    at::Tensor& t = s.*info.member;
+    if (!t.defined()) {
+      t = at::zeros_like(param, param.options().dtype(state_dtype));
+    } else if (t.scalar_type() != state_dtype) {
+      auto converted = at::empty_like(param, param.options().dtype(state_dtype));
+      converted.copy_(t);
+      t = std::move(converted);
     }
   }
   return s;
@@ -70,11 +161,25 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                                       const StateDict& dict, StateSlots known, bool copy) {
   for (const auto& [name, t] : dict) {
     const StateSlotInfo* info = slot_named(name);
-    TORCH_CHECK(name == kStep || (info != nullptr && known.has(info->slot)),
+    // Every kind keeps a weight store (its slot is the mode's, converted at the next step).
+    TORCH_CHECK(name == kStep || (info != nullptr && (known.has(info->slot) ||
+                                                      is_weight_store_slot(info->slot))),
                 "fusedamp::optim::", who, ": unknown state '", name, "' for parameter ", index);
-    TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.is_floating_point(),
-                "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
-                " must be a dense floating-point tensor");
+    if (name == kParamRemainder) {
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.scalar_type() == at::kShort &&
+                      p.scalar_type() == at::kBFloat16,
+                  "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
+                  " must be a dense int16 tensor beside a bfloat16 parameter");
+    } else {
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.is_floating_point(),
+                  "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
+                  " must be a dense floating-point tensor");
+    }
+    if (name == kKahanCompensation) {
+      TORCH_CHECK(p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16,
+                  "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
+                  " belongs beside a float16 or bfloat16 parameter, not ", p.scalar_type());
+    }
     if (name == kStep) {
       TORCH_CHECK(t.numel() == 1, "fusedamp::optim::", who, ": state 'step' of parameter ",
                   index, " must have one element, got ", t.numel());
@@ -85,11 +190,11 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     }
     if (!copy) {
       // Kept as they are, so they must already be what a fused op walks beside `p`.
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == p.device() &&
+      TORCH_CHECK(t.scalar_type() == kept_dtype(name, p, t) && t.device() == p.device() &&
                       (name == kStep || p.numel() <= 1 || t.strides() == p.strides()),
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
-                  " cannot be kept without a copy: it must be float32 on ", p.device(),
-                  " with the parameter's strides");
+                  " cannot be kept without a copy: it must be ", kept_dtype(name, p, t),
+                  " on ", p.device(), " with the parameter's strides");
     }
   }
   TORCH_CHECK(dict.count(kStep) == 1, "fusedamp::optim::", who, ": state of parameter ",
@@ -104,7 +209,7 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
         s.step = t.reshape({});
       }
     } else {
-      s.*(slot_named(name)->member) = copy ? fp32_like(p, t) : t;
+      s.*(slot_named(name)->member) = copy ? copy_like(p, t, kept_dtype(name, p, t)) : t;
     }
   }
   return s;

@@ -15,9 +15,11 @@ class ParamStateStore {
   ParamState* find(const at::Tensor& param);
   const ParamState* find(const at::Tensor& param) const;
 
-  // Creates what a step needs and is missing: the step count, the master copy (dropped again
-  // when no longer wanted) and `slots` (zeros).
-  ParamState& ensure(const at::Tensor& param, bool want_master, StateSlots slots);
+  // Creates what a step needs and is missing: the step count, what `mode` keeps of the weight
+  // (converted from what the state holds, e.g. a checkpoint of another mode; the rest is
+  // dropped) and `slots` (zeros of state_dtype; existing ones converted to it).
+  ParamState& ensure(const at::Tensor& param, MasterWeights mode, at::ScalarType state_dtype,
+                     StateSlots slots);
 
   // The defined tensors of `state`, by name (the tensors themselves).
   static StateDict to_dict(const ParamState& state);

@@ -71,15 +71,29 @@ void sync_options(Optimizer& opt, const py::list& groups) {
         const auto betas = value.cast<std::pair<double, double>>();
         opt.set_group_option(i, "beta1", betas.first);
         opt.set_group_option(i, "beta2", betas.second);
+      } else if (name == "master_weights") {
+        // True / False, or a mode's name: numbers other than bools would hide a typo.
+        TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
+                          "param group ", i, ": master_weights must be True, False, \"split\", "
+                          "\"kahan\" or \"stochastic\", got ",
+                          py::repr(value).cast<std::string>());
+        const auto mode = py::isinstance<py::bool_>(value)
+                              ? optim::MasterWeights(value.cast<bool>())
+                              : optim::MasterWeights::from_name(value.cast<std::string>());
+        opt.set_group_option(i, name, static_cast<double>(mode.kind()));
+      } else if (name == "state_dtype") {
+        TORCH_CHECK_VALUE(THPDtype_Check(value.ptr()), "param group ", i,
+                          ": state_dtype must be torch.float32 or torch.bfloat16, got ",
+                          py::repr(value).cast<std::string>());
+        const auto dtype = reinterpret_cast<THPDtype*>(value.ptr())->scalar_type;
+        TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "param group ", i,
+                          ": state_dtype must be torch.float32 or torch.bfloat16, got ", dtype);
+        opt.set_group_option(i, name, static_cast<double>(dtype));
       } else if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
                  py::isinstance<py::float_>(value)) {
         opt.try_set_group_option(i, name, value.cast<double>());
       } else {
         // A value the engine would read, of a type it cannot take: never ignore it silently.
-        TORCH_CHECK_VALUE(name != "master_weights", "param group ", i,
-                          ": master_weights must be True (an FP32 master copy of FP16/BF16 "
-                          "parameters) or False (none), got ", py::repr(value).cast<std::string>(),
-                          "; other master-weight modes are not implemented");
         TORCH_CHECK_TYPE(!opt.has_group_option(i, name), "param group ", i, ": '", name,
                          "' must be a number, got ", py::str(value).cast<std::string>());
       }

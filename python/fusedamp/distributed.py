@@ -74,6 +74,17 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         self._grads_averaged = bool(grads_averaged)
         self._buckets = []
         super().__init__(params, defaults)
+        for gi, g in enumerate(self.param_groups):
+            # The shard keeps FP32 flat buffers (flat_shard.py); the 16-bit weight stores of
+            # fusedamp.optim ("split", "kahan", "stochastic") are not laid out there yet.
+            if not isinstance(g["master_weights"], bool):
+                raise ValueError(
+                    "fusedamp.distributed.ShardedOptimizer: master_weights must be True or "
+                    f"False (param group {gi} has {g['master_weights']!r}); \"split\", "
+                    "\"kahan\" and \"stochastic\" are fusedamp.optim's, not yet sharded")
+            if g.get("state_dtype", torch.float32) != torch.float32:
+                raise ValueError("fusedamp.distributed.ShardedOptimizer: the sharded state is "
+                                 f"float32; param group {gi} asks for {g['state_dtype']}")
         _ENGINES[kind].validate(self.param_groups)  # ValueError before the model is touched
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) != 1:

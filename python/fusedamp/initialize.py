@@ -48,8 +48,8 @@ def _has_lr_scheduler(optimizer):
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                dtype: torch.dtype = torch.float16, *, loss_scaling=None, max_grad_norm=None,
                init_scale=2.0 ** 16, growth_interval=2000, hysteresis=1, min_scale=None,
-               max_scale=None, skip_nonfinite=True, master_weights=True, policy="torch",
-               amax_target=None):
+               max_scale=None, skip_nonfinite=True, master_weights=True,
+               state_dtype=torch.float32, rounding_seed=0, policy="torch", amax_target=None):
     """Prepares ``model`` and ``optimizer`` for mixed-precision training with FP32 master
     weights. Returns ``(model, optimizer, scaler)``:
 
@@ -62,6 +62,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
       ``loss_scaling=True``, disabled for BF16 (whose range needs no scaling), moving its scale
       by ``policy`` ("torch" or "amax", see fusedamp.GradScaler). Non-finite gradients skip
       the step either way (``skip_nonfinite``).
+    ``master_weights`` (True, False, "split", "kahan", "stochastic"), ``state_dtype`` and
+    ``rounding_seed`` are fusedamp.optim's (see fusedamp.optim); "split" and "stochastic"
+    keep BF16 weights and need ``dtype=torch.bfloat16``.
     Everything is checked before the model or the optimizer is touched.
     """
     fused_cls = _fused_class(optimizer)
@@ -76,8 +79,13 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError("fusedamp.initialize: the optimizer holds tensors that are not "
                          "parameters of the model")
     check_convertible(model, dtype)
+    if master_weights in ("split", "stochastic") and dtype != torch.bfloat16:
+        raise ValueError(f"fusedamp.initialize: master_weights={master_weights!r} keeps "
+                         f"bfloat16 weights; dtype is {dtype} (use master_weights=True or "
+                         "'kahan')")
     engine_args = dict(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-                       master_weights=master_weights)
+                       master_weights=master_weights, state_dtype=state_dtype,
+                       rounding_seed=rounding_seed)
     kwargs = _fused_arguments(optimizer, fused_cls, engine_args)
     groups = [dict(g, **engine_args) for g in optimizer.param_groups]
     for group in groups:

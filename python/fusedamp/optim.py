@@ -14,7 +14,17 @@ that the step checks the gradients itself (ORing its finding into ``found_inf``)
 fusedamp.GradScaler adds no pass of its own.
 
 Extra arguments over torch's:
-  master_weights (default True)  FP32 master copy for FP16/BF16 parameters
+  master_weights (default True)  how FP16/BF16 weights keep the bits rounding drops, per group:
+                 True   an FP32 master copy (+4 bytes/param)
+                 "split"  BF16 only: an int16 remainder (+2 bytes/param); weight + remainder is
+                        exactly the FP32 master of True (the weight differs from True's only
+                        where the master lies exactly halfway between two BF16 values)
+                 "kahan"  a compensation buffer of the weight's dtype (+2 bytes/param)
+                 "stochastic"  BF16 only: no state; the weight is rounded stochastically,
+                        reproducibly from ``rounding_seed`` (and the step, the element)
+                 False  none: round to nearest (updates below half an ulp are lost)
+  state_dtype (default torch.float32)  the moments / momentum buffers: float32 or bfloat16
+  rounding_seed (default 0)  the seed of master_weights="stochastic"
   max_grad_norm  (default None)  fused global-norm clipping (clip_grad_norm_'s formula)
   skip_nonfinite (default True)  skip the step on inf/NaN even without a loss scaler
   adopt_param_edits (default True)  the model's weights are the truth: a weight that is no
@@ -260,8 +270,9 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master_weights=True, max_grad_norm=None, skip_nonfinite=True,
-                 adopt_param_edits=True, write_back_grads=True):
+                 master_weights=True, state_dtype=torch.float32, rounding_seed=0,
+                 max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
+                 write_back_grads=True):
         super().__init__(params, _defaults_of(locals()))
 
 
@@ -273,11 +284,12 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
                  capturable=False, differentiable=False, fused=None, master_weights=True,
-                 max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
-                 write_back_grads=True):
+                 state_dtype=torch.float32, rounding_seed=0, max_grad_norm=None,
+                 skip_nonfinite=True, adopt_param_edits=True, write_back_grads=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
+                         state_dtype=state_dtype, rounding_seed=rounding_seed,
                          max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
                          adopt_param_edits=adopt_param_edits, write_back_grads=write_back_grads)
 
@@ -289,6 +301,7 @@ class SGD(FusedOptimizer):
 
     def __init__(self, params: Iterable, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
-                 fused=None, master_weights=True, max_grad_norm=None, skip_nonfinite=True,
-                 adopt_param_edits=True, write_back_grads=True):
+                 fused=None, master_weights=True, state_dtype=torch.float32, rounding_seed=0,
+                 max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
+                 write_back_grads=True):
         super().__init__(params, _defaults_of(locals()))

@@ -609,3 +609,38 @@ TEST_CASE("convert_module keeps normalisation layers in FP32", "[convert]") {
   CHECK(net->parameters()[0].is_same(w0));  // identity kept: optimizers stay valid
   CHECK_THROWS_AS(fusedamp::convert_module(*net, at::kDouble), c10::Error);
 }
+
+TEST_CASE("master_weights kSplit from C++: weight + remainder is kFp32's master",
+          "[optim][master][split]") {
+  auto ps = make_params(at::kBFloat16);
+  auto split_ps = copies(ps);
+  fo::AdamW fp32_opt(ps, fo::AdamWOptions(1e-2));
+  fo::AdamW split_opt(split_ps, fo::AdamWOptions(1e-2)
+                                    .master_weights(fo::MasterWeights::kSplit)
+                                    .state_dtype(at::kFloat));
+  for (int i = 0; i < 50; ++i) {
+    set_grads(ps, i);
+    for (size_t k = 0; k < ps.size(); ++k) {
+      split_ps[k].mutable_grad() = ps[k].grad().clone();
+    }
+    fp32_opt.step();
+    split_opt.step();
+  }
+  for (size_t k = 0; k < ps.size(); ++k) {
+    const auto state = split_opt.param_state(split_ps[k]);
+    REQUIRE(state.count(fo::kParamRemainder) == 1);
+    REQUIRE(state.count(fo::kMasterParam) == 0);
+    // The pair as FP32 bits: weight pattern << 16 plus the signed remainder.
+    const auto high = split_ps[k].detach().view(at::kShort).to(at::kInt).bitwise_left_shift(16);
+    const auto rebuilt = (high + state.at(fo::kParamRemainder).to(at::kInt)).view(at::kFloat);
+    const auto master = fp32_opt.param_state(ps[k]).at(fo::kMasterParam);
+    CHECK(at::equal(rebuilt.view(at::kInt), master.view(at::kInt)));
+  }
+  // A mode that does not fit FP16 weights is refused before anything changes.
+  auto half = make_params(at::kHalf);
+  fo::SGD refused(half, fo::SGDOptions(0.1).master_weights(fo::MasterWeights::kStochastic));
+  set_grads(half, 0);
+  const auto before = half[0].detach().clone();
+  CHECK_THROWS_WITH(refused.step(), Catch::Contains("keeps bfloat16 weights"));
+  CHECK(at::equal(half[0].detach(), before));
+}

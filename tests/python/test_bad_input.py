@@ -33,7 +33,8 @@ def _adam_cases(device):
         ("mixed params dtypes", replace(0, 1, lambda t: t.float()), "one call takes one params dtype"),
         ("bfloat16 grads for fp16 params", lambda a, k: a.__setitem__(2, [g.bfloat16() for g in a[2]]),
          "grads must have the params' dtype or float32"),
-        ("fp16 master weights", replace(1, 0, lambda t: t.half()), "master_params[0] must be float32"),
+        ("fp16 first master (a Kahan list), FP32 rest", replace(1, 0, lambda t: t.half()),
+         "master_params[1] has dtype Float but master_params[0] has Half"),
         ("non-dense grad", replace(2, 1, lambda t: torch.randn(4, 10, device=t.device).half()[:, ::2]),
          "non-overlapping and dense"),
         ("shape mismatch", replace(3, 2, lambda t: torch.zeros(8, device=t.device)), "has shape"),
@@ -140,18 +141,25 @@ def test_grad_stats_and_unscale_bad_input(device, case, message):
     assert_bitwise_equal(before, snapshot(*inp.tensors("grad_stats_")))
 
 
-@pytest.mark.parametrize("name", ["master_weights", "skip_nonfinite", "amsgrad",
-                                  "adopt_param_edits"])
+@pytest.mark.parametrize("name", ["skip_nonfinite", "amsgrad", "adopt_param_edits"])
 @pytest.mark.parametrize("value", ["kahan", 2, 0.5])
 def test_flag_options_refuse_anything_but_true_or_false(name, value):
-    """A flag given another value (master_weights="kahan", 2 or 0.5) is refused, never taken
-    as True; the optimizer is not built."""
+    """A flag given another value ("kahan", 2 or 0.5) is refused, never taken as True; the
+    optimizer is not built."""
     import fusedamp.optim
 
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     with pytest.raises((ValueError, TypeError),
                        match="True .* or False|True or False|must be a number"):
         fusedamp.optim.Adam([p], **{name: value})
-    if name == "master_weights":
-        with pytest.raises(ValueError, match="other master-weight modes are not implemented"):
-            fusedamp.optim.Adam([p], master_weights=value)
+
+
+@pytest.mark.parametrize("value", ["Kahan", "fp16", 2, 0.5, 1, None])
+def test_master_weights_refuses_what_is_not_a_mode(value):
+    """master_weights takes True, False or a mode's name; a number (even 1) or a misspelt name
+    is refused with the list of modes, never read as one."""
+    import fusedamp.optim
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match='True, False, "split", "kahan"|True \\(an FP32'):
+        fusedamp.optim.Adam([p], master_weights=value)

@@ -67,7 +67,7 @@ def test_state_overlap_reported_before_later_state_dtype(device):
     with pytest.raises(RuntimeError, match=re.escape("exp_avgs[40] and exp_avg_sqs[40] share")):
         inp.call("adam_step_")
     inp.exp_avg_sqs[40] = torch.zeros(8, device=device, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match=re.escape("exp_avg_sqs[40] must be float32, got Half")):
+    with pytest.raises(RuntimeError, match=re.escape("exp_avg_sqs[40] has dtype Half but exp_avg_sqs[0] has Float")):
         inp.call("adam_step_")
 
 

@@ -60,3 +60,24 @@ def test_opcheck_telemetry_and_amax_policy(device):
     amax = torch.tensor([3.0], dtype=torch.float64, device=device)
     args, kwargs = inp.args("update_scale_", amax=amax, amax_target=64.0)
     torch.library.opcheck(ops.update_scale_.default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["adam_step_", "sgd_step_"])
+@pytest.mark.parametrize("store", ["split", "kahan", "stochastic"])
+def test_opcheck_master_weight_modes(device, name, store):
+    """The 16-bit weight stores (int16 remainders, Kahan compensations, stochastic rounding
+    seeds) and BF16 optimizer state under opcheck."""
+    build, hyper = SAMPLES[name]
+    inp = op_inputs(device, [(5,), (3, 4)], param_dtype=torch.bfloat16, seed=34, **build)
+    extra = {}
+    if store == "split":
+        extra["master_params"] = [torch.zeros_like(p, dtype=torch.int16) for p in inp.params]
+    elif store == "kahan":
+        extra["master_params"] = [torch.zeros_like(p) for p in inp.params]
+    else:
+        extra["rounding_seeds"] = [3, 4]
+    for state in ("exp_avgs", "exp_avg_sqs", "momentum_buffers"):
+        if getattr(inp, state):
+            extra[state] = [t.to(torch.bfloat16) for t in getattr(inp, state)]
+    args, kwargs = inp.args(name, **hyper, **extra)
+    torch.library.opcheck(getattr(ops, name).default, args, kwargs)

@@ -47,6 +47,9 @@ struct StepModes {
   // grads[i] receive the gradient the update used (times inv_scale and the clip coefficient),
   // as torch's fused optimizers leave .grad. Costs a write of grads (2 B/param at FP16).
   bool write_back_grads = false;
+  // Stochastic rounding of BF16 params (no master_params): one seed per tensor; the random
+  // bits are a function of (seed, step count, element index). Empty: round to nearest.
+  c10::IntArrayRef rounding_seeds;
 };
 
 struct AdamArgs {
@@ -59,6 +62,8 @@ struct AdamArgs {
   bool maximize = false;
 };
 
+// master_params: empty (no master), FP32 masters, int16 remainders beside BF16 params
+// ("split"), or compensations of the params' dtype ("kahan"); see csrc/schemas.cpp.
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& args,

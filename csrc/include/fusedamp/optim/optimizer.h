@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <fusedamp/ops.h>
+#include <fusedamp/optim/options.h>
 #include <fusedamp/optim/param_state.h>
 
 namespace fusedamp::optim {
@@ -42,7 +43,9 @@ struct Bucket;
 
 // The engine settings every options struct carries (read per group).
 struct EngineGroupOptions {
-  bool master_weights = true;
+  MasterWeights master_weights = true;
+  at::ScalarType state_dtype = at::kFloat;
+  int64_t rounding_seed = 0;
   std::optional<double> max_grad_norm;
   bool skip_nonfinite = true;
   at::Tensor lr_tensor;  // undefined: use the numeric lr

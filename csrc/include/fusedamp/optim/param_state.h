@@ -2,9 +2,14 @@
 // The per-parameter state of fusedamp's optimizers, slot by slot, under the names torch.optim
 // uses in its state dicts (a checkpoint moves between torch.optim and fusedamp.optim).
 //
-// A parameter's state is created at the first step that sees a gradient for it: FP32, on the
+// A parameter's state is created at the first step that sees a gradient for it, on the
 // parameter's device, with the parameter's strides, so that every list a fused op walks is
-// dense in the same element order as the parameter itself.
+// dense in the same element order as the parameter itself. The moments and momentum buffers
+// are FP32 or BF16 (state_dtype); what keeps the weight's lower bits depends on master_weights
+// (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"),
+// kahan_compensation (the weight's dtype, "kahan"), or nothing. A state dict may hold any of
+// them: the next step converts it to what the group's mode keeps (exactly, between FP32 and
+// split).
 #include <ATen/core/Tensor.h>
 
 #include <array>
@@ -17,6 +22,8 @@ inline constexpr const char* kExpAvg = "exp_avg";
 inline constexpr const char* kExpAvgSq = "exp_avg_sq";
 inline constexpr const char* kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr const char* kMomentumBuffer = "momentum_buffer";
+inline constexpr const char* kParamRemainder = "param_remainder";
+inline constexpr const char* kKahanCompensation = "kahan_compensation";
 
 struct ParamState {
   at::Tensor step;             // 0-dim count of applied steps (FP32, as torch's fused optimizers)
@@ -25,11 +32,21 @@ struct ParamState {
   at::Tensor exp_avg_sq;       // Adam: second moment
   at::Tensor max_exp_avg_sq;   // Adam with amsgrad: running maximum of exp_avg_sq
   at::Tensor momentum_buffer;  // SGD with momentum
+  at::Tensor param_remainder;  // int16: BF16 weight + remainder = FP32 master ("split")
+  at::Tensor kahan_compensation;  // the weight's dtype: what rounding dropped ("kahan")
 };
 
 // The tensor slots beside `step`. An optimizer kind says which of them it uses; the state
 // dict names and the members are tied together here, once.
-enum class StateSlot { kMasterParam, kExpAvg, kExpAvgSq, kMomentumBuffer, kMaxExpAvgSq };
+enum class StateSlot {
+  kMasterParam,
+  kExpAvg,
+  kExpAvgSq,
+  kMomentumBuffer,
+  kMaxExpAvgSq,
+  kParamRemainder,
+  kKahanCompensation
+};
 
 struct StateSlotInfo {
   StateSlot slot;
@@ -37,13 +54,21 @@ struct StateSlotInfo {
   at::Tensor ParamState::*member;
 };
 
-inline constexpr std::array<StateSlotInfo, 5> kStateSlots = {{
+inline constexpr std::array<StateSlotInfo, 7> kStateSlots = {{
     {StateSlot::kMasterParam, kMasterParam, &ParamState::master_param},
     {StateSlot::kExpAvg, kExpAvg, &ParamState::exp_avg},
     {StateSlot::kExpAvgSq, kExpAvgSq, &ParamState::exp_avg_sq},
     {StateSlot::kMomentumBuffer, kMomentumBuffer, &ParamState::momentum_buffer},
     {StateSlot::kMaxExpAvgSq, kMaxExpAvgSq, &ParamState::max_exp_avg_sq},
+    {StateSlot::kParamRemainder, kParamRemainder, &ParamState::param_remainder},
+    {StateSlot::kKahanCompensation, kKahanCompensation, &ParamState::kahan_compensation},
 }};
+
+// The slots that keep a weight's lower bits (one at most is defined); the engine adds them.
+inline constexpr bool is_weight_store_slot(StateSlot slot) {
+  return slot == StateSlot::kMasterParam || slot == StateSlot::kParamRemainder ||
+         slot == StateSlot::kKahanCompensation;
+}
 
 inline const StateSlotInfo& slot_info(StateSlot slot) {
   return kStateSlots[static_cast<size_t>(slot)];

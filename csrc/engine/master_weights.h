@@ -1,0 +1,26 @@
+#pragma once
+// Converting what keeps a weight's lower bits between the master-weight modes (options.h
+// MasterWeights), with the element math of math/split_math.h and math/kahan_math.h. Each
+// result has the parameter's shape, strides and device.
+#include <ATen/core/Tensor.h>
+#include <fusedamp/optim/options.h>
+
+namespace fusedamp::optim::detail {
+
+// The FP32 master a BF16 weight and its int16 remainder hold (exact).
+at::Tensor fp32_from_split(const at::Tensor& param, const at::Tensor& remainder);
+
+// An FP32 master as a BF16 weight and remainder (exact). The weight equals the master's
+// round-to-nearest-even except where the master lies exactly halfway (split_math.h).
+struct SplitState {
+  at::Tensor weight;     // BF16
+  at::Tensor remainder;  // int16
+};
+SplitState split_from_fp32(const at::Tensor& param, const at::Tensor& master);
+
+// The value a weight and its Kahan compensation hold (their FP32 sum).
+at::Tensor fp32_from_kahan(const at::Tensor& param, const at::Tensor& compensation);
+// The compensation beside param = round(master): master − param, rounded to param's dtype.
+at::Tensor kahan_from_fp32(const at::Tensor& param, const at::Tensor& master);
+
+}  // namespace fusedamp::optim::detail
