@@ -79,3 +79,14 @@ bench-scale-policy: build
 
 bench-amax-margin: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/amax_margin.py $(BENCH_ARGS)
+
+# Master-weight modes (issue 16): step time, bytes and accuracy of every master_weights /
+# state_dtype against torch's plain BF16 fused AdamW, torch-optimi (Kahan) and torchao
+# (stochastic rounding), when installed: benchmarks/results/master_modes_<device>.*; and
+# "split" against master_weights=True on the demo models: results/split_identity_cpu.*.
+.PHONY: bench-master-modes bench-split-identity
+bench-master-modes: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_master_modes.py --all $(BENCH_ARGS)
+
+bench-split-identity: build
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/split_identity.py $(BENCH_ARGS)

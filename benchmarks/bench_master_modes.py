@@ -276,10 +276,14 @@ def make_rows(device, fusedamp_kw: dict) -> list[Row]:
             b = sdt.itemsize
             kw = dict(master_weights=mw, state_dtype=sdt)
             kw.update(fusedamp_kw)
+            # FP32 masters adopt edits of the weight by default: the step reads it too.
+            adopts = mw is True and kw.get("adopt_param_edits", True)
+            reads = [("weight read to adopt edits (adopt_param_edits)", 2)] if adopts else []
             rows.append(Row(f"fusedamp {label} / {sname} state", "fusedamp",
                             "fusedamp.optim.AdamW", kw,
                             own + [(f"exp_avg ({sname})", b), (f"exp_avg_sq ({sname})", b)],
-                            extra_passes=list(extra), unavailable=why, state_dtype_text=sname))
+                            extra_passes=list(extra) + reads, unavailable=why,
+                            state_dtype_text=sname))
     return rows
 
 

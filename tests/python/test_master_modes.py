@@ -430,3 +430,25 @@ def test_optimizer_mode_checks(device):
     assert state["kahan_compensation"].dtype == torch.float16
     assert state["momentum_buffer"].dtype == torch.bfloat16
     assert "master_param" not in state
+
+
+def test_initialize_passes_the_modes_and_refuses_a_misfit_first(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)).to(device)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="keeps bfloat16 weights"):
+        fusedamp.initialize(model, opt, dtype=torch.float16, master_weights="split")
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n])
+               for n, p in model.named_parameters())
+    model, fused, _ = fusedamp.initialize(model, opt, dtype=torch.bfloat16,
+                                          master_weights="split", state_dtype=torch.bfloat16)
+    assert all(g["master_weights"] == "split" and g["state_dtype"] == torch.bfloat16
+               for g in fused.param_groups)
+    model(torch.randn(4, 8, device=device)).sum().backward()
+    fused.step()
+    linear = model[0].weight
+    assert set(fused.state[linear]) == {"step", "param_remainder", "exp_avg", "exp_avg_sq"}
+    assert fused.state[linear]["exp_avg"].dtype == torch.bfloat16
+    norm = model[1].weight  # FP32: its own master, nothing kept
+    assert "param_remainder" not in fused.state[norm]
