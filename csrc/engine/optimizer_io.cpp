@@ -12,6 +12,7 @@
 
 #include "bucket_plan.h"
 #include "device_stats.h"
+#include "master_weights.h"
 #include "param_state_store.h"
 
 namespace fusedamp::optim {
@@ -34,6 +35,24 @@ std::vector<at::Tensor> Optimizer::all_params() const {
 Optimizer::StateDict Optimizer::param_state(const at::Tensor& param) const {
   const ParamState* s = states_->find(param);
   return s == nullptr ? StateDict() : detail::ParamStateStore::to_dict(*s);
+}
+
+at::Tensor Optimizer::master_weight(const at::Tensor& param) const {
+  const ParamState* s = states_->find(param);
+  if (s == nullptr) {
+    return at::Tensor();
+  }
+  if (s->master_param.defined()) {
+    return s->master_param;
+  }
+  at::NoGradGuard no_grad;
+  if (s->param_remainder.defined() && param.scalar_type() == at::kBFloat16) {
+    return detail::fp32_from_split(param, s->param_remainder);
+  }
+  if (s->kahan_compensation.defined()) {
+    return detail::fp32_from_kahan(param, s->kahan_compensation);
+  }
+  return at::Tensor();
 }
 
 void Optimizer::set_param_state(const at::Tensor& param, const StateDict& state, bool copy) {

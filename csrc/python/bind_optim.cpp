@@ -156,6 +156,8 @@ void bind_optim(py::module_& m) {
       .def("grad_sum_sq", [](const Optimizer& o) { return maybe(o.grad_sum_sq()); })
       .def("grad_norm", [](const Optimizer& o) { return maybe(o.grad_norm()); })
       .def("param_state", &Optimizer::param_state)
+      .def("master_weight",
+           [](const Optimizer& o, const at::Tensor& p) { return maybe(o.master_weight(p)); })
       .def("set_param_state", &Optimizer::set_param_state, py::arg("param"), py::arg("state"),
            py::arg("copy") = true)
       .def("load_param_states", &Optimizer::load_param_states)

@@ -25,8 +25,11 @@ def _masters_by_param(optimizer):
         return {id(p): state[index[id(p)]]["master_param"] for p in params
                 if "master_param" in state.get(index[id(p)], {})}
     out = {}
+    engine = getattr(optimizer, "_engine", None)
     for p in params:
-        master = optimizer.state[p].get("master_param")
+        # The engine rebuilds it from whatever the mode keeps (split pair, Kahan compensation).
+        master = (engine.master_weight(p) if engine is not None
+                  else optimizer.state[p].get("master_param"))
         if master is not None:
             out[id(p)] = master
     return out

@@ -219,6 +219,14 @@ class ShardEngine:
             raise KeyError("fusedamp.optim: not a parameter of this optimizer")
         return self._locals[where[0]][where[1]]
 
+    def master_weight(self, p):
+        local = self._local_of(p)
+        master = self._engine.master_weight(local)
+        if master is None or not isinstance(p, DTensor):
+            return master
+        return DTensor.from_local(master, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
     def param_state(self, p):
         local = self._local_of(p)
         state = self._engine.param_state(local)

@@ -452,3 +452,25 @@ def test_initialize_passes_the_modes_and_refuses_a_misfit_first(device):
     assert fused.state[linear]["exp_avg"].dtype == torch.bfloat16
     norm = model[1].weight  # FP32: its own master, nothing kept
     assert "param_remainder" not in fused.state[norm]
+
+
+@pytest.mark.parametrize("mode", ["split", "kahan"])
+def test_fp32_export_rebuilds_the_master_of_every_mode(device, mode):
+    """fusedamp.master_weights(model, optimizer) is the FP32 master whatever keeps it: the
+    split pair exactly, weight + compensation for Kahan."""
+    model = _mlp_bf16(device, seed=5)
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-2, master_weights=mode)
+    x = torch.randn(8, 16, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    exported = fusedamp.master_weights(model, opt)
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        if mode == "split":
+            expected = combine_reference(p.detach(), state["param_remainder"])
+        else:
+            expected = p.detach().float() + state["kahan_compensation"].float()
+        assert torch.equal(exported[name].view(torch.int32), expected.view(torch.int32)), name
+        assert not torch.equal(exported[name], p.detach().float()), name  # bits below the weight

@@ -142,6 +142,9 @@ class Optimizer : public torch::optim::Optimizer {
   // copies of theirs, every other parameter none. Every entry is checked before any is set.
   void load_param_states(const std::vector<at::Tensor>& params,
                          const std::vector<StateDict>& states);
+  // The FP32 value `param`'s weight store holds: its FP32 master, the split pair (exact) or
+  // weight + Kahan compensation; undefined where the mode keeps none (or before a step).
+  at::Tensor master_weight(const at::Tensor& param) const;
   // All parameters, in param-group order (the index used by save()/load()).
   std::vector<at::Tensor> all_params() const;
 
