@@ -169,7 +169,7 @@ done
 # Small cases of every CUDA kernel. memcheck runs without torch's caching allocator (an
 # out-of-bounds access inside a cached block would go unseen), which cannot allocate during a
 # CUDA-graph capture, so the graph tests run under the other tools, with the allocator.
-SMALL="unscale_and_grad_stats_match_cpu or (adam_matches_cpu and float16) or (sgd_matches_cpu and bfloat16) or more_tensors or misaligned or stream"
+SMALL="unscale_and_grad_stats_match_cpu or (adam_matches_cpu and float16) or (sgd_matches_cpu and bfloat16) or more_tensors or misaligned or stream or (weight_stores_match_cpu and adam)"
 GRAPHS="whole_step or captured"
 sanitizer() {  # tool, selection, extra env
   local tool=$1 sel=$2 env=$3 name="compute-sanitizer $1"

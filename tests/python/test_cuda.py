@@ -421,3 +421,67 @@ def test_whole_step_in_a_cuda_graph_equals_eager(pdtype):
     assert eager.scale.item() == 2048.0
     assert eager.tensor_flags.tolist() == [0.0, 0.0, 1.0, 0.0]
     assert all(s.item() == 10.0 for s in eager.steps)  # 12 steps, 2 skipped
+
+
+@pytest.mark.parametrize("store", ["split", "kahan", "stochastic"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ["adam", "sgd"])
+def test_weight_stores_match_cpu(store, state_dtype, algorithm):
+    """The 16-bit weight stores (issue 16) on CUDA against the CPU kernels, several tensors,
+    one misaligned by an element: FP32 results may differ by FMA contraction, so weights
+    within one BF16 ulp, remainders rebuilding masters within FP32 rounding, state close."""
+    gen = torch.Generator().manual_seed(41)
+    shapes = [(1000,), (37, 5), (1,), (70_003,)]
+
+    def problem():
+        params = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+        if store == "split":
+            extra = [torch.randint(-3000, 3000, s, generator=gen, dtype=torch.int16)
+                     for s in shapes]
+        elif store == "kahan":
+            extra = [(torch.randn(s, generator=gen) * 1e-3).bfloat16() for s in shapes]
+        else:
+            extra = []
+        n_state = 2 if algorithm == "adam" else 1
+        state = [[torch.rand(s, generator=gen).to(state_dtype) for s in shapes]
+                 for _ in range(n_state)]
+        return params, extra, state
+
+    params, extra, state = problem()
+    grads = [[torch.randn(s, generator=gen).bfloat16() for s in shapes] for _ in range(3)]
+
+    def run(device):
+        def to(ts):  # the last tensor starts one element into its storage: misaligned
+            out = [t.to(device) for t in ts]
+            if out:
+                padded = torch.empty(out[-1].numel() + 1, dtype=out[-1].dtype, device=device)
+                padded[1:].copy_(out[-1].reshape(-1))
+                out[-1] = padded[1:].view(out[-1].shape)
+            return out
+        p, e, s = to(params), to(extra), [to(x) for x in state]
+        steps = [torch.full((), 2.0, device=device) for _ in shapes]
+        seeds = [5, 6, 7, 8] if store == "stochastic" else None
+        for g in grads:
+            g = to(g)
+            if algorithm == "adam":
+                ops.adam_step_(p, e, g, *s, steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.01, decoupled_weight_decay=True,
+                               rounding_seeds=seeds)
+            else:
+                ops.sgd_step_(p, e, g, *s, steps, lr=0.05, momentum=0.9, dampening=0.0,
+                              weight_decay=1e-3, nesterov=False, rounding_seeds=seeds)
+        return [t.cpu() for t in p], [t.cpu() for t in e], [[t.cpu() for t in x] for x in s]
+
+    cpu, cuda = run("cpu"), run("cuda")
+    for a, b in zip(cuda[0], cpu[0]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+    if store == "split":
+        for pa, ea, pb, eb in zip(cuda[0], cuda[1], cpu[0], cpu[1]):
+            rebuild = lambda w, r: ((w.view(torch.int16).to(torch.int32) << 16)  # noqa: E731
+                                    + r.to(torch.int32)).view(torch.float32)
+            torch.testing.assert_close(rebuild(pa, ea), rebuild(pb, eb), rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-6) if state_dtype == torch.float32 else dict(rtol=2 ** -7,
+                                                                               atol=1e-6)
+    for xa, xb in zip(cuda[2], cpu[2]):
+        for a, b in zip(xa, xb):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
