@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <fusedamp/optim/state_conversion.h>
 
 #include "master_weights.h"
 
@@ -126,6 +127,12 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
 ParamState& ParamStateStore::ensure(const at::Tensor& param, MasterWeights mode,
                                     at::ScalarType state_dtype, StateSlots slots) {
   auto& s = by_param_[param.unsafeGetTensorImpl()];
+  convert(param, mode, state_dtype, slots, s);
+  return s;
+}
+
+void ParamStateStore::convert(const at::Tensor& param, MasterWeights mode,
+                              at::ScalarType state_dtype, StateSlots slots, ParamState& s) {
   if (!s.step.defined()) {
     s.step = at::zeros({}, param.options().dtype(at::kFloat));
   }
@@ -143,7 +150,6 @@ ParamState& ParamStateStore::ensure(const at::Tensor& param, MasterWeights mode,
       t = std::move(converted);
     }
   }
-  return s;
 }
 
 Optimizer::StateDict ParamStateStore::to_dict(const ParamState& state) {
@@ -224,3 +230,37 @@ void ParamStateStore::replace_all(std::unordered_map<const c10::TensorImpl*, Par
 }
 
 }  // namespace fusedamp::optim::detail
+
+namespace fusedamp::optim {
+
+ConvertedParamState convert_param_state(const at::Tensor& weight,
+                                        const Optimizer::StateDict& state, MasterWeights mode,
+                                        at::ScalarType state_dtype, size_t index) {
+  TORCH_CHECK_VALUE(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
+                    "fusedamp::optim::convert_param_state: state_dtype must be float32 or "
+                    "bfloat16, got ", state_dtype);
+  TORCH_CHECK_VALUE(mode.fits(weight.scalar_type()), "fusedamp::optim::convert_param_state: "
+                    "master_weights=\"", mode.name(), "\" keeps bfloat16 weights, but parameter ",
+                    index, " is ", weight.scalar_type());
+  at::NoGradGuard no_grad;
+  ConvertedParamState out;
+  out.weight = weight.detach().clone(at::MemoryFormat::Preserve);
+  // Every slot is known here: a state of any optimizer kind converts (its moments kept).
+  StateSlots present;
+  for (const auto& info : kStateSlots) {
+    present = present.with(info.slot);
+  }
+  ParamState s = detail::ParamStateStore::from_dict("convert_param_state", out.weight,
+                                                            index, state, present, true);
+  StateSlots moments;
+  for (const auto& info : kStateSlots) {
+    if (!is_weight_store_slot(info.slot) && (s.*info.member).defined()) {
+      moments = moments.with(info.slot);
+    }
+  }
+  detail::ParamStateStore::convert(out.weight, mode, state_dtype, moments, s);
+  out.state = detail::ParamStateStore::to_dict(s);
+  return out;
+}
+
+}  // namespace fusedamp::optim

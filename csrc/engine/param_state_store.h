@@ -20,6 +20,10 @@ class ParamStateStore {
   // dropped) and `slots` (zeros of state_dtype; existing ones converted to it).
   ParamState& ensure(const at::Tensor& param, MasterWeights mode, at::ScalarType state_dtype,
                      StateSlots slots);
+  // What ensure() does to a state it holds, on any state: `s` converted in place to what
+  // `mode` keeps beside `param` (which "split" may move by one ulp) and `slots` in state_dtype.
+  static void convert(const at::Tensor& param, MasterWeights mode, at::ScalarType state_dtype,
+                      StateSlots slots, ParamState& s);
 
   // The defined tensors of `state`, by name (the tensors themselves).
   static StateDict to_dict(const ParamState& state);

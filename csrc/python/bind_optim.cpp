@@ -3,6 +3,7 @@
 // here (sync_options), so the Python classes keep no table of option names of their own.
 #include <fusedamp/optim/adam.h>
 #include <fusedamp/optim/sgd.h>
+#include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/grad_scaler.h>
 #include <torch/extension.h>
 
@@ -41,6 +42,31 @@ at::Tensor lr_tensor_of(const at::Tensor& lr) {
   return t.scalar_type() == at::kFloat && t.dim() == 1 ? t : t.to(at::kFloat).reshape({1});
 }
 
+std::string group_name(size_t i) {
+  return "param group " + std::to_string(i);
+}
+
+// A param group's master_weights: True / False, or a mode's name (numbers other than bools
+// would hide a typo).
+optim::MasterWeights master_weights_of(py::handle value, const std::string& where) {
+  TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
+                    where, ": master_weights must be True, False, \"split\", "
+                    "\"kahan\" or \"stochastic\", got ", py::repr(value).cast<std::string>());
+  return py::isinstance<py::bool_>(value)
+             ? optim::MasterWeights(value.cast<bool>())
+             : optim::MasterWeights::from_name(value.cast<std::string>());
+}
+
+at::ScalarType state_dtype_of(py::handle value, const std::string& where) {
+  TORCH_CHECK_VALUE(THPDtype_Check(value.ptr()), where,
+                    ": state_dtype must be torch.float32 or torch.bfloat16, got ",
+                    py::repr(value).cast<std::string>());
+  const auto dtype = reinterpret_cast<THPDtype*>(value.ptr())->scalar_type;
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, where,
+                    ": state_dtype must be torch.float32 or torch.bfloat16, got ", dtype);
+  return dtype;
+}
+
 // Writes the values of torch.optim param-group dicts into the engine's groups. Keys the engine
 // does not know (torch's foreach/fused/capturable flags, a scheduler's initial_lr, ...) are left
 // to the Python side, as torch.optim leaves them; validation happens in check_options().
@@ -72,23 +98,10 @@ void sync_options(Optimizer& opt, const py::list& groups) {
         opt.set_group_option(i, "beta1", betas.first);
         opt.set_group_option(i, "beta2", betas.second);
       } else if (name == "master_weights") {
-        // True / False, or a mode's name: numbers other than bools would hide a typo.
-        TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
-                          "param group ", i, ": master_weights must be True, False, \"split\", "
-                          "\"kahan\" or \"stochastic\", got ",
-                          py::repr(value).cast<std::string>());
-        const auto mode = py::isinstance<py::bool_>(value)
-                              ? optim::MasterWeights(value.cast<bool>())
-                              : optim::MasterWeights::from_name(value.cast<std::string>());
+        const auto mode = master_weights_of(value, group_name(i));
         opt.set_group_option(i, name, static_cast<double>(mode.kind()));
       } else if (name == "state_dtype") {
-        TORCH_CHECK_VALUE(THPDtype_Check(value.ptr()), "param group ", i,
-                          ": state_dtype must be torch.float32 or torch.bfloat16, got ",
-                          py::repr(value).cast<std::string>());
-        const auto dtype = reinterpret_cast<THPDtype*>(value.ptr())->scalar_type;
-        TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, "param group ", i,
-                          ": state_dtype must be torch.float32 or torch.bfloat16, got ", dtype);
-        opt.set_group_option(i, name, static_cast<double>(dtype));
+        opt.set_group_option(i, name, static_cast<double>(state_dtype_of(value, group_name(i))));
       } else if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
                  py::isinstance<py::float_>(value)) {
         opt.try_set_group_option(i, name, value.cast<double>());
@@ -162,6 +175,19 @@ void bind_optim(py::module_& m) {
            py::arg("copy") = true)
       .def("load_param_states", &Optimizer::load_param_states)
       .def("all_params", &Optimizer::all_params);
+
+  m.def(
+      "convert_param_state",
+      [](const at::Tensor& weight, const Optimizer::StateDict& state, py::handle master_weights,
+         py::handle state_dtype, size_t index) {
+        const char* who = "convert_param_state";
+        auto converted = optim::convert_param_state(weight, state,
+                                                    master_weights_of(master_weights, who),
+                                                    state_dtype_of(state_dtype, who), index);
+        return py::make_tuple(converted.weight, converted.state);
+      },
+      py::arg("weight"), py::arg("state"), py::arg("master_weights"), py::arg("state_dtype"),
+      py::arg("index") = 0);
 
   py::class_<optim::Adam, Optimizer>(m, "Adam")
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {

@@ -1,8 +1,8 @@
 """fusedamp on torch.distributed: a ZeRO stage-1 sharded master-weight optimizer.
 
-``ShardedOptimizer`` keeps the FP32 master weights and moments of only this rank's 1/N of the
-parameters, laid out by flat_shard.FlatShard. The step is the C++ engine's (fusedamp._C), run
-over this rank's segments (each stepped as a parameter of its own, exactly as fusedamp.optim
+``ShardedOptimizer`` keeps the master weights (any of fusedamp.optim's modes) and moments of
+only this rank's 1/N of the parameters, laid out by flat_shard.FlatShard. The step is the C++
+engine's (fusedamp._C), run over this rank's segments (each stepped as a parameter of its own, exactly as fusedamp.optim
 steps it) with the collectives between its phases, and no host sync:
   1. grads copied into flat buffers, pre-divided by N (as DDP does, so an FP16 sum cannot
      overflow where the mean would not) and reduce-scattered to the shard;
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._library import _C
-from .flat_shard import FlatShard
+from .flat_shard import FlatShard, weight_store
 from .optim import StepResults, amp_handover, closure_loss, pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
@@ -38,16 +38,20 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 class ShardedOptimizer(StepResults, torch.optim.Optimizer):
-    """ZeRO stage-1 AdamW/Adam/SGD with FP32 master weights over ``process_group``.
+    """ZeRO stage-1 AdamW/Adam/SGD with master weights over ``process_group``.
 
     ``ShardedOptimizer(params, optimizer="adamw", process_group=None, *, lr=1e-3,
     betas=(0.9, 0.999), eps=1e-8, weight_decay=None, momentum=0.0, dampening=0.0,
-    nesterov=False, maximize=False, master_weights=True, max_grad_norm=None,
-    grads_averaged=False, sync_params=True)``: ``optimizer`` is "adamw" (weight_decay defaults to
-    1e-2), "adam" or "sgd" (0); ``max_grad_norm`` clips by the global norm (all ranks and
-    groups); ``grads_averaged``: grads are already identical on every rank (DDP): no gradient
-    collective; ``sync_params``: broadcast the parameters from the group's first rank. One
-    device, the same graph on every rank; a parameter without ``.grad`` is not stepped.
+    nesterov=False, maximize=False, master_weights=True, state_dtype=torch.float32,
+    rounding_seed=0, max_grad_norm=None, grads_averaged=False, sync_params=True)``:
+    ``optimizer`` is "adamw" (weight_decay defaults to 1e-2), "adam" or "sgd" (0);
+    ``master_weights``, ``state_dtype``, ``rounding_seed`` as in fusedamp.optim (per group);
+    ``max_grad_norm`` clips by the global norm (all ranks and groups); ``grads_averaged``: grads
+    are already identical on every rank (DDP): no gradient collective; ``sync_params``:
+    broadcast the parameters from the group's first rank. One device, the same graph on every
+    rank; a parameter without ``.grad`` is not stepped. Stochastic rounding draws per shard
+    segment: the same world size resumes bit-identically, another draws other (equally
+    distributed) bits.
     """
 
     _step_supports_amp_scaling = True
@@ -55,8 +59,8 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
 
     def __init__(self, params, optimizer: str = "adamw", process_group=None, *, lr=1e-3,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=None, momentum=0.0, dampening=0.0,
-                 nesterov=False, maximize=False, master_weights=True, max_grad_norm=None,
-                 grads_averaged=False, sync_params=True):
+                 nesterov=False, maximize=False, master_weights=True, state_dtype=torch.float32,
+                 rounding_seed=0, max_grad_norm=None, grads_averaged=False, sync_params=True):
         kind = optimizer.lower()
         if kind not in _ENGINES:
             raise ValueError(f"fusedamp.distributed: optimizer must be one of {tuple(_ENGINES)}, "
@@ -66,7 +70,8 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                                "torch.distributed process group (dist.init_process_group)")
         weight_decay = (1e-2 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
         defaults = dict(lr=lr, weight_decay=weight_decay, maximize=maximize,
-                        master_weights=master_weights, max_grad_norm=max_grad_norm)
+                        master_weights=master_weights, state_dtype=state_dtype,
+                        rounding_seed=rounding_seed, max_grad_norm=max_grad_norm)
         defaults.update(dict(momentum=momentum, dampening=dampening, nesterov=nesterov)
                         if kind == "sgd" else dict(betas=betas, eps=eps))
         self._kind, self._group = kind, process_group
@@ -74,40 +79,35 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         self._grads_averaged = bool(grads_averaged)
         self._buckets = []
         super().__init__(params, defaults)
-        for gi, g in enumerate(self.param_groups):
-            # The shard keeps FP32 flat buffers (flat_shard.py); the 16-bit weight stores of
-            # fusedamp.optim ("split", "kahan", "stochastic") are not laid out there yet.
-            if not isinstance(g["master_weights"], bool):
-                raise ValueError(
-                    "fusedamp.distributed.ShardedOptimizer: master_weights must be True or "
-                    f"False (param group {gi} has {g['master_weights']!r}); \"split\", "
-                    "\"kahan\" and \"stochastic\" are fusedamp.optim's, not yet sharded")
-            if g.get("state_dtype", torch.float32) != torch.float32:
-                raise ValueError("fusedamp.distributed.ShardedOptimizer: the sharded state is "
-                                 f"float32; param group {gi} asks for {g['state_dtype']}")
         _ENGINES[kind].validate(self.param_groups)  # ValueError before the model is touched
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) != 1:
             raise ValueError("fusedamp.distributed.ShardedOptimizer: all parameters must be on "
                              f"one device, got {sorted(map(str, devices))}")
         self._device = devices.pop()
+        index, _ = pack_param_groups(self.param_groups)
+        layout = []  # every bucket's weight store is checked before the model is repacked
         for gi, g in enumerate(self.param_groups):
             names = (("momentum_buffer",) if g["momentum"] != 0 else ()) if kind == "sgd" else (
                 ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()))
             by_dtype = {}
             for p in g["params"]:
                 by_dtype.setdefault(p.dtype, []).append(p)
-            self._buckets += [FlatShard(gi, ps, self._rank, self._world, g["master_weights"], names)
-                              for ps in by_dtype.values()]
+            layout += [(gi, ps, weight_store(g["master_weights"], ps[0].dtype, g["state_dtype"],
+                                             index[id(ps[0])]), g["state_dtype"], names)
+                       for ps in by_dtype.values()]
+        self._buckets = [FlatShard(gi, ps, self._rank, self._world, store, state_dtype, names)
+                         for gi, ps, store, state_dtype, names in layout]
+        self._layout_values = [tuple(g[k] for k in self._LAYOUT_KEYS) for g in self.param_groups]
         self._engine = _ENGINES[kind]([[s for b in self._buckets if b.group == gi
-                                        for s in b.seg_params] for gi in range(len(self.param_groups))])
+                                        for s in b.seg_params]
+                                       for gi in range(len(self.param_groups))])
         self._engine.sync_options(self.param_groups)
         if sync_params and self._world > 1:
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
             for b in self._buckets:
                 dist.broadcast(b.flat, src=src, group=process_group)
-                if b.master is not None:
-                    b.master.copy_(b.flat[b.lo:b.hi])
+                b.reset_store()
         for seg, state in (entry for b in self._buckets for entry in b.segment_states()):
             self._engine.set_param_state(seg, state, copy=False)
 
@@ -134,6 +134,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
     def step(self, closure=None):
         """One sharded step; under a loss scaler (torch's AMP protocol) a scaled one."""
         loss = closure_loss(closure)
+        self._check_layout()
         grad_scale, found_inf = amp_handover(self)
         self._reduce_scatter_grads()
         engine = self._engine
@@ -157,6 +158,19 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
             w.wait()
         return loss
 
+    _LAYOUT_KEYS = ("master_weights", "state_dtype")
+
+    def _check_layout(self):
+        """The flat state buffers were laid out for each group's master_weights and state_dtype:
+        a changed value would make the engine step other tensors than the shard's."""
+        for gi, (g, fixed) in enumerate(zip(self.param_groups, self._layout_values)):
+            for key, value in zip(self._LAYOUT_KEYS, fixed):
+                if g[key] is not value and g[key] != value:
+                    raise ValueError(
+                        f"fusedamp.distributed.ShardedOptimizer: param group {gi}'s {key} is "
+                        f"fixed at construction ({value!r}), got {g[key]!r}; build a new "
+                        "optimizer and load consolidated_state_dict() to change it")
+
     def _reduce_scatter_grads(self):
         works = []
         for b in self._buckets:
@@ -172,11 +186,13 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
 
     # ---- checkpoints -----------------------------------------------------------------
     def _segment_entries(self):
-        """(parameter index, start, end within the parameter, state views) of every segment."""
+        """(param group, parameter index, start, end within the parameter, the parameter, state
+        views) of every segment."""
         index, _ = pack_param_groups(self.param_groups)
         for b in self._buckets:
             for (i, a, e), (_, state) in zip(b.segments, b.segment_states()):
-                yield index[id(b.params[i])], a - b.offsets[i], e - b.offsets[i], b.params[i], state
+                yield (b.group, index[id(b.params[i])], a - b.offsets[i], e - b.offsets[i],
+                       b.params[i], state)
 
     def state_dict(self):
         """This rank's shard of the state (load it on the same rank of the same world size):
@@ -186,7 +202,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                 "rank": self._rank, "param_groups": pack_param_groups(self.param_groups)[1],
                 "skipped_steps": None if skipped is None else skipped.clone(),
                 "segments": {(i, lo): {n: t.clone() for n, t in state.items()}
-                             for i, lo, _, _, state in self._segment_entries()}}
+                             for _, i, lo, _, _, state in self._segment_entries()}}
 
     @torch.no_grad()
     def consolidated_state_dict(self, to=0):
@@ -200,7 +216,11 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
             full = {}
             for name, t in b.state_buffers().items():
                 full[name] = torch.empty(b.shard * self._world, dtype=t.dtype, device=t.device)
-                dist.all_gather_into_tensor(full[name], t, group=self._group)
+                # Gloo and NCCL have no int16: the remainders travel as their bits in float16
+                # (a gather copies, it computes nothing).
+                wire = (lambda x: x.view(torch.float16)) if t.dtype == torch.int16 else (
+                    lambda x: x)
+                dist.all_gather_into_tensor(wire(full[name]), wire(t), group=self._group)
             steps = b.first_element_steps()
             dist.all_reduce(steps, group=self._group)
             for i, (p, off) in enumerate(zip(b.params, b.offsets)) if receiving else ():
@@ -211,8 +231,11 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict):
         """Loads a shard (``state_dict()`` of the same rank and world size) or a full state
-        (``consolidated_state_dict()``, or a fusedamp.optim state dict) on any world size.
-        Everything is checked before anything is changed."""
+        (``consolidated_state_dict()``, or a fusedamp.optim state dict) on any world size. A
+        full state of another master-weight mode or moment dtype is converted by the engine to
+        this optimizer's (master_weights and state_dtype stay the constructor's; the split
+        mode may move a weight by one ulp: the model gets the weight its pair needs). Everything
+        is checked and converted before anything is changed."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(m["params"]) != len(t["params"]) for m, t in zip(self.param_groups, groups)):
@@ -223,30 +246,45 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
             raise ValueError(f"fusedamp.distributed: shard of rank {state_dict['rank']}/"
                              f"{state_dict['world_size']} cannot be loaded on rank {self._rank}/"
                              f"{self._world}; load a consolidated_state_dict() instead")
-        writes = []
-        for i, lo, hi, p, state in self._segment_entries():
+        writes, converted = [], {}
+        for gi, i, lo, hi, p, state in self._segment_entries():
             if shard:
                 source = state_dict["segments"].get((i, lo))
                 if state_dict["optimizer"] != self._kind or source is None or any(
                         n not in source or source[n].shape != t.shape for n, t in state.items()):
                     raise ValueError("fusedamp.distributed: the shard does not match this "
-                                     f"optimizer's (parameter {i}, element {lo})")
+                                     f"optimizer's (parameter {i}, element {lo}: another "
+                                     "optimizer, layout or master-weight mode); load a "
+                                     "consolidated_state_dict() instead")
                 writes += [(t, source[n]) for n, t in state.items()]
                 continue
-            full = state_dict["state"].get(i, {})  # absent: never stepped, fresh state
-            for name, v in full.items():
-                if name != "step" and tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(f"fusedamp.distributed: state {name!r} of parameter {i} "
-                                     f"has shape {tuple(v.shape)}, the parameter "
-                                     f"{tuple(p.shape)}")
+            if i not in converted:
+                converted[i] = self._converted_state(gi, i, p, state_dict["state"].get(i))
+            weight, full = converted[i]
             for name, t in state.items():
-                value = (full[name].reshape(()) if name == "step" else
-                         full[name].reshape(-1)[lo:hi]) if name in full else (
-                    p.detach().reshape(-1)[lo:hi] if name == "master_param" else 0.0)
+                if name in full:
+                    value = (full[name].reshape(()) if name == "step"
+                             else full[name].reshape(-1)[lo:hi])
+                else:  # never stepped: fresh state (the master is the weight)
+                    value = p.detach().reshape(-1)[lo:hi] if name == "master_param" else 0.0
                 writes.append((t, value))
+        # Everything is checked and converted: commit. Every rank writes whole weights (each
+        # converted the same state the same way), so the model stays identical everywhere.
+        params = [p for g in self.param_groups for p in g["params"]]
+        writes += [(params[i], weight) for i, (weight, _) in converted.items()
+                   if weight is not None]
         for dst, src in writes:
             dst.copy_(src) if isinstance(src, torch.Tensor) else dst.fill_(src)
         if shard and state_dict.get("skipped_steps") is not None:
             self._engine.set_skipped_steps(state_dict["skipped_steps"])
         for mine, theirs in zip(self.param_groups, groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
+            mine.update({k: v for k, v in theirs.items()
+                         if k != "params" and k not in self._LAYOUT_KEYS})
+
+    def _converted_state(self, gi, i, p, full):
+        """(weight, state) of parameter i as group gi keeps it, from a full state's entry
+        (None: never stepped: no new weight and no state)."""
+        if not full:
+            return None, {}
+        g = self.param_groups[gi]  # the engine checks the entry (names, shapes, dtypes)
+        return _C.convert_param_state(p.detach(), full, g["master_weights"], g["state_dtype"], i)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ._library import _C
 from .distributed import ShardedOptimizer
 from .optim import pack_param_groups
 
@@ -20,10 +21,17 @@ def _masters_by_param(optimizer):
     ShardedOptimizer: call it on every rank)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if isinstance(optimizer, ShardedOptimizer):
+        # The engine rebuilds the FP32 master from whatever store the gathered state holds.
         state = optimizer.consolidated_state_dict(to=None)["state"]
         index, _ = pack_param_groups(optimizer.param_groups)
-        return {id(p): state[index[id(p)]]["master_param"] for p in params
-                if "master_param" in state.get(index[id(p)], {})}
+        out = {}
+        for p in params:
+            if state.get(index[id(p)]):
+                _, fp32 = _C.convert_param_state(p.detach(), state[index[id(p)]], True,
+                                                 torch.float32, index[id(p)])
+                if "master_param" in fp32:
+                    out[id(p)] = fp32["master_param"]
+        return out
     out = {}
     engine = getattr(optimizer, "_engine", None)
     for p in params:

@@ -5,22 +5,38 @@ multiple of the world size N; every parameter's ``.data`` becomes a view of it, 
 all-gather into the buffer writes the model weights directly. Rank r owns the slice
 ``[r*S, (r+1)*S)`` (S = padded numel / N). Inside the shard, a parameter's piece is a
 *segment*: the engine steps each segment as a parameter of its own, whose gradient is a view of
-the reduced gradient shard and whose state (step count, FP32 master, moments) are views of flat
-FP32 buffers of the shard's size — flat, so that gathering the full state is one all-gather
-per state buffer.
+the reduced gradient shard and whose state (step count, weight store, moments) are views of
+flat buffers of the shard's size — flat, so that gathering the full state is one all-gather
+per state buffer. The weight store is what the group's master_weights mode keeps (the FP32
+master, the int16 remainder of "split", the 16-bit Kahan compensation, or nothing); the
+moments are of the group's state_dtype (FP32 or BF16).
 """
 from __future__ import annotations
 
 import torch
 
+from ._library import _C
+
 __all__ = ["FlatShard"]
+
+
+def weight_store(master_weights, dtype, state_dtype, index=0):
+    """(state name, dtype) of what the engine keeps beside weights of ``dtype`` under
+    ``master_weights``, or None (FP32 weights, False, "stochastic"). ValueError (naming
+    parameter ``index``) for a mode that does not fit the dtype ("split" and "stochastic" keep
+    BF16 weights)."""
+    _, fresh = _C.convert_param_state(torch.empty(0, dtype=dtype), {"step": torch.zeros(())},
+                                      master_weights, state_dtype, index)
+    stores = [(name, t.dtype) for name, t in fresh.items() if name != "step"]
+    return stores[0] if stores else None
 
 
 class FlatShard:
     """The flat buffer of one (param group, dtype), this rank's shard of it, and the shard's
-    state as flat FP32 buffers whose segment views the engine steps."""
+    state as flat buffers whose segment views the engine steps. ``store``: weight_store()'s
+    answer for the group; ``state_dtype``, ``slot_names``: the moments the group keeps."""
 
-    def __init__(self, group, params, rank, world, master_weights, slot_names):
+    def __init__(self, group, params, rank, world, store, state_dtype, slot_names):
         self.group, self.params = group, params
         self.offsets = [0]
         for p in params:
@@ -41,11 +57,16 @@ class FlatShard:
         self.segments = [(i, max(o, self.lo), min(o + p.numel(), self.hi))
                          for i, (p, o) in enumerate(zip(params, self.offsets))
                          if max(o, self.lo) < min(o + p.numel(), self.hi)]
-        f32 = dict(dtype=torch.float32, device=device)
-        use_master = master_weights and dtype != torch.float32
-        self.master = self.flat[self.lo:self.hi].float() if use_master else None
-        self.slots = {name: torch.zeros(self.shard, **f32) for name in slot_names}
-        self.steps = torch.zeros(len(self.segments), **f32)
+        # The weight store starts as what a fresh state holds: the weight itself (an FP32 master
+        # equal to it, a zero remainder or compensation); the moments start at zero.
+        self.store_name, store_dtype = store or (None, None)
+        self.store = None
+        if self.store_name is not None:
+            self.store = torch.empty(self.shard, dtype=store_dtype, device=device)
+            self.reset_store()
+        self.slots = {name: torch.zeros(self.shard, dtype=state_dtype, device=device)
+                      for name in slot_names}
+        self.steps = torch.zeros(len(self.segments), dtype=torch.float32, device=device)
         # The engine's parameters: one detached view of the model's flat buffer per segment,
         # whose .grad (pack_grads) is the matching view of the reduced grad shard.
         shard = self.flat[self.lo:self.hi]
@@ -62,8 +83,8 @@ class FlatShard:
         copied, so the engine steps them in place)."""
         for k, seg in enumerate(self.seg_params):
             state = {"step": self.steps[k]}
-            if self.master is not None:
-                state["master_param"] = self.seg(self.master, k)
+            if self.store is not None:
+                state[self.store_name] = self.seg(self.store, k)
             state.update({n: self.seg(t, k) for n, t in self.slots.items()})
             yield seg, state
 
@@ -82,9 +103,16 @@ class FlatShard:
         for (i, _, _), seg, grad in zip(self.segments, self.seg_params, self.seg_grads):
             seg.grad = grad if present[i] else None
 
+    def reset_store(self):
+        """The weight store of a weights-only start (after the weights were broadcast)."""
+        if self.store_name == "master_param":
+            self.store.copy_(self.flat[self.lo:self.hi])
+        elif self.store is not None:
+            self.store.zero_()
+
     def state_buffers(self):
-        """The shard's flat FP32 state buffers by state name (the step counts aside)."""
-        return dict(({"master_param": self.master} if self.master is not None else {}),
+        """The shard's flat state buffers by state name (the step counts aside)."""
+        return dict(({self.store_name: self.store} if self.store is not None else {}),
                     **self.slots)
 
     def first_element_steps(self):

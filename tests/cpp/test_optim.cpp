@@ -644,3 +644,34 @@ TEST_CASE("master_weights kSplit from C++: weight + remainder is kFp32's master"
   CHECK_THROWS_WITH(refused.step(), Catch::Contains("keeps bfloat16 weights"));
   CHECK(at::equal(half[0].detach(), before));
 }
+
+TEST_CASE("convert_param_state: FP32 master -> split -> FP32 master, bit for bit",
+          "[optim][master][convert]") {
+  auto ps = make_params(at::kBFloat16);
+  fo::AdamW opt(ps, fo::AdamWOptions(1e-2));
+  for (int i = 0; i < 5; ++i) {
+    set_grads(ps, i);
+    opt.step();
+  }
+  for (const auto& p : ps) {
+    const auto saved = opt.param_state(p);
+    const auto saved_copy = saved.at(fo::kMasterParam).clone();
+    const auto split = fo::convert_param_state(p, saved, fo::MasterWeights::kSplit, at::kBFloat16);
+    CHECK(split.state.count(fo::kMasterParam) == 0);
+    REQUIRE(split.state.count(fo::kParamRemainder) == 1);
+    CHECK(split.state.at(fo::kExpAvg).scalar_type() == at::kBFloat16);
+    const auto back = fo::convert_param_state(split.weight, split.state, fo::MasterWeights::kFp32,
+                                              at::kFloat);
+    CHECK(at::equal(back.state.at(fo::kMasterParam).view(at::kInt), saved_copy.view(at::kInt)));
+    // Only the weights whose master lies halfway may have moved (by one ulp), and the inputs
+    // are untouched.
+    CHECK(at::equal(saved.at(fo::kMasterParam), saved_copy));
+    CHECK(split.weight.to(at::kFloat).sub(p.detach().to(at::kFloat)).abs().le(
+        p.detach().to(at::kFloat).abs().mul(1.0 / 128)).all().item<bool>());
+  }
+  // A state that does not belong beside the weight: the parameter's index in the message.
+  auto half = make_params(at::kHalf);
+  CHECK_THROWS_WITH(fo::convert_param_state(half[0], {{fo::kStep, at::zeros({})}},
+                                            fo::MasterWeights::kSplit, at::kFloat, 7),
+                    Catch::Contains("parameter 7"));
+}

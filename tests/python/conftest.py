@@ -24,6 +24,21 @@ def device(request):
 
 
 @pytest.fixture
+def one_rank_process_group(tmp_path):
+    """A one-rank Gloo process group in this process (the tests that need no other ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def record_diff():
     def record(name, value):
         value = float(value)

@@ -144,6 +144,106 @@ def reference_run(kind, device, dtype=torch.float16, steps=STEPS, checkpoint=Non
     return out
 
 
+# Master-weight modes under ZeRO-1 (BF16 model): every rank computes the gradient of the whole
+# global batch and the optimizer is told so (grads_averaged=True), so the gradients equal the
+# single process's bit for bit and any difference would be the sharded step's own. No
+# clipping: the global norm's sum order differs with the layout.
+MODES = [(True, torch.bfloat16), ("split", torch.float32), ("split", torch.bfloat16),
+         ("kahan", torch.float32), ("kahan", torch.bfloat16), ("stochastic", torch.float32),
+         (False, torch.bfloat16)]
+MODE_ADAM = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, rounding_seed=7)
+
+
+def mode_name(mode, state_dtype):
+    return f"{mode}-{str(state_dtype).split('.')[-1]}"
+
+
+def train_full_batch(model, opt, steps, device, first=0):
+    """Steps on the whole global batch (the same on every rank); the params after each step."""
+    params = []
+    for step in range(first, first + steps):
+        x, y = global_batch(step, device)
+        F.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append(snapshot(model))
+    return params
+
+
+def reference_modes_run(mode, state_dtype, device, steps=STEPS):
+    """fusedamp.optim on one thread, as the ranks run (a CPU backward's reductions split
+    differently on more threads: the gradients would differ in their last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(device, torch.bfloat16)
+        opt = fusedamp.optim.AdamW(model.parameters(), master_weights=mode,
+                                   state_dtype=state_dtype, **MODE_ADAM)
+        params = train_full_batch(model, opt, steps, device)
+    finally:
+        torch.set_num_threads(threads)
+    return {"params": params, "state": opt.state_dict(), "state_bytes": optimizer_state_bytes(opt)}
+
+
+def make_sharded_mode(model, mode, state_dtype):
+    return ShardedOptimizer(model.parameters(), "adamw", master_weights=mode,
+                            state_dtype=state_dtype, grads_averaged=True, **MODE_ADAM)
+
+
+def run_modes(device, rank, world, out_dir, load_path):
+    out = {}
+    for mode, state_dtype in MODES:
+        model = make_model(device, torch.bfloat16)
+        opt = make_sharded_mode(model, mode, state_dtype)
+        res = {"params": train_full_batch(model, opt, STEPS, device),
+               "state_bytes": opt.state_bytes(), "full": opt.consolidated_state_dict(to=None)}
+        if mode == "stochastic":  # this rank's shard, resumed by a fresh optimizer
+            model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+            shard = opt.state_dict()
+            res["cont"] = train_full_batch(model, opt, RESUME_STEPS, device, first=STEPS)
+            model2 = make_model(device, torch.bfloat16, seed=1)
+            opt2 = make_sharded_mode(model2, mode, state_dtype)
+            model2.load_state_dict(model_sd)
+            opt2.load_state_dict(shard)
+            res["resumed"] = train_full_batch(model2, opt2, RESUME_STEPS, device, first=STEPS)
+        out[mode_name(mode, state_dtype)] = res
+    # A checkpoint converted between modes: FP32 masters -> split -> FP32 masters.
+    model = make_model(device, torch.bfloat16)
+    opt = make_sharded_mode(model, True, torch.float32)
+    train_full_batch(model, opt, STEPS, device)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optim": opt.consolidated_state_dict(to=None)}
+    hops = {"start": saved}
+    for hop, mode in (("split", "split"), ("back", True)):
+        model = make_model(device, torch.bfloat16, seed=1)
+        opt = make_sharded_mode(model, mode, torch.float32)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+        saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                 "optim": opt.consolidated_state_dict(to=None)}
+        hops[hop] = dict(saved, export=fusedamp.master_weights(model, opt))
+    out["convert"] = hops
+    # A split checkpoint gathered on 2 ranks, continued here and (load_path) on 3 ranks.
+    model = make_model(device, torch.bfloat16)
+    opt = make_sharded_mode(model, "split", torch.bfloat16)
+    train_full_batch(model, opt, STEPS, device)
+    ck = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+          "optim": opt.consolidated_state_dict(to=0)}
+    if rank == 0:
+        torch.save(ck, os.path.join(out_dir, f"ckpt_split_{world}.pt"))
+    out["split_cont"] = train_full_batch(model, opt, RESUME_STEPS, device, first=STEPS)
+    if load_path:
+        ck = torch.load(os.path.join(os.path.dirname(load_path), "ckpt_split_2.pt"),
+                        map_location=device)
+        model = make_model(device, torch.bfloat16, seed=2)
+        opt = make_sharded_mode(model, "split", torch.bfloat16)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+        out["split_reloaded"] = opt.consolidated_state_dict(to=None)
+        out["split_other_n"] = train_full_batch(model, opt, RESUME_STEPS, device, first=STEPS)
+    return out
+
+
 # --------------------------------------------------------------------- the distributed scenarios
 def run_ddp(device, rank, world, out_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -257,6 +357,7 @@ def main(argv):
         "sgd": run_sharded("sgd", device, rank, world, out_dir, ""),
         "adamw_fp32": run_sharded("adamw", device, rank, world, out_dir, "", torch.float32),
         "memory": run_memory(device, rank, world),
+        "modes": run_modes(device, rank, world, out_dir, load_path),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()

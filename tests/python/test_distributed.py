@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 
-from distributed_worker import INF_STEP, RESUME_STEPS, STEPS, reference_run
+from distributed_worker import (INF_STEP, MODES, RESUME_STEPS, STEPS, mode_name,
+                                reference_modes_run, reference_run)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
 PYTHON_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
@@ -272,3 +273,166 @@ def test_sharded_fp32_export_is_the_consolidated_masters(runs, world):
             continue
         assert torch.equal(export[name], masters[index]["master_param"].to(export[name].device))
         assert torch.equal(export[name].to(param.dtype), param)
+
+
+# ------------------------------------------------------------- master-weight modes, sharded
+_MODE_REFS = {}
+
+
+def _mode_reference(mode, state_dtype, device):
+    key = (mode, state_dtype, device)
+    if key not in _MODE_REFS:
+        _MODE_REFS[key] = reference_modes_run(mode, state_dtype, device)
+    return _MODE_REFS[key]
+
+
+@pytest.mark.parametrize("mode,state_dtype", MODES, ids=[mode_name(*m) for m in MODES])
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_modes_match_single_process_bit_for_bit(runs, world, mode, state_dtype):
+    """Every weight store and moment dtype sharded over 2 and 3 ranks, on the gradients of the
+    whole batch (the same on every rank, as a single process computes them): the model weights
+    after every step and the gathered state (remainders, compensations, moments of their
+    dtype) equal fusedamp.optim's bit for bit. Stochastic rounding draws per shard segment, so
+    there the ranks agree with each other and the run stays within a few BF16 ulps (2^-8
+    relative each) of the single process."""
+    results = runs[world]
+    name = mode_name(mode, state_dtype)
+    ref = _mode_reference(mode, state_dtype, runs["device"])
+    _assert_ranks_identical(results, lambda r: r["modes"][name]["params"])
+    mine = results[0]["modes"][name]
+    assert mine["params"][-1][0].dtype == torch.bfloat16
+    moved = _max_diff(mine["params"][-1], ref["params"][0])
+    assert moved > 0  # the steps changed the model
+    if mode == "stochastic":
+        for a, b in zip(mine["params"][-1], ref["params"][-1]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -5, atol=1e-3)
+        return
+    for step, (a, b) in enumerate(zip(mine["params"], ref["params"])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {step}, param {i}"
+    full, ref_state = mine["full"]["state"], ref["state"]["state"]
+    assert full.keys() == ref_state.keys()
+    for i, s in ref_state.items():
+        assert full[i].keys() == s.keys(), (i, sorted(full[i]), sorted(s))
+        for key, v in s.items():
+            assert full[i][key].dtype == v.dtype and torch.equal(full[i][key].cpu(), v.cpu()), (
+                i, key)
+    # 1/N of the unsharded state per rank (padding: < N elements per state buffer; one FP32
+    # step count per segment instead of per parameter).
+    n_params = len(ref_state)
+    for r in results:
+        slack = 12 * world + 4 * (n_params + world)
+        assert abs(r["modes"][name]["state_bytes"] - ref["state_bytes"] / world) <= slack
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_stochastic_rounding_resumes_bit_exact(runs, world):
+    """The shard's state_dict (with the model) continues bit-identically in a fresh optimizer:
+    the draws depend on the seed, the step and the element, not on the process."""
+    for r in runs[world]:
+        res = r["modes"][mode_name("stochastic", torch.float32)]
+        for x, y in zip(res["cont"], res["resumed"]):
+            assert all(torch.equal(p, q) for p, q in zip(x, y))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_checkpoint_converts_between_modes_bit_exact(runs, world):
+    """A gathered FP32-master checkpoint loaded into a split-mode sharded optimizer, gathered
+    again and loaded into an FP32-master one: the masters come back bit for bit, and in
+    between the split pair (model weight + remainder) is every master exactly."""
+    ranks = runs[world]
+    conv = ranks[0]["modes"]["convert"]
+    start, split, back = conv["start"]["optim"]["state"], conv["split"], conv["back"]
+    for r in ranks[1:]:
+        assert all(torch.equal(r["modes"]["convert"]["split"]["model"][k], v)
+                   for k, v in split["model"].items())
+    weights = list(split["model"].values())
+    names = list(split["export"])
+    n_split = 0
+    for i, s in start.items():
+        if "master_param" not in s:  # FP32 norm weights keep none
+            assert "param_remainder" not in split["optim"]["state"][i]
+            continue
+        remainder = split["optim"]["state"][i]["param_remainder"]
+        assert remainder.dtype == torch.int16
+        # weight pattern * 2^16 + the signed remainder (math/split_math.h)
+        rebuilt = ((weights[i].contiguous().view(torch.int16).to(torch.int32) << 16)
+                   + remainder.to(torch.int32)).view(torch.float32)
+        assert torch.equal(rebuilt.cpu(), s["master_param"].cpu()), i
+        assert torch.equal(split["export"][names[i]].cpu(), s["master_param"].cpu()), i
+        n_split += 1
+    assert n_split >= 3
+    # and the checkpoint after both hops is the first one, every tensor bit for bit
+    assert back["optim"]["state"].keys() == start.keys()
+    for i, s in back["optim"]["state"].items():
+        assert s.keys() == start[i].keys()
+        for key, v in s.items():
+            assert torch.equal(v, start[i][key]), (i, key)
+
+
+def test_split_checkpoint_continues_on_another_world_size_bit_exact(runs):
+    """The 2-rank split checkpoint (BF16 moments), loaded by 3 ranks: the state re-gathers bit
+    for bit and the next steps equal the 2-rank run's continuation bit for bit."""
+    two, three = runs[2][0]["modes"], runs[3]
+    ck = torch.load(os.path.join(os.path.dirname(runs["ckpt_2"]), "ckpt_split_2.pt"))
+    _assert_ranks_identical(three, lambda r: r["modes"]["split_other_n"])
+    for i, s in ck["optim"]["state"].items():
+        for key, v in s.items():
+            assert torch.equal(three[0]["modes"]["split_reloaded"]["state"][i][key].cpu(),
+                               v.cpu()), (i, key)
+    for x, y in zip(two["split_cont"], three[0]["modes"]["split_other_n"]):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+
+
+# ---------------------------------------------------------------- bad input, 1 rank in-process
+def _bf16_model_and_grads():
+    from distributed_worker import make_model
+
+    model = make_model("cpu", torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    return model
+
+
+@pytest.mark.usefixtures("one_rank_process_group")
+def test_sharded_refuses_a_mode_that_does_not_fit_before_touching_the_model():
+    from distributed_worker import make_model
+    from fusedamp.distributed import ShardedOptimizer
+
+    model = make_model("cpu", torch.float16)
+    before = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    for mode in ("split", "stochastic"):
+        with pytest.raises(ValueError, match=f'master_weights="{mode}" keeps bfloat16 weights'):
+            ShardedOptimizer(model.parameters(), "adamw", master_weights=mode)
+    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+        ShardedOptimizer(model.parameters(), "adamw", state_dtype=torch.float16)
+    for p, (ptr, value) in zip(model.parameters(), before):
+        assert p.data_ptr() == ptr and torch.equal(p.detach(), value)  # not repacked
+
+
+@pytest.mark.usefixtures("one_rank_process_group")
+def test_sharded_refuses_a_changed_layout_and_a_bad_state_changing_nothing():
+    from fusedamp.distributed import ShardedOptimizer
+
+    model = _bf16_model_and_grads()
+    opt = ShardedOptimizer(model.parameters(), "adamw", master_weights="split",
+                           state_dtype=torch.bfloat16)
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = opt.consolidated_state_dict(to=None)
+    for key, value in (("master_weights", "kahan"), ("state_dtype", torch.float32)):
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=f"{key} is fixed at construction"):
+            opt.step()
+        opt.param_groups[0][key] = {"master_weights": "split",
+                                    "state_dtype": torch.bfloat16}[key]
+    bad = {"state": {i: dict(s) for i, s in state["state"].items()},
+           "param_groups": state["param_groups"]}
+    bad["state"][5]["param_remainder"] = torch.zeros(3, dtype=torch.int16)  # wrong shape
+    with pytest.raises(RuntimeError, match="state 'param_remainder' of parameter 5 has shape"):
+        opt.load_state_dict(bad)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), params))
+    after = opt.consolidated_state_dict(to=None)
+    for i, s in state["state"].items():
+        for key, v in s.items():
+            assert torch.equal(after["state"][i][key], v), (i, key)

@@ -162,18 +162,10 @@ def test_every_scenario_ran(ranks):
 
 # ---------------------------------------------------------------- in this process, 1 rank
 @pytest.fixture
-def one_rank_mesh(tmp_path):
-    import torch.distributed as dist
+def one_rank_mesh(one_rank_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
-                            world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def test_one_rank_equals_plain_tensors_and_follows_new_local_tensors(one_rank_mesh):

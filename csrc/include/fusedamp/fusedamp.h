@@ -6,6 +6,7 @@
 #include <fusedamp/optim/adam.h>
 #include <fusedamp/optim/optimizer.h>
 #include <fusedamp/optim/sgd.h>
+#include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/telemetry.h>
 
 namespace fusedamp::detail {
