@@ -385,32 +385,9 @@ def time_row(row: Row, size: Size, w, g, device, hyper, reps, warmup) -> dict:
             "state_bytes_measured": state_measured, "weight_changed": changed}
 
 
-def copy_bandwidth(numel, device, reps, warmup) -> float:
-    """Bytes per second of `dst.copy_(src)` over two FP32 buffers of `numel` elements (read
-    + write counted), median over `reps`: the memory roofline a streaming step can reach here
-    on the same threads. A step that moves B bytes per parameter cannot take less than
-    B * parameters / this."""
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for k in range(warmup + reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if k >= warmup:
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    gc.collect()
-    return 2 * 4 * numel / statistics.median(times)
-
-
 def run_timing(args, rows, sizes, device, hyper):
-    results, failures, bandwidth = [], [], {}
+    results, failures = [], []
     for size in sizes:
-        bandwidth[size.name] = copy_bandwidth(size.numel, device, args.reps, args.warmup)
-        print(f"{size.name:>14} | copy bandwidth {bandwidth[size.name] / 1e9:.1f} GB/s",
-              file=sys.stderr, flush=True)
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(size.numel, generator=gen) * 0.02
         g = torch.randn(size.numel, generator=gen) * GRAD_STD
@@ -438,8 +415,7 @@ def run_timing(args, rows, sizes, device, hyper):
         r["vs_baseline"] = r["median_s"] / b["median_s"] if b else None
         numel = next(s.numel for s in sizes if s.name == r["size"])
         r["achieved_bytes_per_s"] = moved[r["row"]] * numel / r["median_s"]
-        r["of_copy_bandwidth"] = r["achieved_bytes_per_s"] / bandwidth[r["size"]]
-    return results, failures, bandwidth
+    return results, failures
 
 
 # ----------------------------------------------------------------------------- accuracy
@@ -614,10 +590,8 @@ def write_markdown(path, doc):
               f"detail table); × base = time / time of `{base}` at the same size (> 1: slower). "
               "A row that did not run shows its error.", ""]
         sizes = [s["name"] for s in t["sizes"]]
-        L += ["| size | tensors | parameters | shape source | copy bandwidth GB/s |",
-              "| --- | --: | --: | --- | --: |"]
-        L += [f"| {s['name']} | {s['tensors']:,} | {s['parameters']:,} | {s['shape_source']} | "
-              + (f"{s['copy_bytes_per_s'] / 1e9:.1f} |" if "copy_bytes_per_s" in s else "— |")
+        L += ["| size | tensors | parameters | shape source |", "| --- | --: | --: | --- |"]
+        L += [f"| {s['name']} | {s['tensors']:,} | {s['parameters']:,} | {s['shape_source']} |"
               for s in t["sizes"]]
         L += ["", "| row | " + " | ".join(f"{s} ms | × base" for s in sizes) + " |",
               "| --- | " + " | ".join("--: | --:" for _ in sizes) + " |"]
@@ -653,14 +627,13 @@ def write_markdown(path, doc):
               "torch.compile for torchao), seconds; state B/param measured = bytes of the tensors "
               "in optimizer.state after the steps, per parameter; changed = the largest weight "
               "tensor changed during the timed steps; GB/s = bytes moved as implemented (table "
-              "below) × parameters / median time, and its share of the copy bandwidth measured "
-              "in the same run (a row near 100 % is at the memory limit of these threads: only "
-              "fewer bytes make it faster).", "",
-              "| size | row | time ms | p10–p90 ms | first step s | state B/param measured | "
-              "changed | GB/s | of copy |", "| --- | --- | --: | --: | --: | --: | --- | --: | --: |"]
+              "below) × parameters / median time: the rate at which the row moves its bytes "
+              "(a kernel at the memory limit cannot raise it; one below it is bound by work).",
+              "", "| size | row | time ms | p10–p90 ms | first step s | state B/param measured | "
+              "changed | GB/s |", "| --- | --- | --: | --: | --: | --: | --- | --: |"]
         for r in t["results"]:
-            gbps = (f"{r['achieved_bytes_per_s'] / 1e9:.1f} | {100 * r['of_copy_bandwidth']:.0f} %"
-                    if "achieved_bytes_per_s" in r else "— | —")
+            gbps = (f"{r['achieved_bytes_per_s'] / 1e9:.1f}" if "achieved_bytes_per_s" in r
+                    else "—")
             L.append(f"| {r['size']} | {r['row']} | {fmt_t(r['median_s'])} | "
                      f"{fmt_t(r['p10_s'])}–{fmt_t(r['p90_s'])} | {r['first_step_s']:.2f} | "
                      f"{r['state_bytes_measured']:.2f} | "
@@ -854,7 +827,7 @@ def main(argv=None):
     if do_timing:
         torch.set_num_threads(args.threads or 1)
         info = machine_info(device)
-        results, failures, bandwidth = run_timing(args, rows, sizes, device, hyper)
+        results, failures = run_timing(args, rows, sizes, device, hyper)
         if hasattr(os, "getloadavg"):
             info["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         doc["timing"] = {
@@ -862,8 +835,7 @@ def main(argv=None):
             "hyper_parameters": hyper, "grad_std": GRAD_STD, "weight_std": 0.02,
             "fusedamp_extra_kwargs": fusedamp_kw,
             "sizes": [{"name": s.name, "tensors": len(s.shapes), "parameters": s.numel,
-                       "shape_source": s.source, "copy_bytes_per_s": bandwidth[s.name]}
-                      for s in sizes],
+                       "shape_source": s.source} for s in sizes],
             "results": results, "failures": failures}
     if do_accuracy:
         torch.set_num_threads(args.threads or os.cpu_count())
