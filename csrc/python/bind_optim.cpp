@@ -177,6 +177,15 @@ void bind_optim(py::module_& m) {
       .def("all_params", &Optimizer::all_params);
 
   m.def(
+      "master_weights_fit",
+      [](py::handle master_weights, py::object dtype) {
+        const auto mode = master_weights_of(master_weights, "master_weights_fit");
+        TORCH_CHECK_TYPE(THPDtype_Check(dtype.ptr()), "master_weights_fit: dtype must be a "
+                         "torch.dtype, got ", py::repr(dtype).cast<std::string>());
+        return mode.fits(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+      },
+      py::arg("master_weights"), py::arg("dtype"));
+  m.def(
       "convert_param_state",
       [](const at::Tensor& weight, const Optimizer::StateDict& state, py::handle master_weights,
          py::handle state_dtype, size_t index) {

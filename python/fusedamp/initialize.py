@@ -5,6 +5,7 @@ import inspect
 
 import torch
 
+from ._library import _C
 from .convert import check_convertible, convert_module
 from .grad_scaler import GradScaler
 from .optim import SGD, Adam, AdamW, FusedOptimizer
@@ -79,7 +80,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError("fusedamp.initialize: the optimizer holds tensors that are not "
                          "parameters of the model")
     check_convertible(model, dtype)
-    if master_weights in ("split", "stochastic") and dtype != torch.bfloat16:
+    if not _C.master_weights_fit(master_weights, dtype):
         raise ValueError(f"fusedamp.initialize: master_weights={master_weights!r} keeps "
                          f"bfloat16 weights; dtype is {dtype} (use master_weights=True or "
                          "'kahan')")

@@ -46,6 +46,7 @@ except ImportError:  # the unified `lightning` package
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from ._library import _C
 from .convert import convert_module as _convert_module
 from .grad_scaler import GradScaler
 from .initialize import _fused_arguments, _fused_class
@@ -65,7 +66,10 @@ class FusedAmpPrecision(Precision):
             unless ``loss_scaling=True``).
         max_grad_norm: global-norm clipping in the fused step; ``Trainer(gradient_clip_val=)``
             overrides it while set.
-        master_weights: FP32 master copy of the FP16/BF16 weights (fusedamp.optim).
+        master_weights: what keeps the bits below the FP16/BF16 weights (fusedamp.optim):
+            True (FP32 masters), "split" / "stochastic" (bf16-mixed only), "kahan", False.
+        state_dtype: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``.
+        rounding_seed: the seed of ``master_weights="stochastic"``.
         autocast: run the steps under ``torch.autocast`` (see the module doc).
         scaler: a ``fusedamp.GradScaler`` to use instead of the one built from ``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale``.
@@ -77,10 +81,15 @@ class FusedAmpPrecision(Precision):
                  scaler: Optional[GradScaler] = None, loss_scaling: Optional[bool] = None,
                  init_scale: float = 2.0 ** 16, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: Optional[float] = None, max_scale: Optional[float] = None,
-                 skip_nonfinite: bool = True) -> None:
+                 skip_nonfinite: bool = True, state_dtype: torch.dtype = torch.float32,
+                 rounding_seed: int = 0) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"FusedAmpPrecision(precision={precision!r}): precision must be "
                              "'16-mixed' or 'bf16-mixed'")
+        if not _C.master_weights_fit(master_weights, _DTYPES[precision]):
+            raise ValueError(f"FusedAmpPrecision: master_weights={master_weights!r} keeps "
+                             f"bfloat16 weights; use precision='bf16-mixed' (or "
+                             "master_weights=True or 'kahan')")
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError("FusedAmpPrecision: scaler must be a fusedamp.GradScaler, got "
                             f"{type(scaler).__name__}")
@@ -90,6 +99,8 @@ class FusedAmpPrecision(Precision):
         self.dtype = _DTYPES[precision]
         self.max_grad_norm = max_grad_norm
         self.master_weights = master_weights
+        self.state_dtype = state_dtype
+        self.rounding_seed = rounding_seed
         self.autocast = autocast
         self.skip_nonfinite = skip_nonfinite
         self.scaler = scaler
@@ -149,7 +160,8 @@ class FusedAmpPrecision(Precision):
 
     def _engine_args(self):
         return dict(max_grad_norm=self.max_grad_norm, skip_nonfinite=self.skip_nonfinite,
-                    master_weights=self.master_weights)
+                    master_weights=self.master_weights, state_dtype=self.state_dtype,
+                    rounding_seed=self.rounding_seed)
 
     def _fuse(self, optimizer):
         """fusedamp's optimizer of the same kind, param groups and hyper-parameters."""

@@ -198,3 +198,38 @@ def test_one_rank_equals_plain_tensors_and_follows_new_local_tensors(one_rank_me
     state = opts[0].state[sharded[0].weight]
     assert type(state["exp_avg"]).__name__ == "DTensor" and int(state["step"]) == 4
     assert torch.equal(state["exp_avg"].to_local(), opts[1].state[plain[0].weight]["exp_avg"])
+
+
+@pytest.mark.parametrize("mode", ["split", "kahan", "stochastic"])
+def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode):
+    """The 16-bit weight stores and BF16 moments on FSDP2's DTensor parameters (a BF16 model
+    sharded as it is): on one rank the same bits as on plain tensors, state included."""
+    from fsdp_worker import global_batch, loss_of, make_model, shard
+
+    def bf16_model():
+        return fusedamp.convert_module(make_model(), torch.bfloat16)
+
+    sharded = shard(bf16_model(), one_rank_mesh, None)
+    plain = bf16_model()
+    start = [p.detach().clone() for p in plain.parameters()]
+    opts = [fusedamp.optim.AdamW(m.parameters(), lr=1e-3, master_weights=mode,
+                                 state_dtype=torch.bfloat16, rounding_seed=3)
+            for m in (sharded, plain)]
+    for step in range(4):
+        x, y = global_batch(step)
+        for m, opt in zip((sharded, plain), opts):
+            loss_of(m(x.bfloat16()), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(sharded.parameters(), plain.parameters()):
+            assert torch.equal(a.to_local(), b), step
+    assert not torch.equal(plain[0].weight, start[0])  # the steps moved the weights
+    weight = sharded[0].weight
+    assert weight.to_local().dtype == torch.bfloat16
+    state, plain_state = opts[0].state[weight], opts[1].state[plain[0].weight]
+    assert state.keys() == plain_state.keys()
+    for key, value in plain_state.items():
+        mine = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
+        assert mine.dtype == value.dtype and torch.equal(mine, value), key
+    assert state["exp_avg"].to_local().dtype == torch.bfloat16
+    assert {"split": "param_remainder", "kahan": "kahan_compensation"}.get(mode, "step") in state

@@ -227,3 +227,19 @@ def test_fabric():
     assert model.module[0].weight.dtype == torch.float16
     assert int(opt.optimizer.skipped_steps) >= 1
     assert sum(losses[-4:]) < 0.25 * sum(losses[:4])
+
+
+def test_bf16_mixed_with_split_master_weights_and_bf16_moments():
+    """The 16-bit weight stores through the plugin: the Trainer's optimizer keeps int16
+    remainders and BF16 moments and trains; a mode that needs BF16 weights is refused with
+    '16-mixed' before anything is built."""
+    plugin = FusedAmpPrecision("bf16-mixed", master_weights="split", state_dtype=torch.bfloat16)
+    model, t, _ = fit(epochs=4, plugin=plugin)
+    state = t.optimizers[0].state[model.net[0].weight]
+    assert state["param_remainder"].dtype == torch.int16 and "master_param" not in state
+    assert state["exp_avg"].dtype == torch.bfloat16
+    losses = torch.stack(model.losses).view(4, STEPS_PER_EPOCH).mean(1)
+    assert losses[-1] < 0.5 * losses[0], losses
+    for mode in ("split", "stochastic"):
+        with pytest.raises(ValueError, match="keeps bfloat16 weights; use precision='bf16-mixed'"):
+            FusedAmpPrecision("16-mixed", master_weights=mode)
