@@ -9,6 +9,7 @@
 
 #include "hyper_params.h"
 #include "tensor_facts.h"
+#include "tensor_prefetch.h"
 
 namespace fusedamp::checks {
 namespace {
@@ -163,6 +164,7 @@ bool check_grad_list(const char* op, TensorList grads, const c10::Device& device
                      bool with_per_tensor = false) {
   bool any_per_tensor = false;
   for (size_t i = 0; i < grads.size(); ++i) {
+    prefetch_ahead(i, {grads});
     const TensorFacts g = facts_of(grads[i], device);
     if (with_per_tensor && is_per_tensor(g)) {
       any_per_tensor = true;
@@ -306,6 +308,8 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
   TORCH_CHECK(sdtype == at::kFloat || sdtype == at::kBFloat16, op, ": ", state.names[0],
               " have dtype ", sdtype, "; optimizer state is float32 or bfloat16");
   for (size_t i = 0; i < n; ++i) {
+    prefetch_ahead(i, {params, grads, master_params, steps, state.lists[0], state.lists[1],
+                       state.lists[2]});  // absent lists are empty: nothing to prefetch
     check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype,
                      mdtype, sdtype);
   }

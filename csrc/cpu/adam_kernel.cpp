@@ -60,9 +60,9 @@ void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
     const auto w = step_weights<TP, kStore>(step, i, b);
     adam_range<TP, TG, kStore, kWriteGrads, kAmsgrad>(
-        w, step.grads[i].data_ptr<TG>() + b, exp_avgs[i].data_ptr<TS>() + b,
-        exp_avg_sqs[i].data_ptr<TS>() + b,
-        kAmsgrad ? max_exp_avg_sqs[i].data_ptr<TS>() + b : nullptr, e - b, h, coeffs[i],
+        w, elements_of<TG>(step.grads[i]) + b, elements_of<TS>(exp_avgs[i]) + b,
+        elements_of<TS>(exp_avg_sqs[i]) + b,
+        kAmsgrad ? elements_of<TS>(max_exp_avg_sqs[i]) + b : nullptr, e - b, h, coeffs[i],
         step.grad_mult);
   });
 }

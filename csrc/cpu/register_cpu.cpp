@@ -54,7 +54,8 @@ struct StepCounts {
 
   explicit StepCounts(TensorList steps) : ptr(steps.size()), before(steps.size()) {
     for (size_t i = 0; i < steps.size(); ++i) {
-      ptr[i] = steps[i].data_ptr<float>();
+      prefetch_ahead(i, {steps});
+      ptr[i] = elements_of<float>(steps[i]);
       before[i] = *ptr[i];
     }
   }

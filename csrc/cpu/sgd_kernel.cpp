@@ -50,9 +50,9 @@ void sgd_lists(const CpuStep& step, at::TensorList bufs, const math::SgdHyper& h
   const ChunkPlan plan(params);
   for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
     const auto w = step_weights<TP, kStore>(step, i, b);
-    TS* buf = kMomentum ? bufs[i].data_ptr<TS>() + b : nullptr;
+    TS* buf = kMomentum ? elements_of<TS>(bufs[i]) + b : nullptr;
     sgd_range<TP, TG, kStore, kWriteGrads, kMomentum>(
-        w, step.grads[i].data_ptr<TG>() + b, buf, e - b, h, step.lr,
+        w, elements_of<TG>(step.grads[i]) + b, buf, e - b, h, step.lr,
         step.steps_before[i] == 0.f, step.grad_mult);
   });
 }

@@ -108,6 +108,9 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
   for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
+    if (begin == 0) {
+      prefetch_ahead(static_cast<size_t>(i), {grads});
+    }
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
       // Read-only unless unscaling: grad_stats_ may be given tensors it must not write.
       auto* p = const_cast<scalar_t*>(g.const_data_ptr<scalar_t>()) + begin;
@@ -160,8 +163,11 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
   std::vector<char> chunk_bad(plan.total, 0);
   for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
+    if (begin == 0) {
+      prefetch_ahead(static_cast<size_t>(i), {grads});
+    }
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
-      chunk_bad[c] = unscale_range(g.data_ptr<scalar_t>() + begin, end - begin, inv_scale);
+      chunk_bad[c] = unscale_range(elements_of<scalar_t>(g) + begin, end - begin, inv_scale);
     });
   });
   return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });

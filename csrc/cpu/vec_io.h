@@ -214,13 +214,13 @@ struct StepWeights {
 // Tensor i's weights from element `begin` on, as a step over `step`'s lists reads them.
 template <typename TP, WeightStore kStore>
 inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int64_t begin) {
-  StepWeights<TP, kStore> w{step.params[i].data_ptr<TP>() + begin, nullptr};
+  StepWeights<TP, kStore> w{elements_of<TP>(step.params[i]) + begin, nullptr};
   if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
-    w.extra = step.master_params[i].data_ptr<float>() + begin;
+    w.extra = elements_of<float>(step.master_params[i]) + begin;
   } else if constexpr (kStore == WeightStore::kSplit) {
-    w.extra = step.master_params[i].data_ptr<int16_t>() + begin;
+    w.extra = elements_of<int16_t>(step.master_params[i]) + begin;
   } else if constexpr (kStore == WeightStore::kKahan) {
-    w.extra = step.master_params[i].data_ptr<TP>() + begin;
+    w.extra = elements_of<TP>(step.master_params[i]) + begin;
   } else if constexpr (kStore == WeightStore::kStochastic) {
     w.seed = static_cast<uint64_t>(step.rounding_seeds[i]);
     w.step = static_cast<uint32_t>(step.steps_before[i]);

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "../tensor_prefetch.h"
 #include "device_stats.h"
 #include "param_state_store.h"
 
@@ -85,6 +86,7 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
         {group.master_weights, group.state_dtype, group.rounding_seed, group.slots});
     const auto& params = *group.params;
     for (size_t j = 0; j < params.size(); ++j) {
+      prefetch_grads_ahead(j, params);
       const auto& p = params[j];
       const auto& g = p.grad();
       if (!g.defined()) {
@@ -157,15 +159,22 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
       }
     }
   }
+  devices.clear_params();
+  for (auto& b : buckets_) {
+    b.grads.resize(b.params.size());  // filled by collect_grads
+    b.stats_position = devices.add_params(b.device_slot, b.params);
+  }
 }
 
 void BucketPlan::collect_grads(DeviceStats& devices) {
-  devices.clear_grads();
   for (auto& b : buckets_) {
-    b.grads.clear();
-    for (const auto& p : b.params) {
-      b.grads.push_back(p.grad());
-      devices.add_grad(b.device_slot, p, b.grads.back());
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      prefetch_grads_ahead(k, b.params);
+      const at::Tensor& g = b.params[k].grad();
+      if (!b.grads[k].is_same(g)) {  // steady loops keep their grad tensors
+        b.grads[k] = g;
+      }
+      devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
   }
 }

@@ -16,6 +16,7 @@ class ParamStateStore;
 struct Bucket {
   size_t group = 0;
   size_t device_slot = 0;  // in DeviceStats
+  size_t stats_position = 0;  // of params[0] in its device's DeviceStats lists
   c10::Device device = c10::Device(c10::kCPU);
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType grad_dtype = at::kFloat;

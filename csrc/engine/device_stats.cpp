@@ -19,16 +19,19 @@ size_t DeviceStats::slot_of(const c10::Device& device) {
   return devices_.size() - 1;
 }
 
-void DeviceStats::clear_grads() {
+void DeviceStats::clear_params() {
   for (auto& d : devices_) {
     d.grads.clear();
     d.params.clear();
   }
 }
 
-void DeviceStats::add_grad(size_t slot, const at::Tensor& param, const at::Tensor& grad) {
-  devices_[slot].params.push_back(param);
-  devices_[slot].grads.push_back(grad);
+size_t DeviceStats::add_params(size_t slot, const std::vector<at::Tensor>& params) {
+  auto& d = devices_[slot];
+  const size_t first = d.params.size();
+  d.params.insert(d.params.end(), params.begin(), params.end());
+  d.grads.resize(d.params.size());
+  return first;
 }
 
 void DeviceStats::seed(const at::Tensor& seed_found_inf) {

@@ -17,9 +17,17 @@ class DeviceStats {
   bool empty() const { return devices_.empty(); }
   const c10::Device& primary_device() const { return devices_.front().device; }
 
-  // This step's gradients, per device (filled by the bucket plan).
-  void clear_grads();
-  void add_grad(size_t slot, const at::Tensor& param, const at::Tensor& grad);
+  // The parameters whose gradients each device's pass reads (laid out by the bucket plan when
+  // it is rebuilt) and, by position, this step's gradients of them (refreshed every step).
+  void clear_params();
+  // Appends `params` to the slot's list; returns the position of the first.
+  size_t add_params(size_t slot, const std::vector<at::Tensor>& params);
+  void set_grad(size_t slot, size_t position, const at::Tensor& grad) {
+    at::Tensor& held = devices_[slot].grads[position];
+    if (!held.is_same(grad)) {  // steady loops keep their grad tensors: no refcount traffic
+      held = grad;
+    }
+  }
 
   // found_inf = seed (or 0) and sum_sq = 0 everywhere, without a pass (the flag is known).
   void seed(const at::Tensor& seed_found_inf);
