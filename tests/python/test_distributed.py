@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+import fusedamp
 from distributed_worker import (INF_STEP, MODES, RESUME_STEPS, STEPS, mode_name,
                                 reference_modes_run, reference_run)
 
@@ -436,3 +437,36 @@ def test_sharded_refuses_a_changed_layout_and_a_bad_state_changing_nothing():
     for i, s in state["state"].items():
         for key, v in s.items():
             assert torch.equal(after["state"][i][key], v), (i, key)
+
+
+@pytest.mark.usefixtures("one_rank_process_group")
+@pytest.mark.parametrize("mode", ["split", "kahan"])
+def test_sharded_sgd_weight_stores_match_fusedamp_optim_on_one_rank(mode):
+    """SGD with Nesterov momentum in BF16 buffers and a 16-bit weight store, sharded over one
+    rank: the same bits as fusedamp.optim.SGD, weights and state."""
+    from distributed_worker import global_batch, make_model
+    from fusedamp.distributed import ShardedOptimizer
+
+    kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, master_weights=mode,
+              state_dtype=torch.bfloat16)
+    models = [make_model("cpu", torch.bfloat16) for _ in range(2)]
+    opts = [ShardedOptimizer(models[0].parameters(), "sgd", **kw),
+            fusedamp.optim.SGD(models[1].parameters(), **kw)]
+    start = [p.detach().clone() for p in models[1].parameters()]
+    for step in range(5):
+        x, y = global_batch(step, "cpu")
+        for m, opt in zip(models, opts):
+            torch.nn.functional.mse_loss(m(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b), step
+    assert not torch.equal(start[0], models[1][0].weight)
+    full, ref = opts[0].consolidated_state_dict(to=None)["state"], opts[1].state_dict()["state"]
+    assert full.keys() == ref.keys()
+    for i, s in ref.items():
+        assert full[i].keys() == s.keys()
+        for key, v in s.items():
+            assert full[i][key].dtype == v.dtype and torch.equal(full[i][key], v), (i, key)
+    store = {"split": "param_remainder", "kahan": "kahan_compensation"}[mode]
+    assert store in ref[0] and ref[0]["momentum_buffer"].dtype == torch.bfloat16
