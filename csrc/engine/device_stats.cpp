@@ -15,6 +15,8 @@ size_t DeviceStats::slot_of(const c10::Device& device) {
   PerDevice d;
   d.device = device;
   d.stats = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(device));
+  d.found_inf = d.stats.narrow(0, 0, 1);
+  d.sum_sq = d.stats.narrow(0, 1, 1);
   devices_.push_back(std::move(d));
   return devices_.size() - 1;
 }

@@ -44,13 +44,16 @@ class DeviceStats {
 
   // [found_inf, sum_sq] of the primary device (FP32[2]) and the views of any device's.
   const at::Tensor& primary() const { return devices_.front().stats; }
-  at::Tensor found_inf(size_t slot) const { return devices_[slot].stats.narrow(0, 0, 1); }
-  at::Tensor sum_sq(size_t slot) const { return devices_[slot].stats.narrow(0, 1, 1); }
+  const at::Tensor& found_inf(size_t slot) const { return devices_[slot].found_inf; }
+  const at::Tensor& sum_sq(size_t slot) const { return devices_[slot].sum_sq; }
 
  private:
   struct PerDevice {
     c10::Device device = c10::Device(c10::kCPU);
     at::Tensor stats;  // FP32[2]: found_inf, sum of squares
+    // Views of stats[0] and stats[1], made once: a step uses them several times, and each
+    // narrow() is an ATen call (a fixed host cost of every step).
+    at::Tensor found_inf, sum_sq;
     std::vector<at::Tensor> grads;
     std::vector<at::Tensor> params;  // of grads, same order (what a sink records)
   };

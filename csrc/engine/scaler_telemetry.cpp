@@ -34,6 +34,9 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
     fresh_ = at::tensor({0.0, 0.0, 0.0, kNone, 0.0}, at::dtype(at::kDouble)).to(device);
     current_ = at::empty({kSumSq + 1}, f64);
+    current_slots_ = current_.narrow(0, 0, math::kTelemetrySlots);
+    current_first_ = current_slots_.narrow(0, math::kFirstNonfinite, 1);
+    current_sum_sq_ = current_.narrow(0, kSumSq, 1);
     ring_ = at::zeros({capacity_, kColumns}, f64);
     recorded_ = 0;
   }
@@ -99,9 +102,9 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   // walked before and back up afterwards makes the op's min() do that without another tensor:
   // an earlier pass's position turns negative and stays the minimum; inf stays inf.
   const bool here = found_inf.device() == current_.device();
-  at::Tensor telemetry = here ? current_.narrow(0, 0, math::kTelemetrySlots)
+  at::Tensor telemetry = here ? current_slots_
                               : fresh_.narrow(0, 0, math::kTelemetrySlots).to(found_inf.device());
-  at::Tensor first = telemetry.narrow(0, math::kFirstNonfinite, 1);
+  at::Tensor first = here ? current_first_ : telemetry.narrow(0, math::kFirstNonfinite, 1);
   if (here && walked_ > 0) {
     first.sub_(static_cast<double>(walked_));
   }
@@ -119,7 +122,7 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   }
   const at::Tensor sum_sq_here =
       here ? sum_sq.reshape({1}) : sum_sq.reshape({1}).to(current_.device(), /*non_blocking=*/true);
-  current_.narrow(0, kSumSq, 1).add_(sum_sq_here);  // FP32 into FP64, in place
+  current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
   layouts_.push_back(PassLayout{list_of(params), walked_});
   walked_ += static_cast<int64_t>(grads.size());
   for (const auto& g : grads) {

@@ -57,6 +57,9 @@ class ScalerTelemetry final : public GradTelemetrySink {
   at::Tensor fresh_;    // what a record starts as (see current_)
   at::Tensor current_;  // FP64[5]: amax, subnormal count, zero count, first non-finite, sum_sq
   at::Tensor ring_;     // FP64[capacity, 7]: scale, found_inf, then current_ at update()
+  // Views of current_ made with it (each narrow() is an ATen call: a fixed cost per pass):
+  // the op's telemetry slots, their first-non-finite slot, and the sum of squares.
+  at::Tensor current_slots_, current_first_, current_sum_sq_;
   std::vector<double> ring_elements_;  // per ring row: the gradient elements walked
   std::vector<PassLayout> layouts_;                 // this iteration's passes
   std::vector<std::vector<PassLayout>> ring_layouts_;  // per ring row
