@@ -43,6 +43,13 @@ void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_
               where());
 }
 
+// A parameter's .grad: what Tensor::grad() returns, without its check for non-leaf tensors (an
+// out-of-line autograd call per parameter and step, measurable with thousands of parameters;
+// an optimizer's parameters are leaves).
+const at::Tensor& grad_of(const at::Tensor& p) {
+  return p.unsafeGetTensorImpl()->grad();
+}
+
 // A parameter's stochastic-rounding seed: 64 mixed bits of (the group's seed, the parameter's
 // index), so that parameters draw independent streams from one user seed.
 int64_t rounding_seed_of(int64_t group_seed, int64_t param_index) {
@@ -80,6 +87,7 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
   std::vector<ParamKey> param_keys;
   group_keys.reserve(groups.size());
   param_keys.reserve(param_keys_.size());
+  grads_seen_.clear();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& group = groups[gi];
     group_keys.push_back(
@@ -88,7 +96,7 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
     for (size_t j = 0; j < params.size(); ++j) {
       prefetch_grads_ahead(j, params);
       const auto& p = params[j];
-      const auto& g = p.grad();
+      const auto& g = grad_of(p);
       if (!g.defined()) {
         continue;
       }
@@ -99,6 +107,7 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
                         " is ", p.scalar_type(), "; use master_weights=True or \"kahan\"");
       param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                             p.device()});
+      grads_seen_.push_back(&g);
     }
   }
   if (!valid_ || !(group_keys == group_keys_) || !(param_keys == param_keys_)) {
@@ -115,15 +124,17 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
   ++builds_;
   buckets_.clear();
   int64_t param_index = -1;  // in the optimizer's order (all groups, with or without grads)
+  size_t seen = 0;           // parameters with a gradient so far (update()'s order)
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& group = groups[gi];
     const size_t first = buckets_.size();
     for (const auto& p : *group.params) {
       ++param_index;
-      const auto& g = p.grad();
+      const auto& g = grad_of(p);
       if (!g.defined()) {
         continue;
       }
+      const size_t seen_index = seen++;
       // FP32 parameters are their own masters, whatever the group's mode.
       const MasterWeights mode =
           p.scalar_type() == at::kFloat ? MasterWeights(false) : group.master_weights;
@@ -146,6 +157,7 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
         b->grad_dtype = g.scalar_type();
       }
       b->params.push_back(p);
+      b->seen_index.push_back(seen_index);
       b->steps.push_back(s.step);
       for (const auto& info : kStateSlots) {
         const bool kept = is_weight_store_slot(info.slot) ? (s.*info.member).defined()
@@ -169,8 +181,7 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
 void BucketPlan::collect_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
-      prefetch_grads_ahead(k, b.params);
-      const at::Tensor& g = b.params[k].grad();
+      const at::Tensor& g = *grads_seen_[b.seen_index[k]];  // update() just read them
       if (!b.grads[k].is_same(g)) {  // steady loops keep their grad tensors
         b.grads[k] = g;
       }

@@ -21,6 +21,7 @@ struct Bucket {
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType grad_dtype = at::kFloat;
   std::vector<at::Tensor> params, grads, steps;
+  std::vector<size_t> seen_index;  // of each param's gradient in update()'s walk
   // One entry per parameter where the group needs the slot (empty list otherwise).
   // master_params holds what the group's master_weights keeps: FP32 masters, int16
   // remainders or Kahan compensations.
@@ -82,6 +83,9 @@ class BucketPlan {
   std::vector<Bucket> buckets_;
   std::vector<GroupKey> group_keys_;
   std::vector<ParamKey> param_keys_;
+  // This step's gradients, as update() walked the groups (each a parameter's .grad member,
+  // read once per step and unchanged until collect_grads() takes them).
+  std::vector<const at::Tensor*> grads_seen_;
   bool valid_ = false;
   int64_t builds_ = 0;
 };
