@@ -320,3 +320,35 @@ def test_step_bumps_the_version_counters_torch_would(device, kind):
     before = [p._version for p in params]
     scaler.step(opt)  # skipped
     assert all(p._version > v for p, v in zip(params, before))
+
+
+def test_gradients_are_taken_fresh_every_step_however_they_change(device):
+    """The engine keeps its gradient lists between steps and refreshes them in place: a grad
+    replaced by a new tensor (param 0), one changed in place (1), one set to None for a step
+    and then replaced (2) and one never touched again (3) must all reach the step as they are
+    now. Reference: the same values handed over as fresh clones every step (nothing reused),
+    bit for bit, through the mixed-precision path."""
+    def make():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(4)]
+
+    kept, fresh = make(), make()
+    opts = [fusedamp.optim.AdamW(ps, lr=1e-2) for ps in (kept, fresh)]
+    gen = torch.Generator().manual_seed(1)
+    constant = torch.randn(5, generator=gen).half().to(device)
+    kept[3].grad = constant.clone()
+    for step in range(6):
+        values = [torch.randn(5, generator=gen).half().to(device) for _ in range(3)] + [constant]
+        kept[0].grad = values[0].clone()
+        if kept[1].grad is None:
+            kept[1].grad = values[1].clone()
+        else:
+            kept[1].grad.copy_(values[1])
+        kept[2].grad = None if step == 3 else values[2].clone()
+        for i, p in enumerate(fresh):
+            p.grad = None if (i == 2 and step == 3) else values[i].clone()
+        for opt in opts:
+            opt.step()
+        for i, (a, b) in enumerate(zip(kept, fresh)):
+            assert torch.equal(a, b), (step, i)
+    assert not torch.equal(kept[0].detach(), make()[0].detach())  # the steps moved it
