@@ -410,11 +410,11 @@ def run_timing(args, rows, sizes, device, hyper):
         gc.collect()
     base = {r["size"]: r for r in results if r["row"] == next(x.key for x in rows if x.baseline)}
     moved = {row.key: row.moved_as_implemented() for row in rows}
+    numel = {size.name: size.numel for size in sizes}
     for r in results:
         b = base.get(r["size"])
         r["vs_baseline"] = r["median_s"] / b["median_s"] if b else None
-        numel = next(s.numel for s in sizes if s.name == r["size"])
-        r["achieved_bytes_per_s"] = moved[r["row"]] * numel / r["median_s"]
+        r["achieved_bytes_per_s"] = moved[r["row"]] * numel[r["size"]] / r["median_s"]
     return results, failures
 
 

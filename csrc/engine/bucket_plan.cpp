@@ -182,9 +182,7 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       const at::Tensor& g = *grads_seen_[b.seen_index[k]];  // update() just read them
-      if (!b.grads[k].is_same(g)) {  // steady loops keep their grad tensors
-        b.grads[k] = g;
-      }
+      refresh(b.grads[k], g);
       devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
   }

@@ -250,8 +250,8 @@ ConvertedParamState convert_param_state(const at::Tensor& weight,
   for (const auto& info : kStateSlots) {
     present = present.with(info.slot);
   }
-  ParamState s = detail::ParamStateStore::from_dict("convert_param_state", out.weight,
-                                                            index, state, present, true);
+  ParamState s = detail::ParamStateStore::from_dict("convert_param_state", out.weight, index,
+                                                    state, present, /*copy=*/true);
   StateSlots moments;
   for (const auto& info : kStateSlots) {
     if (!is_weight_store_slot(info.slot) && (s.*info.member).defined()) {

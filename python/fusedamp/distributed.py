@@ -2,8 +2,8 @@
 
 ``ShardedOptimizer`` keeps the master weights (any of fusedamp.optim's modes) and moments of
 only this rank's 1/N of the parameters, laid out by flat_shard.FlatShard. The step is the C++
-engine's (fusedamp._C), run over this rank's segments (each stepped as a parameter of its own, exactly as fusedamp.optim
-steps it) with the collectives between its phases, and no host sync:
+engine's (fusedamp._C), run over this rank's segments (each stepped as a parameter of its own,
+exactly as fusedamp.optim steps it) with the collectives between its phases, and no host sync:
   1. grads copied into flat buffers, pre-divided by N (as DDP does, so an FP16 sum cannot
      overflow where the mean would not) and reduce-scattered to the shard;
   2. engine: one grad_stats_ pass -> [found_inf, sum_sq], summed over the ranks in ONE
@@ -26,6 +26,12 @@ __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
 _FORMAT = "fusedamp.sharded/1"
 _ENGINES = {"adamw": _C.AdamW, "adam": _C.Adam, "sgd": _C.SGD}
+
+
+def _on_the_wire(t):
+    """`t` as a collective carries it: Gloo and NCCL have no int16, so the split remainders
+    travel as their bits in float16 (a gather copies, it computes nothing)."""
+    return t.view(torch.float16) if t.dtype == torch.int16 else t
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -216,11 +222,8 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
             full = {}
             for name, t in b.state_buffers().items():
                 full[name] = torch.empty(b.shard * self._world, dtype=t.dtype, device=t.device)
-                # Gloo and NCCL have no int16: the remainders travel as their bits in float16
-                # (a gather copies, it computes nothing).
-                wire = (lambda x: x.view(torch.float16)) if t.dtype == torch.int16 else (
-                    lambda x: x)
-                dist.all_gather_into_tensor(wire(full[name]), wire(t), group=self._group)
+                dist.all_gather_into_tensor(_on_the_wire(full[name]), _on_the_wire(t),
+                                            group=self._group)
             steps = b.first_element_steps()
             dist.all_reduce(steps, group=self._group)
             for i, (p, off) in enumerate(zip(b.params, b.offsets)) if receiving else ():
@@ -260,19 +263,18 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                 continue
             if i not in converted:
                 converted[i] = self._converted_state(gi, i, p, state_dict["state"].get(i))
-            weight, full = converted[i]
+            _, full = converted[i]
             for name, t in state.items():
                 if name in full:
                     value = (full[name].reshape(()) if name == "step"
                              else full[name].reshape(-1)[lo:hi])
-                else:  # never stepped: fresh state (the master is the weight)
-                    value = p.detach().reshape(-1)[lo:hi] if name == "master_param" else 0.0
+                else:  # moments of a state that has none yet
+                    value = 0.0
                 writes.append((t, value))
         # Everything is checked and converted: commit. Every rank writes whole weights (each
         # converted the same state the same way), so the model stays identical everywhere.
         params = [p for g in self.param_groups for p in g["params"]]
-        writes += [(params[i], weight) for i, (weight, _) in converted.items()
-                   if weight is not None]
+        writes += [(params[i], weight) for i, (weight, _) in converted.items()]
         for dst, src in writes:
             dst.copy_(src) if isinstance(src, torch.Tensor) else dst.fill_(src)
         if shard and state_dict.get("skipped_steps") is not None:
@@ -282,9 +284,9 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                          if k != "params" and k not in self._LAYOUT_KEYS})
 
     def _converted_state(self, gi, i, p, full):
-        """(weight, state) of parameter i as group gi keeps it, from a full state's entry
-        (None: never stepped: no new weight and no state)."""
-        if not full:
-            return None, {}
+        """(weight, state) of parameter i as group gi keeps it, from a full state's entry; for
+        a parameter never stepped (no entry), the engine's fresh state (its master is the
+        weight; a remainder or compensation is zero)."""
         g = self.param_groups[gi]  # the engine checks the entry (names, shapes, dtypes)
-        return _C.convert_param_state(p.detach(), full, g["master_weights"], g["state_dtype"], i)
+        return _C.convert_param_state(p.detach(), full or {"step": torch.zeros(())},
+                                      g["master_weights"], g["state_dtype"], i)

@@ -26,9 +26,9 @@ def _masters_by_param(optimizer):
         index, _ = pack_param_groups(optimizer.param_groups)
         out = {}
         for p in params:
-            if state.get(index[id(p)]):
-                _, fp32 = _C.convert_param_state(p.detach(), state[index[id(p)]], True,
-                                                 torch.float32, index[id(p)])
+            i = index[id(p)]
+            if state.get(i):
+                _, fp32 = _C.convert_param_state(p.detach(), state[i], True, torch.float32, i)
                 if "master_param" in fp32:
                     out[id(p)] = fp32["master_param"]
         return out

@@ -656,7 +656,8 @@ TEST_CASE("convert_param_state: FP32 master -> split -> FP32 master, bit for bit
   for (const auto& p : ps) {
     const auto saved = opt.param_state(p);
     const auto saved_copy = saved.at(fo::kMasterParam).clone();
-    const auto split = fo::convert_param_state(p, saved, fo::MasterWeights::kSplit, at::kBFloat16);
+    const auto split =
+        fo::convert_param_state(p, saved, fo::MasterWeights::kSplit, at::kBFloat16);
     CHECK(split.state.count(fo::kMasterParam) == 0);
     REQUIRE(split.state.count(fo::kParamRemainder) == 1);
     CHECK(split.state.at(fo::kExpAvg).scalar_type() == at::kBFloat16);

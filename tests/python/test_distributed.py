@@ -470,3 +470,30 @@ def test_sharded_sgd_weight_stores_match_fusedamp_optim_on_one_rank(mode):
             assert full[i][key].dtype == v.dtype and torch.equal(full[i][key], v), (i, key)
     store = {"split": "param_remainder", "kahan": "kahan_compensation"}[mode]
     assert store in ref[0] and ref[0]["momentum_buffer"].dtype == torch.bfloat16
+
+
+@pytest.mark.usefixtures("one_rank_process_group")
+@pytest.mark.parametrize("mode", [True, "split", "kahan"])
+def test_sharded_load_of_a_state_without_entries_starts_fresh(mode):
+    """A full state dict that holds no entry for a parameter (never stepped where it was saved)
+    loads as a fresh state: step 0, zero moments, the weight store of a weights-only start
+    (the FP32 master equal to the weight; a zero remainder or compensation)."""
+    from distributed_worker import make_model
+    from fusedamp.distributed import ShardedOptimizer
+
+    model = make_model("cpu", torch.bfloat16)
+    opt = ShardedOptimizer(model.parameters(), "adamw", master_weights=mode)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    stepped = opt.consolidated_state_dict(to=None)
+    assert any(torch.count_nonzero(v) for s in stepped["state"].values() for v in s.values())
+    opt.load_state_dict({"state": {}, "param_groups": stepped["param_groups"]})
+    weights = [p.detach() for p in model.parameters()]
+    loaded = opt.consolidated_state_dict(to=None)["state"]
+    assert loaded.keys() == stepped["state"].keys()
+    for i, s in loaded.items():
+        assert s.keys() == stepped["state"][i].keys()
+        for key, v in s.items():
+            want = weights[i].float() if key == "master_param" else torch.zeros_like(v)
+            assert v.dtype == stepped["state"][i][key].dtype and torch.equal(v, want), (i, key)
