@@ -1,29 +1,19 @@
 // fusedamp::ops::* — typed calls into the dispatcher (see include/fusedamp/ops.h).
 #include <fusedamp/ops.h>
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "op_handles.h"
 
 namespace fusedamp::ops {
 
 void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
                         const OptTensor& sum_sq, const OptTensor& telemetry) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedamp::unscale_and_check_", "")
-          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
-                      const OptTensor&)>();
-  op.call(grads, found_inf, inv_scale, sum_sq, telemetry);
+  op_handles::unscale_and_check().call(grads, found_inf, inv_scale, sum_sq, telemetry);
 }
 
 void grad_stats_(
     TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
     const OptTensor& tensor_flags, const OptTensor& telemetry) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedamp::grad_stats_", "")
-          .typed<void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
-                      const OptTensor&)>();
-  op.call(grads, found_inf, sum_sq, tensor_flags, telemetry);
+  op_handles::grad_stats().call(grads, found_inf, sum_sq, tensor_flags, telemetry);
 }
 
 void update_scale_(
@@ -31,14 +21,7 @@ void update_scale_(
     const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
     int64_t hysteresis, std::optional<double> min_scale, std::optional<double> max_scale,
     const OptTensor& amax, std::optional<double> amax_target) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedamp::update_scale_", "")
-          .typed<void(
-              const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
-              int64_t, int64_t, std::optional<double>, std::optional<double>, const OptTensor&,
-              std::optional<double>)>();
-  op.call(
+  op_handles::update_scale().call(
       scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
 }
@@ -47,15 +30,7 @@ void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s,
     const StepModes& modes, TensorList max_exp_avg_sqs) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedamp::adam_step_", "")
-          .typed<void(
-              TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
-              double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
-              const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
-              std::optional<TensorList>, c10::OptionalIntArrayRef)>();
-  op.call(
+  op_handles::adam_step().call(
       params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
       a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
       s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
@@ -68,14 +43,7 @@ void adam_step_(
 void sgd_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
     TensorList steps, const SgdArgs& a, const StepScalars& s, const StepModes& modes) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fusedamp::sgd_step_", "")
-          .typed<void(
-              TensorList, TensorList, TensorList, TensorList, TensorList, double, double, double,
-              double, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-              const OptTensor&, std::optional<double>, bool, bool, c10::OptionalIntArrayRef)>();
-  op.call(
+  op_handles::sgd_step().call(
       params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
       a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
       s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads,

@@ -18,6 +18,8 @@
 #include <iterator>
 #include <optional>
 
+#include "../op_handles.h"
+
 namespace fusedamp::autograd {
 namespace {
 
@@ -41,6 +43,13 @@ struct Mutated {
     }
   }
 };
+
+// The ops' typed handles (op_handles.h), by short names for the kernels below.
+const auto& unscale_op = op_handles::unscale_and_check;
+const auto& stats_op = op_handles::grad_stats;
+const auto& scale_op = op_handles::update_scale;
+const auto& adam_op = op_handles::adam_step;
+const auto& sgd_op = op_handles::sgd_step;
 
 void refuse_in_grad_mode(const char* op, std::initializer_list<Mutated> mutated) {
   if (!c10::GradMode::is_enabled()) {
@@ -66,19 +75,7 @@ void bump_versions(std::initializer_list<Mutated> mutated) {
   }
 }
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
-}
-
 // ---- unscale_and_check_ --------------------------------------------------------------------
-using UnscaleSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
-                        const OptTensor&);
-const c10::TypedOperatorHandle<UnscaleSig>& unscale_op() {
-  static const auto op = find<UnscaleSig>("fusedamp::unscale_and_check_");
-  return op;
-}
-
 // The optional outputs a statistics pass writes (grad_stats_'s and unscale_and_check_'s).
 void refuse_optional_in_grad_mode(const char* op, const OptTensor& a, const OptTensor& b) {
   for (const OptTensor* written : {&a, &b}) {
@@ -114,13 +111,6 @@ void unscale_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_
 }
 
 // ---- grad_stats_ ---------------------------------------------------------------------------
-using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&,
-                      const OptTensor&);
-const c10::TypedOperatorHandle<StatsSig>& stats_op() {
-  static const auto op = find<StatsSig>("fusedamp::grad_stats_");
-  return op;
-}
-
 void stats_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
                     const Tensor& sum_sq, const OptTensor& flags, const OptTensor& telemetry) {
   refuse_in_grad_mode("fusedamp::grad_stats_", {found_inf, sum_sq});
@@ -138,14 +128,6 @@ void stats_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_in
 }
 
 // ---- update_scale_ -------------------------------------------------------------------------
-using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
-                      int64_t, int64_t, std::optional<double>, std::optional<double>,
-                      const OptTensor&, std::optional<double>);
-const c10::TypedOperatorHandle<ScaleSig>& scale_op() {
-  static const auto op = find<ScaleSig>("fusedamp::update_scale_");
-  return op;
-}
-
 void scale_autograd(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
                     const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
                     double backoff_factor, int64_t interval, int64_t hysteresis_steps,
@@ -169,16 +151,6 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
 }
 
 // ---- adam_step_ ----------------------------------------------------------------------------
-using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList,
-                     double, double, double, double, double, bool, bool, const OptTensor&,
-                     const OptTensor&, const OptTensor&, const OptTensor&,
-                     std::optional<double>, bool, bool, std::optional<TensorList>,
-                     c10::OptionalIntArrayRef);
-const c10::TypedOperatorHandle<AdamSig>& adam_op() {
-  static const auto op = find<AdamSig>("fusedamp::adam_step_");
-  return op;
-}
-
 void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
                    TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
                    TensorList steps, double lr, double beta1, double beta2, double eps,
@@ -212,15 +184,6 @@ void adam_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Te
 }
 
 // ---- sgd_step_ -----------------------------------------------------------------------------
-using SgdSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, double, double,
-                    double, double, bool, bool, const OptTensor&, const OptTensor&,
-                    const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
-                    c10::OptionalIntArrayRef);
-const c10::TypedOperatorHandle<SgdSig>& sgd_op() {
-  static const auto op = find<SgdSig>("fusedamp::sgd_step_");
-  return op;
-}
-
 void sgd_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters, TensorList grads,
                   TensorList bufs, TensorList steps, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool maximize,

@@ -4,10 +4,12 @@ namespace fusedamp::python {
 
 void bind_optim(pybind11::module_& m);
 void bind_grad_scaler(pybind11::module_& m);
+void bind_ops(pybind11::module_& m);
 
 void bind_all(pybind11::module_& m) {
   bind_optim(m);
   bind_grad_scaler(m);
+  bind_ops(m);
 }
 
 }  // namespace fusedamp::python

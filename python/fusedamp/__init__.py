@@ -9,13 +9,14 @@
   ``fp32_state_dict`` give the FP32 model behind a master-weight run.
 - ``fusedamp.distributed.ShardedOptimizer``: ZeRO stage-1 master-weight optimizer over
   torch.distributed.
-- The operators: ``torch.ops.fusedamp.*`` (``fusedamp.ops``).
+- The operators: ``torch.ops.fusedamp.*``, and ``fusedamp.ops.*``: the same operators from
+  Python without torch.ops' boxing of every list element.
 """
-import torch as _torch
 
 from ._library import _C, cmake_prefix_path, library_path  # noqa: F401
 from . import optim  # noqa: F401
 from . import distributed  # noqa: F401
+from . import ops  # noqa: F401
 from .convert import convert_module, is_norm_layer, restore  # noqa: F401
 from .export import fp32_state_dict, master_weights  # noqa: F401
 from .diagnostics import History, nonfinite_grads  # noqa: F401
@@ -24,4 +25,3 @@ from .initialize import initialize  # noqa: F401
 
 __version__ = "0.1.0"
 
-ops = _torch.ops.fusedamp

@@ -107,12 +107,13 @@ class OpInputs:
         """Runs ``torch.ops.fusedamp.<op>`` on these inputs (see args)."""
         self.bind(op, **overrides)()
 
-    def bind(self, op, **overrides):
-        """``torch.ops.fusedamp.<op>`` with its arguments resolved now (see args): a call of it
-        costs what the op call costs, which is what a benchmark times. A field reassigned
-        later is not seen; tensors changed in place are."""
+    def bind(self, op, *, entry=None, **overrides):
+        """``torch.ops.fusedamp.<op>`` (or ``entry.<op>``, e.g. entry=fusedamp.ops) with its
+        arguments resolved now (see args): a call of it costs what the op call costs, which is
+        what a benchmark times. A field reassigned later is not seen; tensors changed in place
+        are."""
         args, kwargs = self.args(op, **overrides)
-        return functools.partial(getattr(torch.ops.fusedamp, op), *args, **kwargs)
+        return functools.partial(getattr(entry or torch.ops.fusedamp, op), *args, **kwargs)
 
     def named_tensors(self):
         """(field name, tensor) for every tensor held, fields in order, list entries in order."""
