@@ -8,9 +8,9 @@
 // The non-finite test and the square sum are fusedamp::math's, shared with the CPU kernels.
 //
 // grad_stats_ reduces deterministically: each block writes the FP32 sum of squares of its
-// chunk into a workspace slot, and a one-block kernel adds those partials in a fixed order
-// (FP64) into sum_sq. The same inputs give the same sum in eager mode and in a CUDA graph
-// replay. FP16 grads scaled by 2^24 reach at most 65504^2 ~ 4.3e9 per square, so the FP32
+// chunk into a workspace slot, and those partials are added in a fixed order (FP64) into
+// sum_sq: by one block, or for huge lists in two levels (add_partials). The same inputs give
+// the same sum in eager mode and in a CUDA graph replay. FP16 grads scaled by 2^24 reach at most 65504^2 ~ 4.3e9 per square, so the FP32
 // per-chunk sums (<= 32768 squares, ~1.4e14) are far from overflow.
 //
 // Telemetry (when asked for) is reduced per block and combined with one FP64 atomic per slot:
@@ -175,17 +175,65 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// sum_sq += sum(partials[0..n)), in FP64, in an order that depends only on n.
+// The final reduction adds at most this many values per block: 32 loads per thread. Up to it
+// (grads of up to 2^28 elements) one block adds the per-chunk partials; beyond, one block per
+// range of partials adds its range and one block adds those range sums, so that a huge grad
+// list (10^10 elements: 305,176 partials) is not summed by a single SM.
+constexpr int64_t kValuesPerFinalBlock = 8192;
+
+// sums[blockIdx.x] = the FP64 sum of values[range), range = the block's kValuesPerFinalBlock
+// values (the last range may be shorter). The order depends only on n.
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    sum_partials_kernel(const float* partials, int64_t n, float* sum_sq) {
+    sum_ranges_kernel(const T* values, int64_t n, double* sums) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kValuesPerFinalBlock;
+  const int64_t end = begin + kValuesPerFinalBlock < n ? begin + kValuesPerFinalBlock : n;
+  double s = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    s += static_cast<double>(values[i]);
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) {
+    sums[blockIdx.x] = s;
+  }
+}
+
+// sum_sq += sum(values[0..n)), n <= kValuesPerFinalBlock, in FP64, in an order that depends
+// only on n.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    add_sum_kernel(const T* values, int64_t n, float* sum_sq) {
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-    s += static_cast<double>(partials[i]);
+    s += static_cast<double>(values[i]);
   }
   s = block_sum(s);
   if (threadIdx.x == 0) {
     *sum_sq += static_cast<float>(s);
   }
+}
+
+// sum_sq += the sum of the n per-chunk partials (see the file's comment).
+void add_partials(const at::Tensor& partials, int64_t n, const at::Tensor& sum_sq,
+                  cudaStream_t stream) {
+  const float* part = partials.const_data_ptr<float>();
+  float* out = sum_sq.data_ptr<float>();
+  if (n <= kValuesPerFinalBlock) {
+    add_sum_kernel<float><<<1, kThreads, 0, stream>>>(part, n, out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const int64_t ranges = (n + kValuesPerFinalBlock - 1) / kValuesPerFinalBlock;
+  // ranges = elements / 2^28 (32768 per chunk, 8192 chunks per range): the second level fits
+  // one block up to 2^41 (2.2e12) gradient elements.
+  TORCH_INTERNAL_ASSERT(ranges <= kValuesPerFinalBlock, "grad_stats_: too many partials");
+  // Allocated on the stream like the partials (the caching allocator, capture-safe).
+  at::Tensor range_sums = at::empty({ranges}, partials.options().dtype(at::kDouble));
+  double* sums = range_sums.data_ptr<double>();
+  sum_ranges_kernel<float><<<static_cast<unsigned>(ranges), kThreads, 0, stream>>>(part, n, sums);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  add_sum_kernel<double><<<1, kThreads, 0, stream>>>(sums, ranges, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Tensors grouped by dtype, in list order within a group; idx holds their list positions.
@@ -256,8 +304,7 @@ void stats_pass(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
     });
     base += total_chunks(grp.tensors);
   }
-  sum_partials_kernel<<<1, kThreads, 0, stream>>>(part, total, sum_sq.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  add_partials(partials, total, sum_sq, stream);
 }
 
 }  // namespace

@@ -95,6 +95,27 @@ def test_unscale_and_grad_stats_past_2_31_elements():
 
 
 @needs_cuda
+@pytest.mark.parametrize("elements", [2 ** 28, 2 ** 28 + 1, 3 * 2 ** 28 - 5])
+def test_grad_stats_final_reduction_on_both_sides_of_one_block(elements):
+    """grad_stats_ adds its per-chunk partials (one per 32,768 elements) in one block up to
+    8,192 of them (2^28 elements) and in two levels beyond: at the edge and past it the sum of
+    squares matches float64 and is the same bit for bit on every call (the order depends only
+    on the number of partials)."""
+    require_free_gpu_memory(4)
+    gen = torch.Generator(device="cuda").manual_seed(67)
+    grads = [torch.randn(elements, generator=gen, device="cuda", dtype=torch.float16),
+             torch.randn(999, generator=gen, device="cuda", dtype=torch.float16)]
+    sums = []
+    for _ in range(3):
+        found, sum_sq = scalar(0.0, "cuda"), scalar(0.0, "cuda")
+        ops.grad_stats_(grads, found, sum_sq)
+        assert found.item() == 0.0
+        sums.append(sum_sq.item())
+    assert_rel_close(sums[0], sum_sq_fp64(grads), rtol=1e-5)
+    assert sums[0] == sums[1] == sums[2]
+
+
+@needs_cuda
 def test_adam_chunk_offsets_past_2_31_match_the_same_slices_alone():
     """adam_step_ on an FP16 param of 2^31 + 2^20 + 3 elements (FP32 moments, non-zero state):
     slices at the start, across 2^31 and at the end must equal the same kernel run on copies
