@@ -1,10 +1,10 @@
 #pragma once
 // The start of every fusedamp op, written once for all backends (CPU, CUDA, Meta and the
-// fallback). Each op's C++ signature lives here, with what every backend does first: check
-// all arguments (op_checks.h, before anything is touched) and gather them into one struct; for
-// the step ops that includes the math hyper-parameters and which optional device scalars were
-// given. A backend is a struct of five static functions, one per op, that take those structs;
-// implement_ops<Backend>(m) registers them.
+// fallback): for each op (its C++ signature is op_handles.h's, checked at registration) what
+// every backend does first: check all arguments (op_checks.h, before anything is touched) and
+// gather them into one struct; for the step ops that includes the math hyper-parameters and
+// which optional device scalars were given. A backend is a struct of five static functions,
+// one per op, that take those structs; implement_ops<Backend>(m) registers them.
 //
 // What a backend does with a step's device scalars is its own: the CPU reads them on the host
 // (its tensors are plain memory), CUDA passes their pointers to its kernels (no value reaches
@@ -19,9 +19,11 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "op_checks.h"
+#include "op_handles.h"
 #include "static_switch.h"
 #include "step_scalars.h"
 
@@ -262,6 +264,12 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
 // Inside TORCH_LIBRARY_IMPL(fusedamp, <dispatch key>, m): every op, checked, then Backend's.
 template <typename Backend>
 void implement_ops(torch::Library& m) {
+  // The kernels' signatures are the typed handles' (op_handles.h), which callers use.
+  static_assert(std::is_same_v<decltype(&unscale_and_check<Backend>), op_handles::UnscaleSig*>);
+  static_assert(std::is_same_v<decltype(&grad_stats<Backend>), op_handles::StatsSig*>);
+  static_assert(std::is_same_v<decltype(&update_scale<Backend>), op_handles::ScaleSig*>);
+  static_assert(std::is_same_v<decltype(&adam_step<Backend>), op_handles::AdamSig*>);
+  static_assert(std::is_same_v<decltype(&sgd_step<Backend>), op_handles::SgdSig*>);
   m.impl("unscale_and_check_", &unscale_and_check<Backend>);
   m.impl("grad_stats_", &grad_stats<Backend>);
   m.impl("update_scale_", &update_scale<Backend>);
