@@ -13,6 +13,9 @@ round, so that a busy moment of the machine falls on all of them alike:
                     params + FP32 masters, inv_scale + found_inf); and FP32 against FP32
   grad stats        torch._foreach_norm + the check (inv_scale 1, as torch.amp checks for a
                     fused optimizer)  vs  grad_stats_
+  The fusedamp ops are called through fusedamp.ops, their direct Python entry (as torch's own
+  ops are called from Python); the rows "through torch.ops" call the same ops through
+  torch.ops.fusedamp, torch's boxed path for custom operators, for reference.
   whole AMP step    torch.amp.GradScaler + torch.optim.AdamW(fused=True)  vs  fusedamp.GradScaler
                     + fusedamp.optim.AdamW: scaler.step(opt); scaler.update(); with clipping
                     torch adds scaler.unscale_(opt) + clip_grad_norm_(foreach=True) and fusedamp
@@ -87,7 +90,7 @@ class Row:
     title: str
     torch: Side
     fusedamp: Side
-    target: str                   # "op" or "step"
+    target: str                   # "op", "step" or "reference" (shown, held to no target)
     note: str = ""
 
 
@@ -108,13 +111,18 @@ def refill(grads, found_inf=None):
     return reset
 
 
-def fusedamp_op(op, **problem):
-    """A bare torch.ops.fusedamp op on op_inputs' problem, with the op's own defaults. The
-    arguments come from the installed op's schema (OpInputs.args), so an older build without
-    newer optional arguments runs too."""
+def fusedamp_op(op, via_torch_ops=False, **problem):
+    """A bare fusedamp op on op_inputs' problem, with the op's own defaults, called through
+    fusedamp.ops (the direct entry) or, with via_torch_ops, torch.ops.fusedamp (torch's boxed
+    path for custom operators). The arguments come from the installed op's schema
+    (OpInputs.args), so an older build without newer optional arguments runs too."""
     def build(device, n, numel):
+        import fusedamp
+        entry = torch.ops.fusedamp if via_torch_ops else getattr(fusedamp, "ops", None)
+        if not hasattr(entry, op):
+            raise Skip("the installed fusedamp has no fusedamp.ops entry")
         inp = op_inputs(device, sizes_of(n, numel), loss_scale=LOSS_SCALE, **problem)
-        return Timed(inp.bind(op), refill(inp.grads, inp.found_inf))
+        return Timed(inp.bind(op, entry=entry), refill(inp.grads, inp.found_inf))
     return build
 
 
@@ -229,24 +237,33 @@ MIXED_DTYPE = "FP16 params + FP32 masters"
 MIXED = dict(param_dtype=torch.float16, master_weights=True,
              scalars=dict(found_inf=0.0, inv_scale=1.0 / LOSS_SCALE))
 
+TORCH_UNSCALE = Side("torch_unscale", "`_amp_foreach_non_finite_check_and_unscale_`",
+                     "FP16 grads", torch_unscale)
+ADAMW_MIXED_NOTE = "inv_scale + found_inf; torch: grad_scale + found_inf"
+
 ROWS = [
-    Row("unscale op",
-        Side("torch_unscale", "`_amp_foreach_non_finite_check_and_unscale_`", "FP16 grads",
-             torch_unscale),
-        Side("fusedamp_unscale", "`unscale_and_check_`", "FP16 grads",
+    Row("unscale op", TORCH_UNSCALE,
+        Side("fusedamp_unscale", "`fusedamp.ops.unscale_and_check_`", "FP16 grads",
              fusedamp_op("unscale_and_check_", **MIXED)), "op"),
+    Row("unscale op, through torch.ops", TORCH_UNSCALE,
+        Side("fusedamp_unscale_boxed", "`torch.ops.fusedamp.unscale_and_check_`", "FP16 grads",
+             fusedamp_op("unscale_and_check_", via_torch_ops=True, **MIXED)), "reference",
+        "torch's boxed path for custom operators"),
     Row("AdamW op, mixed precision", TORCH_ADAMW_OP,
-        Side("fusedamp_adam_mixed", "`adam_step_`", MIXED_DTYPE,
-             fusedamp_op("adam_step_", **MIXED)), "op",
-        "inv_scale + found_inf; torch: grad_scale + found_inf"),
+        Side("fusedamp_adam_mixed", "`fusedamp.ops.adam_step_`", MIXED_DTYPE,
+             fusedamp_op("adam_step_", **MIXED)), "op", ADAMW_MIXED_NOTE),
+    Row("AdamW op, mixed precision, through torch.ops", TORCH_ADAMW_OP,
+        Side("fusedamp_adam_mixed_boxed", "`torch.ops.fusedamp.adam_step_`", MIXED_DTYPE,
+             fusedamp_op("adam_step_", via_torch_ops=True, **MIXED)), "reference",
+        ADAMW_MIXED_NOTE + "; torch's boxed path for custom operators"),
     Row("AdamW op, FP32", TORCH_ADAMW_OP,
-        Side("fusedamp_adam_fp32", "`adam_step_`", "FP32, no masters",
+        Side("fusedamp_adam_fp32", "`fusedamp.ops.adam_step_`", "FP32, no masters",
              fusedamp_op("adam_step_", param_dtype=torch.float32,
                          scalars=dict(found_inf=0.0, inv_scale=1.0 / LOSS_SCALE))), "op"),
     Row("grad stats",
         Side("torch_norm_check", "`_foreach_norm` + the check (inv_scale 1)", "FP16 grads",
              torch_norm_and_check),
-        Side("fusedamp_grad_stats", "`grad_stats_`", "FP16 grads",
+        Side("fusedamp_grad_stats", "`fusedamp.ops.grad_stats_`", "FP16 grads",
              fusedamp_op("grad_stats_", param_dtype=torch.float16,
                          scalars=dict(found_inf=0.0, grad_sum_sq=0.0))), "op",
         "torch has no single op: its pair"),
