@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
+from . import ops
+
 __all__ = ["History", "nonfinite_grads", "plot", "draw_panel", "write_tensorboard", "PANELS"]
 
 
@@ -73,7 +75,7 @@ def nonfinite_grads(model_or_named_parameters):
         found = torch.zeros(1, device=device)
         sum_sq = torch.zeros(1, device=device)
         flags = torch.zeros(len(grads), device=device)
-        torch.ops.fusedamp.grad_stats_(list(grads), found, sum_sq, flags)
+        ops.grad_stats_(grads, found, sum_sq, flags)
         bad += [n for n, f in zip(names, flags.tolist()) if f]
     return bad
 
