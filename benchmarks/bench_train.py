@@ -8,8 +8,9 @@ torch.amp row of its dtype (FP16 with FP16, BF16 with BF16).
 Models: torchvision resnet18 (CIFAR-sized batches), transformers' GPT-2 architecture (small
 config, no downloaded weights) and the demo's two models, trained on the demo's data
 (examples/python/amp_models.py). Every (model, set-up) runs in its own process: steps per
-second (median step time after warm-up), peak memory (torch.cuda.max_memory_allocated, or the
-growth of the process's peak RSS on the CPU), the loss after the fixed number of steps, and
+second (median step time after warm-up), peak memory (torch.cuda.max_memory_allocated, or on the
+CPU the growth of the process's peak RSS from after the task's imports and data, before the model
+is made: every set-up's weights and state count), the loss after the fixed number of steps, and
 ratios against torch.amp of the same dtype. Writes benchmarks/results/train_<device>.{md,json}.
 """
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main():
              "\"vs torch.amp\" compares with the torch.amp row of the same dtype (fusedamp-bf16 "
              "with torch.amp-bf16, the rest with torch.amp). Peak memory: " +
              ("torch.cuda.max_memory_allocated." if gpu else
-              "growth of the process's peak RSS during training (CPU)."), "",
+              "growth of the process's peak RSS from before the model is made (CPU; imports "
+              "and data excluded)."), "",
              "| model | set-up | steps | steps/s | vs torch.amp | peak MB | vs torch.amp | "
              "final train loss | skipped |",
              "|---|---|---|---|---|---|---|---|---|"]
