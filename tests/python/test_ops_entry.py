@@ -272,3 +272,32 @@ def test_under_torch_compile_the_registered_operator_is_traced():
     assert torch.equal(out, ref) and torch.equal(found_compiled, found_eager)
     for a, b in zip(grads, eager, strict=True):
         assert torch.equal(a, b)
+
+
+def test_list_emptied_by_another_thread_during_the_call():
+    """The op runs with the GIL released; another thread that empties the caller's list and
+    collects garbage meanwhile must not free a tensor the op is working on (4 MiB tensors: their
+    memory goes back to the system when freed, so a use after free would crash here)."""
+    import threading
+
+    def fours():
+        return [torch.full((1 << 20,), 4.0) for _ in range(16)]
+
+    grads = fours()
+    watchers = [weakref.ref(g) for g in grads]
+    found, inv = torch.zeros(1), torch.full((1,), 0.5)
+    started = threading.Event()
+
+    def empty_the_list():
+        started.wait()
+        grads.clear()
+        gc.collect()
+
+    other = threading.Thread(target=empty_the_list)
+    other.start()
+    started.set()
+    fusedamp.ops.unscale_and_check_(grads, found, inv)
+    other.join()
+    assert grads == [] and found.item() == 0.0
+    gc.collect()
+    assert all(w() is None for w in watchers)  # and none of them was kept alive by the call
