@@ -100,100 +100,105 @@ class SchemaCall {
 
   // Tensor[]: a list or tuple of plain tensors.
   TensorList tensors(const char* name) {
-    const py::handle value = given(name);
-    if (!value) {
-      return missing<TensorList>();
+    const Given g = given(name);
+    if (!g.value) {
+      pass_to_torch_ops();  // a required argument is missing: torch.ops says which
+      return {};
     }
-    return borrow_list(value);
+    return borrow_list(g.value);
   }
 
   // Tensor[]?: absent or None is nullopt.
   std::optional<TensorList> optional_tensors(const char* name) {
-    const py::handle value = given(name);
-    if (!value || value.is_none()) {
+    const Given g = given(name);
+    if (!g.value || g.value.is_none()) {
       return std::nullopt;  // the schema's only default for Tensor[]? is None
     }
-    return borrow_list(value);
+    return borrow_list(g.value);
   }
 
   const Tensor& tensor(const char* name) {
-    const py::handle value = given(name);
-    if (!value || !THPVariable_CheckExact(value.ptr())) {
-      return refuse<const Tensor&>(kUndefined);
+    const Given g = given(name);
+    if (!g.value || !THPVariable_CheckExact(g.value.ptr())) {
+      pass_to_torch_ops();
+      return kUndefined;
     }
-    return THPVariable_Unpack(value.ptr());
+    return THPVariable_Unpack(g.value.ptr());
   }
 
   const OptTensor& optional_tensor(const char* name) {
-    const py::handle value = given(name);
-    if (!value || value.is_none()) {
+    const Given g = given(name);
+    if (!g.value || g.value.is_none()) {
       return kNoTensor;
     }
-    if (!THPVariable_CheckExact(value.ptr())) {
-      return refuse<const OptTensor&>(kNoTensor);
+    if (!THPVariable_CheckExact(g.value.ptr())) {
+      pass_to_torch_ops();
+      return kNoTensor;
     }
-    return optionals_.emplace_back(Borrow::createBorrow(THPVariable_Unpack(value.ptr())));
+    return optionals_.emplace_back(Borrow::createBorrow(THPVariable_Unpack(g.value.ptr())));
   }
 
   // float
   double real(const char* name) {
-    const py::handle value = given(name);
-    if (!value) {
-      return default_of(name).has_value() ? default_of(name)->toDouble() : missing<double>();
+    const Given g = given(name);
+    if (!g.value) {
+      return g.default_value().has_value() ? g.default_value()->toDouble() : missing(0.0);
     }
-    return number_of(value).value_or(0.0);
+    return number_of(g.value).value_or(0.0);
   }
 
   // float?
   std::optional<double> optional_real(const char* name) {
-    const py::handle value = given(name);
-    if (!value) {
-      const auto& d = default_of(name);
+    const Given g = given(name);
+    if (!g.value) {
+      const auto& d = g.default_value();
       return d.has_value() && !d->isNone() ? std::optional<double>(d->toDouble()) : std::nullopt;
     }
-    if (value.is_none()) {
+    if (g.value.is_none()) {
       return std::nullopt;
     }
-    return number_of(value);
+    return number_of(g.value);
   }
 
   // int
   int64_t integer(const char* name) {
-    const py::handle value = given(name);
-    if (!value) {
-      return default_of(name).has_value() ? default_of(name)->toInt() : missing<int64_t>();
+    const Given g = given(name);
+    if (!g.value) {
+      return g.default_value().has_value() ? g.default_value()->toInt() : missing(int64_t{0});
     }
-    return integer_of(value).value_or(0);
+    return integer_of(g.value).value_or(0);
   }
 
   // bool
   bool flag(const char* name) {
-    const py::handle value = given(name);
-    if (!value) {
-      return default_of(name).has_value() ? default_of(name)->toBool() : missing<bool>();
+    const Given g = given(name);
+    if (!g.value) {
+      return g.default_value().has_value() ? g.default_value()->toBool() : missing(false);
     }
-    if (!PyBool_Check(value.ptr())) {
-      return refuse<bool>(false);
+    if (!PyBool_Check(g.value.ptr())) {
+      pass_to_torch_ops();
+      return false;
     }
-    return value.ptr() == Py_True;
+    return g.value.ptr() == Py_True;
   }
 
   // int[]?: absent or None is nullopt; an empty list is an empty list (not None).
   c10::OptionalIntArrayRef optional_ints(const char* name) {
-    const py::handle value = given(name);
-    if (!value || value.is_none()) {
+    const Given g = given(name);
+    if (!g.value || g.value.is_none()) {
       return std::nullopt;  // the schema's only default for int[]? is None
     }
-    if (!PyList_Check(value.ptr()) && !PyTuple_Check(value.ptr())) {
-      return refuse<c10::OptionalIntArrayRef>(std::nullopt);
+    if (!PyList_Check(g.value.ptr()) && !PyTuple_Check(g.value.ptr())) {
+      pass_to_torch_ops();
+      return std::nullopt;
     }
-    const py::sequence items = py::reinterpret_borrow<py::sequence>(value);
+    const py::sequence items = py::reinterpret_borrow<py::sequence>(g.value);
     auto& out = ints_.emplace_back();
     out.reserve(items.size());
     for (const auto item : items) {
       const auto v = integer_of(item);
       if (!v.has_value()) {
-        return std::nullopt;  // marked for torch.ops by integer_of
+        return std::nullopt;  // passed to torch.ops by integer_of
       }
       out.push_back(*v);
     }
@@ -204,32 +209,33 @@ class SchemaCall {
   static inline const Tensor kUndefined{};
   static inline const OptTensor kNoTensor{};
 
-  py::handle given(const char* name) const {
+  // An argument as given (null: not given) and its schema entry, from one lookup by name.
+  struct Given {
+    py::handle value;
+    const c10::Argument& argument;
+    const std::optional<c10::IValue>& default_value() const { return argument.default_value(); }
+  };
+
+  Given given(const char* name) const {
     const auto index = schema_.argumentIndexWithName(name);
     TORCH_INTERNAL_ASSERT(index.has_value(), op_name_, " has no argument ", name);
-    return given_[*index];
+    return {given_[*index], schema_.arguments()[*index]};
   }
 
-  const std::optional<c10::IValue>& default_of(const char* name) const {
-    return schema_.arguments()[*schema_.argumentIndexWithName(name)].default_value();
-  }
+  // The call goes through torch.ops; the caller returns a placeholder that is never used.
+  void pass_to_torch_ops() { to_torch_ops_ = true; }
 
-  template <typename T, typename Placeholder>
-  T refuse(Placeholder&& placeholder) {
-    to_torch_ops_ = true;
-    return std::forward<Placeholder>(placeholder);
-  }
-
-  // A required argument that is not given: torch.ops says which.
+  // A required argument without a default is missing: torch.ops says which.
   template <typename T>
-  T missing() {
-    to_torch_ops_ = true;
-    return T();
+  T missing(T placeholder) {
+    pass_to_torch_ops();
+    return placeholder;
   }
 
   TensorList borrow_list(py::handle value) {
     if (!PyList_Check(value.ptr()) && !PyTuple_Check(value.ptr())) {
-      return refuse<TensorList>(TensorList());
+      pass_to_torch_ops();
+      return {};
     }
     // A tuple of the objects (the list itself if it is a tuple) keeps every tensor alive for the
     // call, whatever another thread does to a list while the GIL is released.
@@ -245,7 +251,8 @@ class SchemaCall {
     for (size_t i = 0; i < n; ++i) {
       PyObject* item = PyTuple_GET_ITEM(owner.ptr(), static_cast<Py_ssize_t>(i));
       if (!THPVariable_CheckExact(item)) {
-        return refuse<TensorList>(TensorList());
+        pass_to_torch_ops();
+        return {};
       }
       out.push_back(Borrow::createBorrow(THPVariable_Unpack(item)));
     }
@@ -264,7 +271,8 @@ class SchemaCall {
       }
       PyErr_Clear();  // too large for a double: torch.ops says so
     }
-    return refuse<std::optional<double>>(std::nullopt);
+    pass_to_torch_ops();
+    return std::nullopt;
   }
 
   std::optional<int64_t> integer_of(py::handle value) {
@@ -276,7 +284,8 @@ class SchemaCall {
       }
       PyErr_Clear();
     }
-    return refuse<std::optional<int64_t>>(std::nullopt);
+    pass_to_torch_ops();
+    return std::nullopt;
   }
 
   const char* op_name_;
