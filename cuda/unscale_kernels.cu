@@ -10,8 +10,9 @@
 // grad_stats_ reduces deterministically: each block writes the FP32 sum of squares of its
 // chunk into a workspace slot, and those partials are added in a fixed order (FP64) into
 // sum_sq: by one block, or for huge lists in two levels (add_partials). The same inputs give
-// the same sum in eager mode and in a CUDA graph replay. FP16 grads scaled by 2^24 reach at most 65504^2 ~ 4.3e9 per square, so the FP32
-// per-chunk sums (<= 32768 squares, ~1.4e14) are far from overflow.
+// the same sum in eager mode and in a CUDA graph replay. FP16 grads scaled by 2^24 reach at
+// most 65504^2 ~ 4.3e9 per square, so the FP32 per-chunk sums (<= 32768 squares, ~1.4e14) are
+// far from overflow.
 //
 // Telemetry (when asked for) is reduced per block and combined with one FP64 atomic per slot:
 // max of non-negative doubles and min of non-negative positions as 64-bit integer max/min of
@@ -181,33 +182,34 @@ __global__ void __launch_bounds__(kThreads)
 // list (10^10 elements: 305,176 partials) is not summed by a single SM.
 constexpr int64_t kValuesPerFinalBlock = 8192;
 
-// sums[blockIdx.x] = the FP64 sum of values[range), range = the block's kValuesPerFinalBlock
-// values (the last range may be shorter). The order depends only on n.
+// The FP64 sum of values[begin, end) over the block, valid in thread 0, in an order that
+// depends only on the range.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    sum_ranges_kernel(const T* values, int64_t n, double* sums) {
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kValuesPerFinalBlock;
-  const int64_t end = begin + kValuesPerFinalBlock < n ? begin + kValuesPerFinalBlock : n;
+__device__ __forceinline__ double block_range_sum(const T* values, int64_t begin, int64_t end) {
   double s = 0.0;
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     s += static_cast<double>(values[i]);
   }
-  s = block_sum(s);
+  return block_sum(s);
+}
+
+// sums[blockIdx.x] = the sum of the block's range of kValuesPerFinalBlock partials (the last
+// range may be shorter).
+__global__ void __launch_bounds__(kThreads)
+    sum_ranges_kernel(const float* partials, int64_t n, double* sums) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kValuesPerFinalBlock;
+  const int64_t end = begin + kValuesPerFinalBlock < n ? begin + kValuesPerFinalBlock : n;
+  const double s = block_range_sum(partials, begin, end);
   if (threadIdx.x == 0) {
     sums[blockIdx.x] = s;
   }
 }
 
-// sum_sq += sum(values[0..n)), n <= kValuesPerFinalBlock, in FP64, in an order that depends
-// only on n.
+// sum_sq += sum(values[0..n)), n <= kValuesPerFinalBlock (one block).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     add_sum_kernel(const T* values, int64_t n, float* sum_sq) {
-  double s = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-    s += static_cast<double>(values[i]);
-  }
-  s = block_sum(s);
+  const double s = block_range_sum(values, 0, n);
   if (threadIdx.x == 0) {
     *sum_sq += static_cast<float>(s);
   }
@@ -230,7 +232,7 @@ void add_partials(const at::Tensor& partials, int64_t n, const at::Tensor& sum_s
   // Allocated on the stream like the partials (the caching allocator, capture-safe).
   at::Tensor range_sums = at::empty({ranges}, partials.options().dtype(at::kDouble));
   double* sums = range_sums.data_ptr<double>();
-  sum_ranges_kernel<float><<<static_cast<unsigned>(ranges), kThreads, 0, stream>>>(part, n, sums);
+  sum_ranges_kernel<<<static_cast<unsigned>(ranges), kThreads, 0, stream>>>(part, n, sums);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   add_sum_kernel<double><<<1, kThreads, 0, stream>>>(sums, ranges, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
