@@ -95,12 +95,13 @@ def test_unscale_and_grad_stats_past_2_31_elements():
 
 
 @needs_cuda
-@pytest.mark.parametrize("elements", [2 ** 28, 2 ** 28 + 1, 3 * 2 ** 28 - 5])
+@pytest.mark.parametrize("elements", [2 ** 28 - 2 ** 15, 2 ** 28, 3 * 2 ** 28 - 5])
 def test_grad_stats_final_reduction_on_both_sides_of_one_block(elements):
-    """grad_stats_ adds its per-chunk partials (one per 32,768 elements) in one block up to
-    8,192 of them (2^28 elements) and in two levels beyond: at the edge and past it the sum of
-    squares matches float64 and is the same bit for bit on every call (the order depends only
-    on the number of partials)."""
+    """grad_stats_ adds its per-chunk partials (one per 32,768 elements of each grad) in one
+    block up to 8,192 of them and in two levels beyond. With the 999-element grad beside it:
+    8,192 partials (one block, at the edge), 8,193 (two levels, a last range of one), 24,577:
+    each time the sum of squares matches float64 and is the same bit for bit on every call
+    (the order depends only on the number of partials)."""
     require_free_gpu_memory(4)
     gen = torch.Generator(device="cuda").manual_seed(67)
     grads = [torch.randn(elements, generator=gen, device="cuda", dtype=torch.float16),
