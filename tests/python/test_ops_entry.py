@@ -121,14 +121,14 @@ def test_keywords_positions_and_tuples(device):
         assert torch.equal(a, b)
 
 
-def bad_calls(device):
+def odd_calls():
     """(what is odd, fn(inputs) -> (args, kwargs)) for adam_step_ calls off the common path."""
     def adam(**change):
         def build(inputs):
             args, kwargs = inputs.args("adam_step_")
             args = list(args)
             for name, value in change.items():
-                if isinstance(name, str) and name.startswith("arg"):
+                if name.startswith("arg"):  # arg<k>: the k-th positional argument
                     args[int(name[3:])] = value(inputs)
                 else:
                     kwargs[name] = value(inputs) if callable(value) else value
@@ -165,12 +165,14 @@ def bad_calls(device):
     ]
 
 
-@pytest.mark.parametrize("index", range(12))
-def test_odd_calls_match_torch_ops(device, index):
+ODD_CALLS = odd_calls()
+
+
+@pytest.mark.parametrize("what, build", ODD_CALLS, ids=[what for what, _ in ODD_CALLS])
+def test_odd_calls_match_torch_ops(device, what, build):
     """Each odd call has the same outcome through both entries, on twin problems: the same
     exception type and message with nothing changed, or (where torch.ops takes it, e.g. a
     generator for a list) the same effect bit for bit."""
-    what, build = bad_calls(device)[index]
     outcomes, states = [], []
     for entry in (torch.ops.fusedamp, fusedamp.ops):
         _, inputs, _ = problem_of(device, "adam_fp32")
