@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "hyper_params.h"
+#include "step_addresses.h"
 #include "tensor_facts.h"
 #include "tensor_prefetch.h"
 
@@ -246,6 +247,34 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
   check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
 }
 
+// Index i's row of element addresses (step_addresses.h), once its checks have passed: the
+// tensors' metadata is still in cache.
+C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList master_params,
+                                      TensorList grads, TensorList steps,
+                                      const StateLists& state, StepAddresses& out) {
+  StepRow row{};
+  const c10::TensorImpl& param = *params[i].unsafeGetTensorImpl();
+  const bool concrete = has_concrete_sizes(param);
+  row.numel = concrete ? param.numel() : 0;
+  row.param = plain_address(params[i]);
+  row.grad = plain_address(grads[i]);
+  bool plain = row.param != nullptr && row.grad != nullptr;
+  if (!master_params.empty()) {
+    row.master = plain_address(master_params[i]);
+    plain = plain && row.master != nullptr;
+  }
+  for (size_t k = 0; k < state.count; ++k) {
+    row.state[k] = plain_address(state.lists[k][i]);
+    plain = plain && row.state[k] != nullptr;
+  }
+  row.step = static_cast<float*>(plain_address(steps[i]));
+  // An empty tensor's address is never used.
+  if (!concrete || row.step == nullptr || (!plain && row.numel != 0)) {
+    out.needs_mutable_access = true;
+  }
+  out.rows.push_back(row);
+}
+
 // How the weights are kept, from master_params[0]'s dtype (static_switch.h WeightStore): FP32
 // masters for any params; int16 remainders for BF16 params; a compensation of the params' own
 // 16-bit dtype. Stochastic rounding (rounding_seeds) keeps nothing but BF16 params.
@@ -277,7 +306,7 @@ void check_weight_store(const char* op, TensorList params, TensorList master_par
 // The common list checks of adam_step_ and sgd_step_.
 void check_step_lists(const char* op, TensorList params, TensorList master_params,
                       TensorList grads, TensorList steps, const StateLists& state,
-                      c10::OptionalIntArrayRef rounding_seeds) {
+                      c10::OptionalIntArrayRef rounding_seeds, StepAddresses* addresses) {
   const size_t n = params.size();
   TORCH_CHECK(master_params.empty() || master_params.size() == n, op, ": master_params has ",
               master_params.size(), " tensors; expected 0 (no master weights) or ", n);
@@ -288,6 +317,9 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
   }
   if (n == 0) {
     return;
+  }
+  if (addresses != nullptr) {
+    addresses->rows.reserve(n);
   }
   const auto device = params[0].device();
   const auto pdtype = params[0].scalar_type();
@@ -312,6 +344,9 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
                        state.lists[2]});  // absent lists are empty: nothing to prefetch
     check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype,
                      mdtype, sdtype);
+    if (addresses != nullptr) {
+      take_addresses(i, params, master_params, grads, steps, state, *addresses);
+    }
   }
 }
 
@@ -435,8 +470,8 @@ bool check_step(const char* op, TensorList params, TensorList master_params, Ten
                 TensorList steps, const StateLists& state, const OptTensor& lr_tensor,
                 const OptTensor& inv_scale, const OptTensor& found_inf,
                 const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
-                c10::OptionalIntArrayRef rounding_seeds) {
-  check_step_lists(op, params, master_params, grads, steps, state, rounding_seeds);
+                c10::OptionalIntArrayRef rounding_seeds, StepAddresses* addresses) {
+  check_step_lists(op, params, master_params, grads, steps, state, rounding_seeds, addresses);
   if (params.empty()) {
     return false;
   }
@@ -451,7 +486,8 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
                double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
-               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds) {
+               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds,
+               StepAddresses* addresses) {
   check_finite_nonneg(op, "lr", lr);
   check_beta(op, "beta1", beta1);
   check_beta(op, "beta2", beta2);
@@ -463,7 +499,7 @@ bool adam_step(const char* op, TensorList params, TensorList master_params, Tens
     state.add("max_exp_avg_sqs", max_exp_avg_sqs);
   }
   return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
-                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds);
+                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, addresses);
 }
 
 bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
@@ -471,7 +507,7 @@ bool sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
               double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
               const OptTensor& inv_scale, const OptTensor& found_inf,
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
-              c10::OptionalIntArrayRef rounding_seeds) {
+              c10::OptionalIntArrayRef rounding_seeds, StepAddresses* addresses) {
   check_finite_nonneg(op, "lr", lr);
   check_finite_nonneg(op, "momentum", momentum);
   TORCH_CHECK(hyper::valid_dampening(dampening), op, ": invalid dampening ", dampening);
@@ -486,7 +522,7 @@ bool sgd_step(const char* op, TensorList params, TensorList master_params, Tenso
     state.add("momentum_buffers", momentum_buffers);
   }
   return check_step(op, params, master_params, grads, steps, state, lr_tensor, inv_scale,
-                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds);
+                    found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, addresses);
 }
 
 }  // namespace fusedamp::checks

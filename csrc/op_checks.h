@@ -7,6 +7,10 @@
 #include <c10/util/OptionalArrayRef.h>
 #include <optional>
 
+namespace fusedamp {
+struct StepAddresses;  // step_addresses.h
+}
+
 namespace fusedamp::checks {
 
 using at::Tensor;
@@ -41,20 +45,22 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
               c10::OptionalIntArrayRef rounding_seeds);
 
 // The whole argument check of a fused step: lists, hyper-parameters and (when there are
-// params) the device scalars. Returns false for empty lists (a no-op).
+// params) the device scalars. Returns false for empty lists (a no-op). With `addresses`, also
+// fills it: one row of element addresses per list position, for the kernels.
 bool adam_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
                TensorList exp_avgs, TensorList exp_avg_sqs, TensorList max_exp_avg_sqs,
                TensorList steps, double lr,
                double beta1, double beta2, double eps, double weight_decay,
                const OptTensor& lr_tensor, const OptTensor& inv_scale,
                const OptTensor& found_inf, const OptTensor& grad_sum_sq,
-               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds);
+               std::optional<double> max_grad_norm, c10::OptionalIntArrayRef rounding_seeds,
+               StepAddresses* addresses = nullptr);
 
 bool sgd_step(const char* op, TensorList params, TensorList master_params, TensorList grads,
               TensorList momentum_buffers, TensorList steps, double lr, double momentum,
               double dampening, double weight_decay, bool nesterov, const OptTensor& lr_tensor,
               const OptTensor& inv_scale, const OptTensor& found_inf,
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
-              c10::OptionalIntArrayRef rounding_seeds);
+              c10::OptionalIntArrayRef rounding_seeds, StepAddresses* addresses = nullptr);
 
 }  // namespace fusedamp::checks

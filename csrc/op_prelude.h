@@ -25,6 +25,7 @@
 #include "op_checks.h"
 #include "op_handles.h"
 #include "static_switch.h"
+#include "step_addresses.h"
 #include "step_scalars.h"
 
 namespace fusedamp::prelude {
@@ -136,6 +137,9 @@ struct Step {
   bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
   bool write_back_grads;   // grads := the multiplied gradient the update used
   c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
+  // Where the backend takes them (takes_step_addresses): the checks' row of element
+  // addresses per list position; nullptr otherwise.
+  StepAddresses* addresses;
 
   WeightStore weight_store() const {
     return weight_store_of(master_params, adopt_param_edits, !rounding_seeds.empty());
@@ -165,6 +169,14 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
                       const OptTensor& tensor_flags, const OptTensor& telemetry);
 
 // ---- the ops, as registered -----------------------------------------------------------------
+
+// Whether Backend's step kernels take the element addresses the checks read (step_addresses.h);
+// a backend says so with `static constexpr bool kTakesStepAddresses = true;`.
+template <typename Backend, typename = void>
+struct takes_step_addresses : std::false_type {};
+template <typename Backend>
+struct takes_step_addresses<Backend, std::void_t<decltype(Backend::kTakesStepAddresses)>>
+    : std::bool_constant<Backend::kTakesStepAddresses> {};
 
 // Grads the fused kernels do not walk (FP64, or strided but not dense) go to torch's own
 // kernel, which torch's op also uses for them; the contract is the same. With statistics and
@@ -226,15 +238,18 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                bool adopt_param_edits, bool write_back_grads,
                std::optional<TensorList> max_exp_avg_sqs, c10::OptionalIntArrayRef rounding_seeds) {
   const TensorList v_maxes = max_exp_avg_sqs.value_or(TensorList());
+  StepAddresses addresses;
+  StepAddresses* const taken = takes_step_addresses<Backend>::value ? &addresses : nullptr;
   if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
                         v_maxes, steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
-                        found_inf, grad_sum_sq, max_grad_norm, rounding_seeds)) {
+                        found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, taken)) {
     Backend::adam_step(AdamStep{
         {params, master_params, grads, steps,
          math::make_adam_hyper(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
                                maximize),
          ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
-         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef())},
+         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef()),
+         taken},
         exp_avgs,
         exp_avg_sqs,
         v_maxes});
@@ -249,14 +264,17 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
               const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
               bool adopt_param_edits, bool write_back_grads,
               c10::OptionalIntArrayRef rounding_seeds) {
+  StepAddresses addresses;
+  StepAddresses* const taken = takes_step_addresses<Backend>::value ? &addresses : nullptr;
   if (checks::sgd_step(SgdStep::kOp, params, master_params, grads, momentum_buffers, steps, lr,
                        momentum, dampening, weight_decay, nesterov, lr_tensor, inv_scale,
-                       found_inf, grad_sum_sq, max_grad_norm, rounding_seeds)) {
+                       found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, taken)) {
     Backend::sgd_step(SgdStep{
         {params, master_params, grads, steps,
          math::make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize),
          ScalarArgs(lr, lr_tensor, inv_scale, found_inf, grad_sum_sq, max_grad_norm),
-         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef())},
+         adopt_param_edits, write_back_grads, rounding_seeds.value_or(c10::IntArrayRef()),
+         taken},
         momentum_buffers});
   }
 }

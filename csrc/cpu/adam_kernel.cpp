@@ -46,38 +46,38 @@ void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max
 
 template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
           typename TS>
-void adam_lists(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
-  const at::TensorList params = step.params;
-  std::vector<math::AdamCoeffs> coeffs(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
+void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
+  const size_t n = step.params.size();
+  std::vector<math::AdamCoeffs> coeffs(n);
+  for (size_t i = 0; i < n; ++i) {
     // Usually every tensor is at the same step: two pow() per tensor are then wasted work.
     coeffs[i] = i > 0 && step.steps_before[i] == step.steps_before[i - 1]
                     ? coeffs[i - 1]
                     : math::adam_coeffs<double>(h, step.lr, step.steps_before[i]);
   }
-  const ChunkPlan plan(params);
-  for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
+  const ChunkPlan plan(n, [&](size_t i) { return step.rows[i].numel; });
+  for_each_chunk(plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
+    prefetch_elements_ahead(step, i, b);
+    const StepRow& row = step.rows[i];
     const auto w = step_weights<TP, kStore>(step, i, b);
     adam_range<TP, TG, kStore, kWriteGrads, kAmsgrad>(
-        w, elements_of<TG>(step.grads[i]) + b, elements_of<TS>(exp_avgs[i]) + b,
-        elements_of<TS>(exp_avg_sqs[i]) + b,
-        kAmsgrad ? elements_of<TS>(max_exp_avg_sqs[i]) + b : nullptr, e - b, h, coeffs[i],
+        w, static_cast<TG*>(row.grad) + b, static_cast<TS*>(row.state[0]) + b,
+        static_cast<TS*>(row.state[1]) + b,
+        kAmsgrad ? static_cast<TS*>(row.state[2]) + b : nullptr, e - b, h, coeffs[i],
         step.grad_mult);
   });
 }
 
 }  // namespace
 
-void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-          at::TensorList max_exp_avg_sqs, const math::AdamHyper& h) {
+void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
+          const math::AdamHyper& h) {
   // The moments are FP32 or BF16 (state_dtype), all lists alike.
-  step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto amsgrad,
+  step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto with_amsgrad,
                         auto state) {
-    adam_lists<decltype(param), decltype(grad), store, write_grads, amsgrad, decltype(state)>(
-        step, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, h);
-  }, BoolSwitch{!max_exp_avg_sqs.empty()},
-     DtypeSwitch<float, c10::BFloat16>{exp_avgs[0].scalar_type()});
+    adam_lists<decltype(param), decltype(grad), store, write_grads, with_amsgrad,
+               decltype(state)>(step, h);
+  }, BoolSwitch{amsgrad}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

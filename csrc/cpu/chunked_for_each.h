@@ -16,13 +16,22 @@ constexpr int64_t kChunk = 16384;  // elements; multiple of every vector width
 
 struct ChunkPlan {
   std::vector<int64_t> first_chunk;  // first_chunk[i]: index of tensor i's first chunk
+  std::vector<int64_t> numel;        // of tensor i
   int64_t total = 0;
 
-  explicit ChunkPlan(at::TensorList tensors) {
-    first_chunk.reserve(tensors.size() + 1);
-    for (const auto& t : tensors) {
+  explicit ChunkPlan(at::TensorList tensors)
+      : ChunkPlan(tensors.size(), [&](size_t i) { return tensors[i].numel(); }) {}
+
+  // count tensors of numel_of(i) elements.
+  template <typename NumelOf>
+  ChunkPlan(size_t count, const NumelOf& numel_of) {
+    first_chunk.reserve(count + 1);
+    numel.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t n = numel_of(i);
       first_chunk.push_back(total);
-      total += (t.numel() + kChunk - 1) / kChunk;
+      numel.push_back(n);
+      total += (n + kChunk - 1) / kChunk;
     }
     first_chunk.push_back(total);
   }
@@ -30,7 +39,7 @@ struct ChunkPlan {
 
 // f(chunk_index, tensor_index, begin, end) over element ranges [begin, end) of each tensor.
 template <typename F>
-void for_each_chunk(at::TensorList tensors, const ChunkPlan& plan, const F& f) {
+void for_each_chunk(const ChunkPlan& plan, const F& f) {
   if (plan.total == 0) {
     return;
   }
@@ -43,7 +52,7 @@ void for_each_chunk(at::TensorList tensors, const ChunkPlan& plan, const F& f) {
         ++i;
       }
       const int64_t begin = (c - plan.first_chunk[i]) * kChunk;
-      const int64_t end = std::min(begin + kChunk, tensors[i].numel());
+      const int64_t end = std::min(begin + kChunk, plan.numel[i]);
       f(c, i, begin, end);
     }
   });

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../static_switch.h"
+#include "../step_addresses.h"
 #include "../tensor_prefetch.h"
 
 namespace fusedamp::cpu {
@@ -24,14 +25,16 @@ C10_ALWAYS_INLINE T* elements_of(const at::Tensor& t) {
   return t.unsafeGetTensorImpl()->mutable_data_dtype_initialized<T>();
 }
 
-// What every CPU step kernel is given, whatever its algorithm: the lists, the per-tensor step
+// What every CPU step kernel is given, whatever its algorithm: the lists (whose first tensors
+// name the dtypes) and each position's element addresses (step_addresses.h; the master
+// addresses are masters, remainders or compensations, as `store` says), the per-tensor step
 // counts read before the update (the kernels never write them), the learning rate and the
 // gradient multiplier (inverse scale times clip coefficient) read from the device scalars, and
 // the step's modes (ops.h StepModes).
 struct CpuStep {
   at::TensorList params;
-  at::TensorList master_params;  // masters, remainders or compensations, as `store` says
   at::TensorList grads;
+  const StepRow* rows;  // params.size() of them
   const float* steps_before;
   float lr;
   float grad_mult;
@@ -39,6 +42,16 @@ struct CpuStep {
   const int64_t* rounding_seeds;  // kStochastic: one per tensor; nullptr otherwise
   bool write_back_grads;
 };
+
+// Called as a step kernel reaches position i (at its first chunk): prefetches the elements of
+// the row kRowsAhead positions later.
+constexpr size_t kRowsAhead = 8;
+C10_ALWAYS_INLINE void prefetch_elements_ahead(const CpuStep& step, int64_t i, int64_t begin) {
+  const size_t ahead = static_cast<size_t>(i) + kRowsAhead;
+  if (begin == 0 && ahead < step.params.size()) {
+    prefetch_row_elements(step.rows[ahead]);
+  }
+}
 
 // step_switch (static_switch.h) over a CpuStep's lists and modes: body(param, grad, kStore,
 // kWriteGrads, more...).
@@ -65,10 +78,12 @@ struct KernelTable {
   // fills *telemetry when given. Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
                      GradTelemetry* telemetry);
-  // max_exp_avg_sqs: empty without AMSGrad.
-  void (*adam)(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);
-  void (*sgd)(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);
+  // The rows' state addresses are exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq, of
+  // state_dtype.
+  void (*adam)(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
+               const math::AdamHyper& h);
+  // With momentum, the rows' first state address is the momentum buffer, of state_dtype.
+  void (*sgd)(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);
 };
 
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
@@ -77,9 +92,9 @@ struct KernelTable {
                          GradTelemetry* telemetry);                                          \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,           \
                   GradTelemetry* telemetry);                                                 \
-  void adam(const CpuStep& step, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,       \
-            at::TensorList max_exp_avg_sqs, const math::AdamHyper& h);                       \
-  void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h);   \
+  void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,                 \
+            const math::AdamHyper& h);                                                       \
+  void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);        \
   }
 
 FUSEDAMP_DECLARE_CPU_KERNELS(DEFAULT)

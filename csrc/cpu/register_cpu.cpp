@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,23 +46,43 @@ namespace {
 
 using at::TensorList;
 
+// The rows again through the tensors' mutable accessors, where the checks could not take an
+// address without them (StepAddresses::needs_mutable_access): those give copy-on-write storage
+// its own copy first, or raise torch's error. `states` are the op's state lists, in order.
+void take_mutable_addresses(TensorList params, TensorList master_params, TensorList grads,
+                            TensorList steps, std::initializer_list<TensorList> states,
+                            StepAddresses& addresses) {
+  const auto address = [](const at::Tensor& t) { return t.mutable_data_ptr(); };
+  for (size_t i = 0; i < params.size(); ++i) {
+    StepRow& row = addresses.rows[i];
+    row.numel = params[i].numel();
+    row.param = address(params[i]);
+    row.grad = address(grads[i]);
+    row.master = master_params.empty() ? nullptr : address(master_params[i]);
+    size_t k = 0;
+    for (const TensorList& list : states) {
+      row.state[k++] = list.empty() ? nullptr : address(list[i]);
+    }
+    row.step = steps[i].mutable_data_ptr<float>();
+  }
+  addresses.needs_mutable_access = false;
+}
+
 // The step counts: read before the kernel, advanced after it. The kernel itself only reads
-// the "before" values, so an exception in between leaves them untouched. Each step tensor's
-// pointer is looked up once for both.
+// the "before" values, so an exception in between leaves them untouched.
 struct StepCounts {
-  std::vector<float*> ptr;
+  const std::vector<StepRow>& rows;
   std::vector<float> before;
 
-  explicit StepCounts(TensorList steps) : ptr(steps.size()), before(steps.size()) {
-    for (size_t i = 0; i < steps.size(); ++i) {
-      prefetch_ahead(i, {steps});
-      ptr[i] = elements_of<float>(steps[i]);
-      before[i] = *ptr[i];
+  explicit StepCounts(const std::vector<StepRow>& step_rows)
+      : rows(step_rows), before(step_rows.size()) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      before[i] = *rows[i].step;
     }
   }
   void advance() const {
-    for (float* p : ptr) {
-      *p += 1.f;
+    for (const StepRow& row : rows) {
+      *row.step += 1.f;
     }
   }
 };
@@ -69,15 +90,20 @@ struct StepCounts {
 // A step's device scalars are plain memory here: read once, for all tensors. A skipped step
 // returns before anything is read or written.
 template <typename Step, typename Kernel>
-void run_step(const Step& step, const Kernel& kernel) {
+void run_step(const Step& step, std::initializer_list<TensorList> states, const Kernel& kernel) {
   const StepScalarPointers scalars = step.scalars.pointers();
   if (scalars.skipped()) {
     return;
   }
   const float lr = scalars.learning_rate();
   TORCH_CHECK(lr >= 0.f && lr - lr == 0.f, Step::kOp, ": lr_tensor holds an invalid lr ", lr);
-  const StepCounts counts(step.steps);
-  kernel(CpuStep{step.params, step.master_params, step.grads, counts.before.data(), lr,
+  StepAddresses& addresses = *step.addresses;
+  if (C10_UNLIKELY(addresses.needs_mutable_access)) {
+    take_mutable_addresses(step.params, step.master_params, step.grads, step.steps,
+                           states, addresses);
+  }
+  const StepCounts counts(addresses.rows);
+  kernel(CpuStep{step.params, step.grads, addresses.rows.data(), counts.before.data(), lr,
                  scalars.grad_multiplier(), step.weight_store(),
                  step.rounding_seeds.empty() ? nullptr : step.rounding_seeds.data(),
                  step.write_back_grads});
@@ -147,16 +173,23 @@ struct CpuOps {
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
   }
 
+  // The step kernels walk the element addresses the checks read (step_addresses.h).
+  static constexpr bool kTakesStepAddresses = true;
+
   static void adam_step(const prelude::AdamStep& step) {
-    run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().adam(cpu_step, step.exp_avgs, step.exp_avg_sqs, step.max_exp_avg_sqs,
-                     step.hyper);
-    });
+    run_step(step, {step.exp_avgs, step.exp_avg_sqs, step.max_exp_avg_sqs},
+             [&](const CpuStep& cpu_step) {
+               kernels().adam(cpu_step, step.exp_avgs[0].scalar_type(),
+                              !step.max_exp_avg_sqs.empty(), step.hyper);
+             });
   }
 
   static void sgd_step(const prelude::SgdStep& step) {
-    run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().sgd(cpu_step, step.momentum_buffers, step.hyper);
+    run_step(step, {step.momentum_buffers}, [&](const CpuStep& cpu_step) {
+      kernels().sgd(cpu_step,
+                    step.momentum_buffers.empty() ? at::kFloat
+                                                  : step.momentum_buffers[0].scalar_type(),
+                    step.hyper);
     });
   }
 };

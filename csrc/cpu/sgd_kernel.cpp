@@ -45,29 +45,29 @@ void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
 
 template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
           typename TS>
-void sgd_lists(const CpuStep& step, at::TensorList bufs, const math::SgdHyper& h) {
-  const at::TensorList params = step.params;
-  const ChunkPlan plan(params);
-  for_each_chunk(params, plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
+void sgd_lists(const CpuStep& step, const math::SgdHyper& h) {
+  const ChunkPlan plan(step.params.size(), [&](size_t i) { return step.rows[i].numel; });
+  for_each_chunk(plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
+    prefetch_elements_ahead(step, i, b);
+    const StepRow& row = step.rows[i];
     const auto w = step_weights<TP, kStore>(step, i, b);
-    TS* buf = kMomentum ? elements_of<TS>(bufs[i]) + b : nullptr;
+    TS* buf = kMomentum ? static_cast<TS*>(row.state[0]) + b : nullptr;
     sgd_range<TP, TG, kStore, kWriteGrads, kMomentum>(
-        w, elements_of<TG>(step.grads[i]) + b, buf, e - b, h, step.lr,
+        w, static_cast<TG*>(row.grad) + b, buf, e - b, h, step.lr,
         step.steps_before[i] == 0.f, step.grad_mult);
   });
 }
 
 }  // namespace
 
-void sgd(const CpuStep& step, at::TensorList momentum_buffers, const math::SgdHyper& h) {
+void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h) {
   // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none.
   const bool momentum = h.momentum != 0.f;
-  const auto state_dtype = momentum ? momentum_buffers[0].scalar_type() : at::kFloat;
   step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto with_momentum,
                         auto state) {
     sgd_lists<decltype(param), decltype(grad), store, write_grads, with_momentum,
-              decltype(state)>(step, momentum_buffers, h);
-  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+              decltype(state)>(step, h);
+  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{momentum ? state_dtype : at::kFloat});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

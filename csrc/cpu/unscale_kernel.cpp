@@ -106,7 +106,7 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   std::vector<float> chunk_sq(plan.total, 0.f);
   std::vector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
   const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
-  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+  for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     if (begin == 0) {
       prefetch_ahead(static_cast<size_t>(i), {grads});
@@ -161,7 +161,7 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
   }
   const ChunkPlan plan(grads);
   std::vector<char> chunk_bad(plan.total, 0);
-  for_each_chunk(grads, plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+  for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     if (begin == 0) {
       prefetch_ahead(static_cast<size_t>(i), {grads});

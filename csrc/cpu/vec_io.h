@@ -211,16 +211,17 @@ struct StepWeights {
   }
 };
 
-// Tensor i's weights from element `begin` on, as a step over `step`'s lists reads them.
+// Position i's weights from element `begin` on, as a step over `step`'s rows reads them.
 template <typename TP, WeightStore kStore>
 inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int64_t begin) {
-  StepWeights<TP, kStore> w{elements_of<TP>(step.params[i]) + begin, nullptr};
+  const StepRow& row = step.rows[i];
+  StepWeights<TP, kStore> w{static_cast<TP*>(row.param) + begin, nullptr};
   if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
-    w.extra = elements_of<float>(step.master_params[i]) + begin;
+    w.extra = static_cast<float*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kSplit) {
-    w.extra = elements_of<int16_t>(step.master_params[i]) + begin;
+    w.extra = static_cast<int16_t*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kKahan) {
-    w.extra = elements_of<TP>(step.master_params[i]) + begin;
+    w.extra = static_cast<TP*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kStochastic) {
     w.seed = static_cast<uint64_t>(step.rounding_seeds[i]);
     w.step = static_cast<uint32_t>(step.steps_before[i]);

@@ -80,3 +80,32 @@ def test_grad_list_fallback_messages(device):
     inp.grads[15] = torch.ones(8, device=device, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=re.escape("grads[15] has dtype Int")):
         inp.call("grad_stats_")
+
+
+@pytest.mark.parametrize("op", ["adam_step_", "sgd_step_"])
+def test_copy_on_write_tensors_get_their_own_copy(device, op):
+    """Lazy clones (copy-on-write storage) among the tensors a step writes: the step gives each
+    its own copy before writing (the kernels' addresses are then taken through torch's mutable
+    accessors), so the tensors they were cloned from keep their values, and the results are
+    those of the same step on plain tensors."""
+    state = ["exp_avgs", "exp_avg_sqs"] if op == "adam_step_" else ["momentum_buffers"]
+
+    def problem():
+        return op_inputs(device, [(5,), (3, 4), (7,), (2, 2)], param_dtype=torch.float16,
+                         master_weights=True, moments=op == "adam_step_",
+                         momentum=op == "sgd_step_", seed=3)
+
+    plain, cow = problem(), problem()
+    sources = {}
+    for name in ["params", "master_params", "grads", *state, "steps"]:
+        tensors = getattr(cow, name)
+        sources[name] = tensors[2].clone()
+        tensors[2] = torch._lazy_clone(sources[name])
+    kept = {name: t.clone() for name, t in sources.items()}
+    hyper = dict(momentum=0.9) if op == "sgd_step_" else {}
+    for _ in range(2):  # the second step reads the momentum buffers too
+        plain.call(op, write_back_grads=True, **hyper)
+        cow.call(op, write_back_grads=True, **hyper)
+    for name, source in sources.items():
+        assert torch.equal(source, kept[name]), f"{name}[2]'s source was written through its clone"
+    assert_bitwise_equal(snapshot(*plain.tensors(op)), snapshot(*cow.tensors(op)))

@@ -1,0 +1,70 @@
+#pragma once
+// The element addresses of a fused step's tensors, one row per list position, taken by the
+// argument checks (op_checks.cpp) while each tensor's metadata is still in cache, for a backend
+// whose kernels walk host memory (the CPU). Without them the kernels would look up every
+// TensorImpl and StorageImpl a second time after the checks: in a step over thousands of small
+// tensors, those cache misses were a third of the host time (perf, issue 13).
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/COW.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tensor_facts.h"
+
+namespace fusedamp {
+
+// Position i of a step's lists. One cache line, so a kernel walking the rows reads memory in
+// order. The state lists are the op's, in its order: adam_step_'s exp_avgs, exp_avg_sqs[,
+// max_exp_avg_sqs]; sgd_step_'s momentum_buffers.
+struct StepRow {
+  void* param;
+  void* grad;
+  void* master;    // master_params[i]; nullptr when the op has no master_params
+  void* state[3];  // nullptr past the op's state lists
+  float* step;     // steps[i]'s one element
+  int64_t numel;   // of params[i], and so of every tensor of the row
+};
+static_assert(sizeof(StepRow) == 64, "a StepRow is one cache line");
+
+struct StepAddresses {
+  std::vector<StepRow> rows;
+  // Some address could not be taken through the const accessors the checks use: a storage
+  // whose data is copy-on-write (a write must first give it its own copy), one without memory
+  // although the tensor has elements, sizes that are not plain values. The backend then takes
+  // every address through the tensors' mutable accessors instead, after the checks, so that
+  // torch's own handling (the copy, its error) applies.
+  bool needs_mutable_access = false;
+};
+
+// The address of element 0 of a checked dense tensor, as its mutable accessor would give it
+// where that gives the same pointer without side effects; nullptr where it would not (see
+// StepAddresses::needs_mutable_access). Reads only the TensorImpl and StorageImpl the checks
+// have just read.
+C10_ALWAYS_INLINE void* plain_address(const at::Tensor& t) {
+  const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
+  if (!checks::has_concrete_sizes(impl) || !impl.has_storage()) {
+    return nullptr;
+  }
+  const c10::DataPtr& data = impl.unsafe_storage().unsafeGetStorageImpl()->data_ptr();
+  if (data.get() == nullptr || c10::impl::cow::is_cow_data_ptr(data)) {
+    return nullptr;
+  }
+  return static_cast<char*>(data.get()) +
+         impl.storage_offset() * static_cast<int64_t>(impl.dtype().itemsize());
+}
+
+// Starts loading the first elements of a row's tensors, for a kernel that will reach the row a
+// few rows later: with many small tensors each is an allocation of its own, one cache miss
+// apiece when reached unannounced. A prefetch never faults, so null addresses are harmless.
+C10_ALWAYS_INLINE void prefetch_row_elements(const StepRow& row) {
+  __builtin_prefetch(row.param, 1);
+  __builtin_prefetch(row.grad);
+  __builtin_prefetch(row.master, 1);
+  __builtin_prefetch(row.state[0], 1);
+  __builtin_prefetch(row.state[1], 1);
+  __builtin_prefetch(row.state[2], 1);
+}
+
+}  // namespace fusedamp
