@@ -252,7 +252,7 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
 C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList master_params,
                                       TensorList grads, TensorList steps,
                                       const StateLists& state, StepAddresses& out) {
-  StepRow row{};
+  StepRow& row = out.rows[i];  // zeroed in one block before the walk (per row: a rep stos)
   const c10::TensorImpl& param = *params[i].unsafeGetTensorImpl();
   const bool concrete = has_concrete_sizes(param);
   row.numel = concrete ? param.numel() : 0;
@@ -272,7 +272,6 @@ C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList ma
   if (!concrete || row.step == nullptr || (!plain && row.numel != 0)) {
     out.needs_mutable_access = true;
   }
-  out.rows.push_back(row);
 }
 
 // How the weights are kept, from master_params[0]'s dtype (static_switch.h WeightStore): FP32
@@ -319,7 +318,7 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
     return;
   }
   if (addresses != nullptr) {
-    addresses->rows.reserve(n);
+    addresses->rows.resize(n);
   }
   const auto device = params[0].device();
   const auto pdtype = params[0].scalar_type();

@@ -41,13 +41,15 @@ struct StepAddresses {
 // The address of element 0 of a checked dense tensor, as its mutable accessor would give it
 // where that gives the same pointer without side effects; nullptr where it would not (see
 // StepAddresses::needs_mutable_access). Reads only the TensorImpl and StorageImpl the checks
-// have just read.
+// have just read, through inline accessors (has_storage() and storage() are calls into c10;
+// a checked strided tensor with plain sizes has its storage in the member they return).
 C10_ALWAYS_INLINE void* plain_address(const at::Tensor& t) {
   const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
-  if (!checks::has_concrete_sizes(impl) || !impl.has_storage()) {
+  const c10::StorageImpl* storage = impl.unsafe_storage().unsafeGetStorageImpl();
+  if (!checks::has_concrete_sizes(impl) || storage == nullptr) {
     return nullptr;
   }
-  const c10::DataPtr& data = impl.unsafe_storage().unsafeGetStorageImpl()->data_ptr();
+  const c10::DataPtr& data = storage->data_ptr();
   if (data.get() == nullptr || c10::impl::cow::is_cow_data_ptr(data)) {
     return nullptr;
   }

@@ -21,7 +21,7 @@ inline bool is_float_kind(c10::ScalarType t) {
 }
 
 // Sizes, strides and numel are plain values (not symbolic, not answered by Python).
-inline bool has_concrete_sizes(const c10::TensorImpl& impl) {
+C10_ALWAYS_INLINE bool has_concrete_sizes(const c10::TensorImpl& impl) {
   return !impl.has_symbolic_sizes_strides() && !impl.is_nested() && !impl.is_python_dispatch();
 }
 
