@@ -182,10 +182,19 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       const at::Tensor& g = *grads_seen_[b.seen_index[k]];  // update() just read them
-      refresh(b.grads[k], g);
+      b.grads[k] = g;
       devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
   }
+}
+
+void BucketPlan::release_grads(DeviceStats& devices) {
+  for (auto& b : buckets_) {
+    for (auto& g : b.grads) {
+      g.reset();
+    }
+  }
+  devices.release_grads();
 }
 
 }  // namespace fusedamp::optim::detail

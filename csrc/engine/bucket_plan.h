@@ -52,6 +52,10 @@ class BucketPlan {
   int64_t builds() const { return builds_; }
   // Forces a rebuild at the next update() (state was replaced from outside).
   void invalidate() { valid_ = false; }
+  // Drops the handles to this step's gradients, here and in `devices`, once the step is done:
+  // held until the next step, they would keep a whole set of gradients alive after the user's
+  // zero_grad(set_to_none=True) (torch's default), through the next forward and backward.
+  void release_grads(DeviceStats& devices);
 
  private:
   // What the buckets depend on: per group, its state needs; per parameter with a gradient,

@@ -28,6 +28,14 @@ void DeviceStats::clear_params() {
   }
 }
 
+void DeviceStats::release_grads() {
+  for (auto& d : devices_) {
+    for (auto& g : d.grads) {
+      g.reset();
+    }
+  }
+}
+
 size_t DeviceStats::add_params(size_t slot, const std::vector<at::Tensor>& params) {
   auto& d = devices_[slot];
   const size_t first = d.params.size();

@@ -10,14 +10,6 @@
 
 namespace fusedamp::optim::detail {
 
-// A kept handle made `now`'s tensor: steady training loops keep their grad tensors from step to
-// step, so the usual case changes no reference count.
-inline void refresh(at::Tensor& held, const at::Tensor& now) {
-  if (!held.is_same(now)) {
-    held = now;
-  }
-}
-
 class DeviceStats {
  public:
   // The slot of `device`, created on first use. Slot 0 is the primary device.
@@ -31,8 +23,10 @@ class DeviceStats {
   // Appends `params` to the slot's list; returns the position of the first.
   size_t add_params(size_t slot, const std::vector<at::Tensor>& params);
   void set_grad(size_t slot, size_t position, const at::Tensor& grad) {
-    refresh(devices_[slot].grads[position], grad);
+    devices_[slot].grads[position] = grad;
   }
+  // Drops this step's gradient handles (see BucketPlan::release_grads).
+  void release_grads();
 
   // found_inf = seed (or 0) and sum_sq = 0 everywhere, without a pass (the flag is known).
   void seed(const at::Tensor& seed_found_inf);

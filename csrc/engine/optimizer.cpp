@@ -145,6 +145,7 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     grad_norm_ = grad_scale.defined() ? norm * inv_scale[0] : norm;
   }
   stats_->invalidate();
+  plan_->release_grads(*stats_);
 }
 
 void Optimizer::account(const at::Tensor& found_inf, bool checked) {

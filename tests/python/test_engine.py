@@ -352,3 +352,23 @@ def test_gradients_are_taken_fresh_every_step_however_they_change(device):
         for i, (a, b) in enumerate(zip(kept, fresh)):
             assert torch.equal(a, b), (step, i)
     assert not torch.equal(kept[0].detach(), make()[0].detach())  # the steps moved it
+
+
+def test_step_keeps_no_gradient_alive_after_zero_grad(device):
+    """After a step, the engine holds no handle to that step's gradients: zero_grad(set_to_none=
+    True) frees them, as with a torch optimizer, instead of a whole set of gradients staying
+    alive through the next forward and backward."""
+    import weakref
+
+    import fusedamp
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(device)
+    model, opt, scaler = fusedamp.initialize(model, torch.optim.AdamW(model.parameters()),
+                                             torch.float16, max_grad_norm=1.0)
+    for _ in range(2):  # the second step reuses the engine's gradient lists
+        loss = model(torch.randn(4, 8, device=device)).float().pow(2).sum()
+        scaler.scale(loss).backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        assert all(g() is None for g in grads), "a gradient outlived zero_grad(set_to_none=True)"
