@@ -24,7 +24,9 @@ round, so that a busy moment of the machine falls on all of them alike:
 
 Gradients are refilled from a pristine copy (torch._foreach_copy_) and found_inf zeroed before
 every timed call, outside the timed region: the unscaling calls and steps divide the gradients
-in place, and repeated unscaling would end in zeros. Before the first timed step the scaler has
+in place, and repeated unscaling would end in zeros. The "new gradients each call" row instead
+gives every parameter a new gradient tensor before each call, as a loop with
+zero_grad(set_to_none=True) does. Before the first timed step the scaler has
 scaled a 0-dim tensor once, as an iteration starts with scale().
 
 On CUDA the time is the wall time of issuing one call (the stream is idle when it starts) and,
@@ -158,6 +160,20 @@ def torch_norm_and_check(device, n, numel):
     return Timed(call, refill(inp.grads, inp.found_inf))
 
 
+def renew(params):
+    """Gives every parameter a new gradient tensor with the values it has now, as a training loop
+    with zero_grad(set_to_none=True) (torch's default) and a backward does: the reset between
+    timed calls of a row whose step must not find last call's gradient tensors again. The
+    previous gradients are dropped here, outside the timed call, unless the step holds them."""
+    pristine = [p.grad.clone() for p in params]
+
+    def reset():
+        for p, g in zip(params, pristine):
+            p.grad = None
+            p.grad = g.clone()
+    return reset
+
+
 # ----------------------------------------------------------------------------- whole steps
 def model_params(device, n, numel, dtype):
     """Leaf parameters with gradients in their own dtype, from op_inputs' values."""
@@ -178,7 +194,7 @@ def start_iteration(scaler, device):
     scaler.scale(torch.ones((), device=device))
 
 
-def fusedamp_whole_step(clip, lean=False, telemetry=True):
+def fusedamp_whole_step(clip, lean=False, telemetry=True, new_grads=False):
     def build(device, n, numel):
         require_real_device(device)
         import fusedamp
@@ -203,11 +219,11 @@ def fusedamp_whole_step(clip, lean=False, telemetry=True):
         def call():
             scaler.step(opt)
             scaler.update()
-        return Timed(call, refill([p.grad for p in params]))
+        return Timed(call, renew(params) if new_grads else refill([p.grad for p in params]))
     return build
 
 
-def torch_whole_step(clip):
+def torch_whole_step(clip, new_grads=False):
     def build(device, n, numel):
         require_real_device(device)
         params = model_params(device, n, numel, torch.float32)
@@ -222,7 +238,7 @@ def torch_whole_step(clip):
                 torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)
             scaler.step(opt)
             scaler.update()
-        return Timed(call, refill([p.grad for p in params]))
+        return Timed(call, renew(params) if new_grads else refill([p.grad for p in params]))
     return build
 
 
@@ -277,6 +293,13 @@ ROWS = [
     Row("whole AMP step, clipping", TORCH_STEP_CLIP,
         Side("fusedamp_step_clip", "fusedamp.GradScaler + fusedamp.optim.AdamW("
              "max_grad_norm=1.0)", MIXED_DTYPE, fusedamp_whole_step(clip=True)), "step"),
+    Row("whole AMP step, new gradients each call",
+        Side("torch_step_new_grads", "torch.amp.GradScaler + torch.optim.AdamW(fused=True)",
+             "FP32", torch_whole_step(clip=False, new_grads=True)),
+        Side("fusedamp_step_new_grads", "fusedamp.GradScaler + fusedamp.optim.AdamW",
+             MIXED_DTYPE, fusedamp_whole_step(clip=False, new_grads=True)), "step",
+        "each parameter gets a new gradient tensor before each call, as after "
+        "zero_grad(set_to_none=True) and a backward; the other rows refill the same tensors"),
     Row("whole AMP step, lean", TORCH_STEP,
         Side("fusedamp_step_lean", "fusedamp.GradScaler + fusedamp.optim.AdamW("
              "adopt_param_edits=False, write_back_grads=False)",
