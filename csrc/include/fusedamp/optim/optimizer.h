@@ -87,6 +87,8 @@ class Optimizer : public torch::optim::Optimizer {
   //    defined) and clipped where max_grad_norm is set; skipped on the device when found_inf is
   //    set and a check is in force — for every group when `scaled` (a loss scaler's step), else
   //    for groups with skip_nonfinite. `found_inf_out`, when defined, receives the final flag.
+  //    Ends the step: the handles to the gradients phase 1 collected are dropped (the next step
+  //    starts with gather_grads again), so zero_grad(set_to_none) frees them.
   void apply_update(const at::Tensor& grad_scale, const at::Tensor& found_inf_out, bool scaled);
 
   // ---- results of the last step, on the primary device (no sync) ----------------------------
