@@ -173,7 +173,6 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
   }
   devices.clear_params();
   for (auto& b : buckets_) {
-    b.grads.resize(b.params.size());  // filled by collect_grads
     b.stats_position = devices.add_params(b.device_slot, b.params);
   }
 }
@@ -182,17 +181,15 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       const at::Tensor& g = *grads_seen_[b.seen_index[k]];  // update() just read them
-      b.grads[k] = g;
       devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
+    b.grads = devices.grads(b.device_slot, b.stats_position, b.params.size());
   }
 }
 
 void BucketPlan::release_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
-    for (auto& g : b.grads) {
-      g.reset();
-    }
+    b.grads = at::TensorList();
   }
   devices.release_grads();
 }

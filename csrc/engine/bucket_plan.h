@@ -20,7 +20,10 @@ struct Bucket {
   c10::Device device = c10::Device(c10::kCPU);
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType grad_dtype = at::kFloat;
-  std::vector<at::Tensor> params, grads, steps;
+  std::vector<at::Tensor> params, steps;
+  // This step's gradients: a view of the bucket's stretch of its device's list in DeviceStats
+  // (one handle per gradient, not two); set by collect_grads, emptied by release_grads.
+  at::TensorList grads;
   std::vector<size_t> seen_index;  // of each param's gradient in update()'s walk
   // One entry per parameter where the group needs the slot (empty list otherwise).
   // master_params holds what the group's master_weights keeps: FP32 masters, int16

@@ -25,6 +25,11 @@ class DeviceStats {
   void set_grad(size_t slot, size_t position, const at::Tensor& grad) {
     devices_[slot].grads[position] = grad;
   }
+  // `count` of the slot's gradient handles from `position` on (valid until the next
+  // clear_params/add_params).
+  at::TensorList grads(size_t slot, size_t position, size_t count) const {
+    return at::TensorList(devices_[slot].grads).slice(position, count);
+  }
   // Drops this step's gradient handles (see BucketPlan::release_grads).
   void release_grads();
 
