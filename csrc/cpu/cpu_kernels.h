@@ -82,7 +82,8 @@ struct KernelTable {
   // state_dtype.
   void (*adam)(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
                const math::AdamHyper& h);
-  // With momentum, the rows' first state address is the momentum buffer, of state_dtype.
+  // With momentum, the rows' first state address is the momentum buffer, of state_dtype
+  // (without momentum, state_dtype is FP32 and names nothing).
   void (*sgd)(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);
 };
 

@@ -61,13 +61,13 @@ void sgd_lists(const CpuStep& step, const math::SgdHyper& h) {
 }  // namespace
 
 void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h) {
-  // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none.
-  const bool momentum = h.momentum != 0.f;
+  // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none and
+  // the caller passes FP32.
   step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto with_momentum,
                         auto state) {
     sgd_lists<decltype(param), decltype(grad), store, write_grads, with_momentum,
               decltype(state)>(step, h);
-  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{momentum ? state_dtype : at::kFloat});
+  }, BoolSwitch{h.momentum != 0.f}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY
