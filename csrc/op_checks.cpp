@@ -193,6 +193,18 @@ struct StateLists {
   }
 };
 
+// params[i] and grads[i], the first checks of a step's index i.
+C10_ALWAYS_INLINE void check_param_and_grad(const char* op, size_t i, const TensorFacts& p,
+                                            const TensorFacts& g, const c10::Device& device,
+                                            c10::ScalarType pdtype, c10::ScalarType gdtype) {
+  check_dense(op, "params", i, p, device);
+  check_dtype(op, "params", i, p, pdtype, DtypeRule::kLikeParams0);
+  check_dense(op, "grads", i, g, device);
+  check_dtype(op, "grads", i, g, gdtype, DtypeRule::kLikeGrads0);
+  check_same_layout(op, "grads", i, g, p);
+  check_no_overlap(op, i, g, "grads", p, "params");
+}
+
 // The checks of index i of a step's lists. All facts are read first, in one pass over the
 // index's tensors (their memory is then fetched together, not one cache miss at a time), then
 // judged. The order of the checks decides which mistake a call with several reports: each
@@ -217,12 +229,7 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
   }
   const char* const* names = state.names;
 
-  check_dense(op, "params", i, p, device);
-  check_dtype(op, "params", i, p, pdtype, DtypeRule::kLikeParams0);
-  check_dense(op, "grads", i, g, device);
-  check_dtype(op, "grads", i, g, gdtype, DtypeRule::kLikeGrads0);
-  check_same_layout(op, "grads", i, g, p);
-  check_no_overlap(op, i, g, "grads", p, "params");
+  check_param_and_grad(op, i, p, g, device, pdtype, gdtype);
   if (has_master) {
     check_dense(op, "master_params", i, mp, device);
     check_dtype(op, "master_params", i, mp, mdtype, DtypeRule::kLikeList0);
@@ -274,6 +281,101 @@ C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList ma
   }
 }
 
+// ---- rows held from an earlier call over the same lists (StepAddresses::state_taken) --------
+
+// params[i]'s sizes and strides are those recorded when the state was taken.
+C10_ALWAYS_INLINE bool same_layout_as_recorded(const c10::TensorImpl& param,
+                                               const StepAddresses& held, size_t i) {
+  const int64_t* recorded = held.param_layouts.data() + held.param_layout_at[i];
+  const auto dims = static_cast<size_t>(held.param_layout_at[i + 1] - held.param_layout_at[i]) / 2;
+  const c10::IntArrayRef sizes = param.sizes();
+  const c10::IntArrayRef strides = param.strides();
+  return sizes.size() == dims && sizes.equals(c10::IntArrayRef(recorded, dims)) &&
+         strides.equals(c10::IntArrayRef(recorded + dims, dims));
+}
+
+// Index i of a call whose rows hold the master/state/step addresses: params[i] and grads[i]
+// checked as check_step_index checks them, in its order, and their addresses taken. False
+// (nothing raised) where params[i]'s layout is not the recorded one: the call then goes
+// through the full checks, which judge it against the state itself.
+C10_ALWAYS_INLINE bool check_held_step_index(const char* op, size_t i, TensorList params,
+                                             TensorList grads, const c10::Device& device,
+                                             c10::ScalarType pdtype, c10::ScalarType gdtype,
+                                             StepAddresses& held) {
+  TensorFacts p, g;
+  read_facts(params[i], device, /*with_span=*/true, p);
+  read_facts(grads[i], device, /*with_span=*/true, g);
+  check_param_and_grad(op, i, p, g, device, pdtype, gdtype);
+  if (C10_UNLIKELY(!p.concrete ||
+                   !same_layout_as_recorded(*params[i].unsafeGetTensorImpl(), held, i))) {
+    return false;
+  }
+  StepRow& row = held.rows[i];
+  row.param = plain_address(params[i]);
+  row.grad = plain_address(grads[i]);
+  if ((row.param == nullptr || row.grad == nullptr) && row.numel != 0) {
+    held.needs_mutable_access = true;
+  }
+  return true;
+}
+
+// The walk of a call with held rows; false where it must go through the full checks instead.
+bool check_held_step_lists(const char* op, TensorList params, TensorList grads,
+                           const c10::Device& device, c10::ScalarType pdtype,
+                           c10::ScalarType gdtype, StepAddresses& held) {
+  const size_t n = params.size();
+  if (held.rows.size() != n || held.param_dtype != pdtype || held.param_device != device) {
+    return false;
+  }
+  held.needs_mutable_access = false;
+  for (size_t i = 0; i < n; ++i) {
+    prefetch_ahead(i, {params, grads});
+    if (!check_held_step_index(op, i, params, grads, device, pdtype, gdtype, held)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// After the full checks of a call whose rows its caller keeps: what the next call compares
+// against, and the state's memory, held. Rows that needed the mutable accessors are not kept
+// (the backend retakes them; the next call checks everything again).
+void record_held_state(TensorList params, TensorList master_params, TensorList steps,
+                       const StateLists& state, c10::ScalarType pdtype,
+                       const c10::Device& device, StepAddresses& held) {
+  held.forget();
+  if (held.needs_mutable_access) {
+    return;
+  }
+  const size_t n = params.size();
+  held.param_layout_at.reserve(n + 1);
+  held.state_storages.reserve(n * (2 + state.count));
+  const auto hold = [&](const Tensor& t) {
+    held.state_storages.push_back(t.unsafeGetTensorImpl()->unsafe_storage());
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const c10::TensorImpl& p = *params[i].unsafeGetTensorImpl();
+    if (!has_concrete_sizes(p)) {
+      held.forget();
+      return;
+    }
+    held.param_layout_at.push_back(held.param_layouts.size());
+    held.param_layouts.insert(held.param_layouts.end(), p.sizes().begin(), p.sizes().end());
+    held.param_layouts.insert(held.param_layouts.end(), p.strides().begin(), p.strides().end());
+    if (!master_params.empty()) {
+      hold(master_params[i]);
+    }
+    for (size_t k = 0; k < state.count; ++k) {
+      hold(state.lists[k][i]);
+    }
+    hold(steps[i]);
+  }
+  held.param_layout_at.push_back(held.param_layouts.size());
+  held.param_dtype = pdtype;
+  held.param_device = device;
+  held.state_taken = true;
+}
+
 // How the weights are kept, from master_params[0]'s dtype (static_switch.h WeightStore): FP32
 // masters for any params; int16 remainders for BF16 params; a compensation of the params' own
 // 16-bit dtype. Stochastic rounding (rounding_seeds) keeps nothing but BF16 params.
@@ -317,9 +419,6 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
   if (n == 0) {
     return;
   }
-  if (addresses != nullptr) {
-    addresses->rows.resize(n);
-  }
   const auto device = params[0].device();
   const auto pdtype = params[0].scalar_type();
   TORCH_CHECK(is_float_kind(pdtype), op, ": params have dtype ", pdtype,
@@ -338,6 +437,15 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
                           : state.lists[0][0].scalar_type();
   TORCH_CHECK(sdtype == at::kFloat || sdtype == at::kBFloat16, op, ": ", state.names[0],
               " have dtype ", sdtype, "; optimizer state is float32 or bfloat16");
+  if (addresses != nullptr && addresses->state_taken &&
+      check_held_step_lists(op, params, grads, device, pdtype, gdtype, *addresses)) {
+    return;
+  }
+  if (addresses != nullptr) {
+    addresses->forget();
+    addresses->needs_mutable_access = false;
+    addresses->rows.assign(n, StepRow{});
+  }
   for (size_t i = 0; i < n; ++i) {
     prefetch_ahead(i, {params, grads, master_params, steps, state.lists[0], state.lists[1],
                        state.lists[2]});  // absent lists are empty: nothing to prefetch
@@ -346,6 +454,9 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
     if (addresses != nullptr) {
       take_addresses(i, params, master_params, grads, steps, state, *addresses);
     }
+  }
+  if (addresses != nullptr && addresses->kept) {
+    record_held_state(params, master_params, steps, state, pdtype, device, *addresses);
   }
 }
 

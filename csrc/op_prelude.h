@@ -178,6 +178,19 @@ template <typename Backend>
 struct takes_step_addresses<Backend, std::void_t<decltype(Backend::kTakesStepAddresses)>>
     : std::bool_constant<Backend::kTakesStepAddresses> {};
 
+// Where Backend's kernels take the addresses: the rows its caller lent for these lists (the
+// engine's, kept from its previous step over them), else `own`, the call's own.
+template <typename Backend>
+StepAddresses* step_rows_for(TensorList params, TensorList master_params, TensorList steps,
+                             StepAddresses& own) {
+  if constexpr (takes_step_addresses<Backend>::value) {
+    StepAddresses* lent = borrow_step_rows(params, master_params, steps);
+    return lent != nullptr ? lent : &own;
+  } else {
+    return nullptr;
+  }
+}
+
 // Grads the fused kernels do not walk (FP64, or strided but not dense) go to torch's own
 // kernel, which torch's op also uses for them; the contract is the same. With statistics and
 // such grads (a rare mix), grad_stats_'s own path reads them all first, then the plain unscale.
@@ -239,7 +252,7 @@ void adam_step(TensorList params, TensorList master_params, TensorList grads,
                std::optional<TensorList> max_exp_avg_sqs, c10::OptionalIntArrayRef rounding_seeds) {
   const TensorList v_maxes = max_exp_avg_sqs.value_or(TensorList());
   StepAddresses addresses;
-  StepAddresses* const taken = takes_step_addresses<Backend>::value ? &addresses : nullptr;
+  StepAddresses* const taken = step_rows_for<Backend>(params, master_params, steps, addresses);
   if (checks::adam_step(AdamStep::kOp, params, master_params, grads, exp_avgs, exp_avg_sqs,
                         v_maxes, steps, lr, beta1, beta2, eps, weight_decay, lr_tensor, inv_scale,
                         found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, taken)) {
@@ -265,7 +278,7 @@ void sgd_step(TensorList params, TensorList master_params, TensorList grads,
               bool adopt_param_edits, bool write_back_grads,
               c10::OptionalIntArrayRef rounding_seeds) {
   StepAddresses addresses;
-  StepAddresses* const taken = takes_step_addresses<Backend>::value ? &addresses : nullptr;
+  StepAddresses* const taken = step_rows_for<Backend>(params, master_params, steps, addresses);
   if (checks::sgd_step(SgdStep::kOp, params, master_params, grads, momentum_buffers, steps, lr,
                        momentum, dampening, weight_decay, nesterov, lr_tensor, inv_scale,
                        found_inf, grad_sum_sq, max_grad_norm, rounding_seeds, taken)) {

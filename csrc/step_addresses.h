@@ -5,6 +5,7 @@
 // TensorImpl and StorageImpl a second time after the checks: in a step over thousands of small
 // tensors, those cache misses were a third of the host time (perf, issue 13).
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COW.h>
 
@@ -36,7 +37,52 @@ struct StepAddresses {
   // every address through the tensors' mutable accessors instead, after the checks, so that
   // torch's own handling (the copy, its error) applies.
   bool needs_mutable_access = false;
+
+  // ---- rows a caller keeps from one call to the next over the same lists ------------------
+  // (the engine keeps one per bucket and lends it to each step: StepRowsLoan). The first call
+  // checks every tensor and records, besides the rows, what the later calls compare against;
+  // a later call then checks only params and grads (new every step) and takes only their
+  // addresses: the master weights, state and step counts are the caller's own tensors, the
+  // same ones as before, so their metadata (four of a row's six tensors, most of the step's
+  // cache misses) is not read again. Anything that differs from the record sends the call
+  // back through the full checks, which record anew.
+  bool kept = false;         // by a caller, across calls (set by StepRowsLoan)
+  bool state_taken = false;  // the rows' master/state/step addresses are checked and current
+  c10::ScalarType param_dtype = c10::ScalarType::Undefined;  // of params then
+  c10::Device param_device = c10::Device(c10::kCPU);
+  // Per row, params[i]'s sizes then strides when the state was taken, from param_layout_at[i]
+  // (param_layout_at[n] ends the last row).
+  std::vector<int64_t> param_layouts;
+  std::vector<size_t> param_layout_at;
+  // The state's memory, held while its addresses are: a state tensor given other memory
+  // (`set_`, `.data =`) must leave no dangling address behind (its new memory is not seen
+  // until the caller rebuilds; the engine documents it).
+  std::vector<c10::Storage> state_storages;
+
+  // Forgets the record (the next call checks everything and records again).
+  void forget() {
+    state_taken = false;
+    param_layouts.clear();
+    param_layout_at.clear();
+    state_storages.clear();
+  }
 };
+
+// Lends a caller's kept rows to the next step op this thread runs over exactly these lists
+// (the same vectors: params, master_params and steps by address and length), for one call.
+// Ops reached otherwise (another thread, other lists, a user's call) never see them.
+class StepRowsLoan {
+ public:
+  StepRowsLoan(StepAddresses& rows, at::TensorList params, at::TensorList master_params,
+               at::TensorList steps);
+  ~StepRowsLoan();
+  StepRowsLoan(const StepRowsLoan&) = delete;
+  StepRowsLoan& operator=(const StepRowsLoan&) = delete;
+};
+
+// The rows lent for a call over these lists, taken (a second call gets none); nullptr if none.
+StepAddresses* borrow_step_rows(at::TensorList params, at::TensorList master_params,
+                                at::TensorList steps);
 
 // The address of element 0 of a checked dense tensor, as its mutable accessor would give it
 // where that gives the same pointer without side effects; nullptr where it would not (see

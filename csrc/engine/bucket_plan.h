@@ -8,6 +8,8 @@
 
 #include <vector>
 
+#include "../step_addresses.h"
+
 namespace fusedamp::optim::detail {
 
 class DeviceStats;
@@ -33,6 +35,13 @@ struct Bucket {
   // master_weights "stochastic": each parameter's rounding seed (from the group's seed and
   // the parameter's index in the optimizer); empty otherwise.
   std::vector<int64_t> rounding_seeds;
+  // The step op's element rows for these lists, kept from one step to the next (lent to the
+  // op for each call: step_addresses.h, StepRowsLoan): after the first step only params and
+  // grads are checked again. The state tensors are the engine's own; one given other memory
+  // by a user (`set_`, `.data =`) is not seen until the bucket is rebuilt (set_param_state
+  // and load_state_dict rebuild it); in-place edits are seen at once. A cache, so mutable in
+  // a const bucket; only backends that walk host memory (the CPU) use it.
+  mutable StepAddresses step_rows;
 };
 
 class BucketPlan {

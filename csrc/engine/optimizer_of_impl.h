@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 
+#include "bucket_plan.h"
 #include "option_checks.h"
 
 namespace fusedamp::optim {
@@ -158,6 +159,7 @@ void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const torch::optim::OptimizerOptions& o,
                                       const ops::StepScalars& s,
                                       const ops::StepModes& modes) const {
+  const StepRowsLoan loan(b.step_rows, b.params, b.master_params, b.steps);
   AlgorithmOf<Options>::run(b, detail::as<Options>(o), s, modes);
 }
 

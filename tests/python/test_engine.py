@@ -372,3 +372,68 @@ def test_step_keeps_no_gradient_alive_after_zero_grad(device):
         scaler.update()
         opt.zero_grad(set_to_none=True)
         assert all(g() is None for g in grads), "a gradient outlived zero_grad(set_to_none=True)"
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
+    """After a bucket's first step the engine keeps the addresses of its own tensors (master
+    weights, moments, step counts; on the CPU) and checks only params and grads again. What a
+    user does between steps must still reach the step exactly: a parameter given new memory of
+    its shape (`.data =`), in-place edits of a parameter and of a state tensor, a state replaced
+    through load_state_dict. Reference: a twin whose state is reloaded before every step, so
+    that every tensor of it is checked and taken afresh each time; bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device=device).half())
+              for s in [(5,), (3, 4), (7,)]]
+        opt = (fusedamp.optim.AdamW(ps, lr=1e-2) if kind == "AdamW"
+               else fusedamp.optim.SGD(ps, lr=1e-2, momentum=0.9))
+        return ps, opt
+
+    (kept, opt), (fresh, twin) = make(), make()
+    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    gen = torch.Generator().manual_seed(2)
+    for step in range(7):
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in kept]
+        for params, o in ((kept, opt), (fresh, twin)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            with torch.no_grad():
+                if step == 2:  # new memory for param 0, its shape, other values
+                    params[0].data = (params[0].detach() * 0.5).clone()
+                if step == 3:  # in place: a parameter and a state tensor
+                    params[1].mul_(0.25)
+                    o.state[params[2]][moment].mul_(-1.0)
+            if step == 5:  # a state replaced through load_state_dict
+                sd = o.state_dict()
+                sd["state"][0][moment] = sd["state"][0][moment] + 1.0
+                o.load_state_dict(sd)
+        twin.load_state_dict(twin.state_dict())
+        opt.step()
+        twin.step()
+        for i, (a, b) in enumerate(zip(kept, fresh)):
+            assert torch.equal(a, b), (step, i)
+            for name, value in opt.state[a].items():
+                assert torch.equal(value, twin.state[b][name]), (step, i, name)
+    assert not torch.equal(kept[2].detach(), make()[0][2].detach())  # the steps moved it
+
+
+@pytest.mark.parametrize("new_shape", [(2, 3), (8,)])
+def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_shape):
+    """A parameter given memory of another shape after the engine has stepped it (its state was
+    taken for the old shape): a clear error, nothing modified; never a step over the state of
+    the old shape."""
+    p = torch.nn.Parameter(torch.randn(6, device=device).half())
+    opt = fusedamp.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(6, device=device).half()
+    opt.step()
+    with torch.no_grad():
+        p.data = torch.randn(new_shape, device=device).half()
+    p.grad = torch.randn(new_shape, device=device).half()
+    weight = p.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match=r"has shape \[6\] but params\[0\] has shape"):
+        opt.step()
+    assert torch.equal(p.detach(), weight)
+    for name, value in opt.state[p].items():
+        assert torch.equal(value, state[name]), name
