@@ -352,6 +352,7 @@ void record_held_state(TensorList params, TensorList master_params, TensorList s
   held.state_storages.reserve(n * (2 + state.count));
   const auto hold = [&](const Tensor& t) {
     held.state_storages.push_back(t.unsafeGetTensorImpl()->unsafe_storage());
+    held.state_keys = held.state_keys | t.key_set();
   };
   for (size_t i = 0; i < n; ++i) {
     const c10::TensorImpl& p = *params[i].unsafeGetTensorImpl();

@@ -1,6 +1,9 @@
 // fusedamp::ops::* — typed calls into the dispatcher (see include/fusedamp/ops.h).
 #include <fusedamp/ops.h>
 
+#include <ATen/record_function.h>
+
+#include "op_calls.h"
 #include "op_handles.h"
 
 namespace fusedamp::ops {
@@ -26,30 +29,87 @@ void update_scale_(
       growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
 }
 
+namespace {
+
+// A step op's arguments from fusedamp's structs, handed to `invoke`: the dispatcher's call, or
+// a redispatch straight to a known kernel (detail::*_step_to).
+template <typename Invoke>
+void adam_arguments(const Invoke& invoke, TensorList params, TensorList master_params,
+                    TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                    TensorList steps, const AdamArgs& a, const StepScalars& s,
+                    const StepModes& modes, TensorList max_exp_avg_sqs) {
+  invoke(params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2,
+         a.eps, a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
+         s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
+         modes.write_back_grads,
+         max_exp_avg_sqs.empty() ? std::nullopt : std::optional<TensorList>(max_exp_avg_sqs),
+         modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
+                                      : c10::OptionalIntArrayRef(modes.rounding_seeds));
+}
+
+template <typename Invoke>
+void sgd_arguments(const Invoke& invoke, TensorList params, TensorList master_params,
+                   TensorList grads, TensorList momentum_buffers, TensorList steps,
+                   const SgdArgs& a, const StepScalars& s, const StepModes& modes) {
+  invoke(params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
+         a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
+         s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads,
+         modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
+                                      : c10::OptionalIntArrayRef(modes.rounding_seeds));
+}
+
+// The dispatcher's call, or (with `keys`) a redispatch to their kernel. A redispatch records
+// no profiler event of its own: the call's name is recorded here, as the dispatcher would.
+template <typename Signature>
+auto invoker(const c10::TypedOperatorHandle<Signature>& op, const char* name,
+             std::optional<c10::DispatchKeySet> keys) {
+  return [&op, name, keys](auto&&... args) {
+    if (!keys) {
+      op.call(args...);
+      return;
+    }
+    RECORD_FUNCTION(name, std::vector<c10::IValue>());
+    op.redispatch(*keys, args...);
+  };
+}
+
+}  // namespace
+
 void adam_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
     TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a, const StepScalars& s,
     const StepModes& modes, TensorList max_exp_avg_sqs) {
-  op_handles::adam_step().call(
-      params, master_params, grads, exp_avgs, exp_avg_sqs, steps, a.lr, a.beta1, a.beta2, a.eps,
-      a.weight_decay, a.decoupled_weight_decay, a.maximize, s.lr_tensor, s.inv_scale,
-      s.found_inf, s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits,
-      modes.write_back_grads,
-      max_exp_avg_sqs.empty() ? std::nullopt : std::optional<TensorList>(max_exp_avg_sqs),
-      modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
-                                   : c10::OptionalIntArrayRef(modes.rounding_seeds));
+  detail::adam_step_to(std::nullopt, params, master_params, grads, exp_avgs, exp_avg_sqs, steps,
+                       a, s, modes, max_exp_avg_sqs);
 }
 
 void sgd_step_(
     TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
     TensorList steps, const SgdArgs& a, const StepScalars& s, const StepModes& modes) {
-  op_handles::sgd_step().call(
-      params, master_params, grads, momentum_buffers, steps, a.lr, a.momentum, a.dampening,
-      a.weight_decay, a.nesterov, a.maximize, s.lr_tensor, s.inv_scale, s.found_inf,
-      s.grad_sum_sq, s.max_grad_norm, modes.adopt_param_edits, modes.write_back_grads,
-      modes.rounding_seeds.empty() ? c10::OptionalIntArrayRef()
-                                   : c10::OptionalIntArrayRef(modes.rounding_seeds));
+  detail::sgd_step_to(std::nullopt, params, master_params, grads, momentum_buffers, steps, a, s,
+                      modes);
 }
+
+namespace detail {
+
+void adam_step_to(std::optional<c10::DispatchKeySet> keys, TensorList params,
+                  TensorList master_params, TensorList grads, TensorList exp_avgs,
+                  TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a,
+                  const StepScalars& s, const StepModes& modes, TensorList max_exp_avg_sqs) {
+  adam_arguments(invoker(op_handles::adam_step(), "fusedamp::adam_step_", keys), params,
+                 master_params, grads, exp_avgs, exp_avg_sqs, steps, a, s, modes,
+                 max_exp_avg_sqs);
+}
+
+void sgd_step_to(std::optional<c10::DispatchKeySet> keys, TensorList params,
+                 TensorList master_params, TensorList grads, TensorList momentum_buffers,
+                 TensorList steps, const SgdArgs& a, const StepScalars& s,
+                 const StepModes& modes) {
+  sgd_arguments(invoker(op_handles::sgd_step(), "fusedamp::sgd_step_", keys), params,
+                master_params, grads, momentum_buffers, steps, a, s, modes);
+}
+
+}  // namespace detail
 
 }  // namespace fusedamp::ops
 

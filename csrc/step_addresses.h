@@ -5,6 +5,7 @@
 // TensorImpl and StorageImpl a second time after the checks: in a step over thousands of small
 // tensors, those cache misses were a third of the host time (perf, issue 13).
 #include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COW.h>
@@ -58,6 +59,9 @@ struct StepAddresses {
   // (`set_`, `.data =`) must leave no dangling address behind (its new memory is not seen
   // until the caller rebuilds; the engine documents it).
   std::vector<c10::Storage> state_storages;
+  // The dispatch keys of those tensors together (the engine's call needs no dispatcher to
+  // read them again: engine/step_dispatch.h).
+  c10::DispatchKeySet state_keys;
 
   // Forgets the record (the next call checks everything and records again).
   void forget() {
@@ -65,6 +69,7 @@ struct StepAddresses {
     param_layouts.clear();
     param_layout_at.clear();
     state_storages.clear();
+    state_keys = c10::DispatchKeySet();
   }
 };
 

@@ -3,6 +3,7 @@
 
 #include <torch/serialize/archive.h>
 
+#include "../op_calls.h"
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
@@ -86,7 +87,7 @@ struct AlgorithmOf<AdamOptions> {
   }
 
   static void run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s,
-                  const ops::StepModes& modes) {
+                  const ops::StepModes& modes, std::optional<c10::DispatchKeySet> keys) {
     ops::AdamArgs args;
     args.lr = o.lr();
     args.beta1 = std::get<0>(o.betas());
@@ -95,8 +96,9 @@ struct AlgorithmOf<AdamOptions> {
     args.weight_decay = o.weight_decay();
     args.decoupled_weight_decay = o.decoupled_weight_decay();
     args.maximize = o.maximize();
-    ops::adam_step_(b.params, b.master_params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
-                    args, s, modes, b.max_exp_avg_sqs);  // filled only with amsgrad
+    ops::detail::adam_step_to(keys, b.params, b.master_params, b.grads, b.exp_avgs,
+                              b.exp_avg_sqs, b.steps, args, s, modes,
+                              b.max_exp_avg_sqs);  // filled only with amsgrad
   }
 };
 

@@ -9,7 +9,8 @@
 //     static std::optional<double> option(const MyOptions&, const std::string&);
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
 //     static void run(const Bucket&, const MyOptions&, const ops::StepScalars&,
-//                     const ops::StepModes&);  // the fused op
+//                     const ops::StepModes&,    // the fused op, through
+//                     std::optional<c10::DispatchKeySet>);  // ops::detail::*_step_to
 //   };
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
@@ -22,6 +23,7 @@
 
 #include "bucket_plan.h"
 #include "option_checks.h"
+#include "step_dispatch.h"
 
 namespace fusedamp::optim {
 
@@ -160,7 +162,7 @@ void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const ops::StepScalars& s,
                                       const ops::StepModes& modes) const {
   const StepRowsLoan loan(b.step_rows, b.params, b.master_params, b.steps);
-  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s, modes);
+  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s, modes, detail::direct_step_keys(b));
 }
 
 }  // namespace fusedamp::optim

@@ -3,6 +3,7 @@
 
 #include <torch/serialize/archive.h>
 
+#include "../op_calls.h"
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
@@ -67,7 +68,7 @@ struct AlgorithmOf<SGDOptions> {
   }
 
   static void run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s,
-                  const ops::StepModes& modes) {
+                  const ops::StepModes& modes, std::optional<c10::DispatchKeySet> keys) {
     ops::SgdArgs args;
     args.lr = o.lr();
     args.momentum = o.momentum();
@@ -75,8 +76,8 @@ struct AlgorithmOf<SGDOptions> {
     args.weight_decay = o.weight_decay();
     args.nesterov = o.nesterov();
     args.maximize = o.maximize();
-    ops::sgd_step_(b.params, b.master_params, b.grads, b.momentum_buffers, b.steps, args, s,
-                   modes);
+    ops::detail::sgd_step_to(keys, b.params, b.master_params, b.grads, b.momentum_buffers,
+                             b.steps, args, s, modes);
   }
 };
 

@@ -437,3 +437,38 @@ def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_sha
     assert torch.equal(p.detach(), weight)
     for name, value in opt.state[p].items():
         assert torch.equal(value, state[name]), name
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_engine_step_ops_are_seen_by_dispatch_modes_and_the_profiler(device, kind):
+    """From its second step on, the engine's CPU step op goes straight to its kernel (the engine
+    knows its own tensors' dispatch keys). A __torch_dispatch__ mode must still see the op
+    (the call then goes through the dispatcher), and the profiler must still record it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    op = "adam_step_" if kind == "AdamW" else "sgd_step_"
+    params = [torch.nn.Parameter(torch.randn(6, device=device).half()) for _ in range(3)]
+    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    for step in range(4):
+        for p in params:
+            p.grad = torch.randn(6, device=device).half()
+        if step == 2:
+            with SeenOps() as mode:
+                opt.step()
+            assert f"fusedamp.{op}.default" in mode.names, mode.names
+        elif step == 3:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                opt.step()
+            assert f"fusedamp::{op}" in {e.name for e in prof.events()}
+        else:
+            opt.step()
