@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "inverse_scale.h"
 #include "scaler_grads.h"
 #include "scaler_telemetry.h"
 
@@ -93,14 +94,28 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
 
 void GradScaler::begin_iteration(const c10::Device& fallback) {
   ensure_state(fallback);
-  if (!inv_scale_fresh_) {
-    // As torch: the reciprocal in double, rounded once to float.
-    inv_scale_.copy_(scale_.to(at::kDouble).reciprocal());
-    inv_scale_fresh_ = true;
+  if (!iteration_begun_) {
+    iteration_begun_ = true;
     if (telemetry_) {
       telemetry_->begin_iteration(scale_.device());
     }
   }
+}
+
+const at::Tensor& GradScaler::inv_scale_tensor() const {
+  // Computed when first asked for in an iteration: an optimizer that unscales in its own step
+  // (fusedamp's, torch's fused ones) never needs the scaler's.
+  if (!inv_scale_current_ && inv_scale_.defined()) {
+    detail::inverse_scale_into(inv_scale_, scale_);
+    inv_scale_current_ = true;
+  }
+  return inv_scale_;
+}
+
+void GradScaler::end_iteration() {
+  per_optimizer_.clear();
+  iteration_begun_ = false;
+  inv_scale_current_ = false;
 }
 
 at::Tensor GradScaler::zero_flag() const {
@@ -133,7 +148,8 @@ void GradScaler::unscale_(OptimizerKey key, at::TensorList params) {
   auto& r = record_unscale(key);
   begin_iteration(first_device(params, c10::Device(c10::kCPU)));
   at::NoGradGuard no_grad;
-  r.found_inf = detail::unscale_grads(params, inv_scale_, scale_.device(), telemetry_.get());
+  r.found_inf = detail::unscale_grads(params, inv_scale_tensor(), scale_.device(),
+                                      telemetry_.get());
   r.stage = Stage::kUnscaled;
 }
 
@@ -223,7 +239,15 @@ void GradScaler::update() {
       continue;
     }
     if (!any) {
-      found_inf_.copy_(r.found_inf);
+      // The flags are the scaler's own, made for this iteration: the first becomes found_inf_
+      // without a copy (a kernel launch on a GPU) where it can; the others are added into it.
+      const auto& first = r.found_inf;
+      if (first.device() == scale_.device() && first.scalar_type() == at::kFloat &&
+          first.numel() == 1) {
+        found_inf_ = first.reshape({1});
+      } else {
+        found_inf_ = first.to(scale_.device(), at::kFloat).reshape({1}).clone();
+      }
       any = true;
     } else {
       found_inf_.add_(r.found_inf.to(found_inf_.device()));
@@ -245,8 +269,7 @@ void GradScaler::update() {
                      opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
                      opts_.hysteresis(), opts_.min_scale(), opts_.max_scale(), amax,
                      amax_target);
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
+  end_iteration();
 }
 
 void GradScaler::update(double new_scale) {
@@ -256,8 +279,7 @@ void GradScaler::update(double new_scale) {
   check_positive_finite("new_scale", new_scale);
   ensure_state(opts_.device().value_or(c10::Device(c10::kCPU)));
   scale_.fill_(new_scale);
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
+  end_iteration();
   if (telemetry_) {
     telemetry_->discard();
   }

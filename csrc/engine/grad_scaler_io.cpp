@@ -144,8 +144,7 @@ void GradScaler::load(torch::serialize::InputArchive& a) {
     check_state(s.item<double>(), g.item<int64_t>(), h.item<int64_t>());
   }
   opts_ = o;
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
+  end_iteration();
   if (has_state) {
     load_state(counters[0].item<double>(), counters[1].item<int64_t>(),
                counters[2].item<int64_t>());
@@ -172,8 +171,7 @@ void GradScaler::load_state(double scale, int64_t growth_tracker, int64_t hyster
   scale_.fill_(scale);
   growth_tracker_.fill_(growth_tracker);
   hysteresis_tracker_.fill_(hysteresis_tracker);
-  per_optimizer_.clear();
-  inv_scale_fresh_ = false;
+  end_iteration();
 }
 
 void GradScaler::check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {

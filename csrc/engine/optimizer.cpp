@@ -9,6 +9,7 @@
 
 #include "bucket_plan.h"
 #include "device_stats.h"
+#include "inverse_scale.h"
 #include "param_state_store.h"
 
 namespace fusedamp::optim {
@@ -90,10 +91,10 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
   if (have_stats) {
     stats_->broadcast_primary();  // a caller may have reduced the primary's values in place
   }
-  // The inverse scale per device, as torch computes it: the reciprocal in double, once rounded.
+  // The inverse scale per device, as torch computes it.
   std::vector<at::Tensor> inv_scale;
   if (grad_scale.defined()) {
-    const auto inv = grad_scale.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+    const auto inv = fusedamp::detail::inverse_scale(grad_scale);
     for (const auto& b : buckets) {
       if (inv_scale.size() <= b.device_slot) {
         inv_scale.resize(b.device_slot + 1);
@@ -155,9 +156,9 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked) {
     skipped_steps_ = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(d));
   }
   if (checked) {
-    const auto skipped = found_inf.ne(0);
-    skipped_steps_.add_(skipped);
-    last_step_applied_.copy_(skipped.logical_not());
+    // Written straight into the counters (three ATen calls, each a kernel launch on a GPU).
+    at::eq_out(last_step_applied_, found_inf, 0);
+    skipped_steps_.add_(found_inf.ne(0));
   } else {
     last_step_applied_.fill_(1);
   }

@@ -5,7 +5,11 @@
 #include <fusedamp/optim/sgd.h>
 #include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/grad_scaler.h>
+#include <ATen/record_function.h>
 #include <torch/extension.h>
+
+#include <optional>
+#include <string>
 
 #include "bindings.h"
 
@@ -40,6 +44,20 @@ at::Tensor tensor_or_undefined(const std::optional<at::Tensor>& t) {
 at::Tensor lr_tensor_of(const at::Tensor& lr) {
   const auto t = lr.detach();
   return t.scalar_type() == at::kFloat && t.dim() == 1 ? t : t.to(at::kFloat).reshape({1});
+}
+
+// Runs `step` inside the profiler scope torch.optim gives a step ("Optimizer.step#AdamW.step"),
+// when optim.py passes the name. Opened here rather than by torch's Python record_function,
+// which makes a dispatcher call per step whether or not anything observes it; an
+// at::RecordFunction with no callbacks installed costs a flag test.
+template <typename Step>
+void in_step_scope(const std::optional<std::string>& record_as, const Step& step) {
+  if (!record_as) {
+    step();
+    return;
+  }
+  RECORD_USER_SCOPE(*record_as);
+  step();
 }
 
 std::string group_name(size_t i) {
@@ -127,16 +145,25 @@ void validate_groups(const py::list& groups) {
 
 void bind_optim(py::module_& m) {
   py::class_<Optimizer>(m, "Optimizer")
-      .def("step", [](Optimizer& o) { o.step(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](Optimizer& o, const std::optional<std::string>& record_as) {
+            in_step_scope(record_as, [&] { o.step(); });
+          },
+          py::arg("record_as") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def(
           "step_amp",
           [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,
-             const std::optional<at::Tensor>& found_inf, GradScaler* telemetry_of) {
+             const std::optional<at::Tensor>& found_inf, GradScaler* telemetry_of,
+             const std::optional<std::string>& record_as) {
             GradTelemetrySink* sink = telemetry_of ? telemetry_of->telemetry_sink() : nullptr;
             py::gil_scoped_release no_gil;
-            o.step_amp(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf), sink);
+            in_step_scope(record_as, [&] {
+              o.step_amp(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf), sink);
+            });
           },
-          py::arg("grad_scale"), py::arg("found_inf"), py::arg("telemetry_of") = nullptr)
+          py::arg("grad_scale"), py::arg("found_inf"), py::arg("telemetry_of") = nullptr,
+          py::arg("record_as") = py::none())
       // The phases, for front ends that put collectives between them (distributed.py).
       .def("gather_grads", &Optimizer::gather_grads)
       .def(

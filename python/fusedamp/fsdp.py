@@ -28,6 +28,8 @@ DTensors are refused: their gradients are per rank and would be counted once per
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -122,6 +124,13 @@ def _needs_stats(group) -> bool:
     return group.get("skip_nonfinite", True) or group.get("max_grad_norm") is not None
 
 
+def _step_scope(record_as):
+    """The profiler scope the C++ engine opens for a step named `record_as` (None: none)."""
+    if record_as is None:
+        return contextlib.nullcontext()
+    return torch.autograd.profiler.record_function(record_as)
+
+
 class ShardEngine:
     """The C++ engine (``engine_cls``) over the local shards of DTensor parameters, with the
     engine's interface: what optim.FusedOptimizer calls. Parameters in and state out are the
@@ -145,16 +154,18 @@ class ShardEngine:
         self._param_groups = param_groups
         self._engine.sync_options(param_groups)
 
-    def step(self):
+    def step(self, record_as=None):
         needs_stats = any(_needs_stats(g) for g in self._param_groups or ())
-        self._phases(None, None, scaled=False, stats=needs_stats)
+        with _step_scope(record_as):
+            self._phases(None, None, scaled=False, stats=needs_stats)
 
-    def step_amp(self, grad_scale, found_inf, telemetry_of=None):
+    def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
         # found_inf is reduced even when the gradients were unscaled already (scaler.unscale_
         # checked this rank's shards only), so the statistics pass always runs. The scaler's
         # telemetry (telemetry_of) is not fed from here: a rank sees only its shards, and the
         # record would describe a different set of gradients on every rank.
-        self._phases(grad_scale, found_inf, scaled=True, stats=True)
+        with _step_scope(record_as):
+            self._phases(grad_scale, found_inf, scaled=True, stats=True)
 
     @torch.no_grad()
     def _phases(self, grad_scale, found_inf, scaled, stats):

@@ -36,17 +36,24 @@ Extra arguments over torch's:
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import defaultdict
 from typing import Iterable
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from ._library import _C
 from .diagnostics import History
 from .fsdp import make_engine
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
+
+# torch.optim's registries of global step hooks (register_optimizer_step_pre_hook / _post_hook),
+# read by the step to decide whether it needs torch's hook-running wrapper.
+_GLOBAL_STEP_HOOKS = (_torch_optimizer._global_optimizer_pre_hooks,
+                      _torch_optimizer._global_optimizer_post_hooks)
 
 
 class StepResults:
@@ -120,26 +127,47 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
                 self._engine.set_skipped_steps(old.skipped_steps())
 
     # ---- the step --------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One fused step; under a loss scaler (torch's AMP protocol) a scaled one."""
+    def step(self, *args, **kwargs):
+        """step(closure=None): one fused step; under a loss scaler (torch's AMP protocol) a
+        scaled one."""
+        if args or kwargs or _step_hooks_of(self):
+            # Hooks see the arguments exactly as given (torch's wrapper passes them on).
+            return self._step_through_torch_wrapper(*args, **kwargs)
+        # What torch's step wrapper does when no hook is registered, at a fraction of its host
+        # cost: the profiler scope is opened by the engine's call (record_as), the profiler's
+        # Python tracer still sees _optimizer_step_code.
+        self._run_engine_step(f"Optimizer.step#{type(self).__name__}.step")
+        self._optimizer_step_code()
+        return None
+
+    # torch.optim.Optimizer.__init__ wraps a class's step() in its profiling/hook wrapper unless
+    # the step says it is already hooked: this one runs hooks itself (through the wrapper).
+    step.hooked = True
+
+    def _step_body(self, closure=None):
         loss = closure_loss(closure)
+        self._run_engine_step(None)  # torch's wrapper opened the profiler scope
+        return loss
+
+    # The step with pre/post hooks or a closure: torch's own wrapper (record_function, the
+    # hooks in torch's order with torch's argument rewriting, _optimizer_step_code).
+    _step_through_torch_wrapper = torch.optim.Optimizer.profile_hook_step(_step_body)
+    step.__signature__ = inspect.signature(_step_body)
+
+    def _run_engine_step(self, record_as):
+        # The engine runs its step without autograd (its own guard): no torch.no_grad here.
         engine = self._engine
         engine.sync_options(self.param_groups)
         grad_scale, found_inf = amp_handover(self)
         if grad_scale is None and found_inf is None:
-            engine.step()
+            engine.step(record_as)
         else:
             # fusedamp.GradScaler's telemetry: this step's gradient pass records for it.
-            telemetry_of = getattr(self, "_fusedamp_telemetry_of", None)
-            if telemetry_of is None:
-                engine.step_amp(grad_scale, found_inf)
-            else:
-                engine.step_amp(grad_scale, found_inf, telemetry_of)
+            engine.step_amp(grad_scale, found_inf,
+                            getattr(self, "_fusedamp_telemetry_of", None), record_as)
         norm = engine.grad_norm()
         if norm is not None:
             self._grad_norms.record(norm)
-        return loss
 
     def grad_norm_history(self):
         """Global gradient norm (unscaled, before clipping) of each recorded step, oldest
@@ -226,6 +254,12 @@ def _from_torch_state(state):
     if "step" not in state and "momentum_buffer" in state:
         state["step"] = torch.ones(())
     return state
+
+
+def _step_hooks_of(optimizer):
+    """Whether any step pre/post hook applies to `optimizer` (its own or torch's global ones)."""
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or _GLOBAL_STEP_HOOKS[0] or _GLOBAL_STEP_HOOKS[1])
 
 
 def closure_loss(closure):

@@ -472,3 +472,131 @@ def test_engine_step_ops_are_seen_by_dispatch_modes_and_the_profiler(device, kin
             assert f"fusedamp::{op}" in {e.name for e in prof.events()}
         else:
             opt.step()
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_step_hooks_run_as_torch_runs_them(device, kind):
+    """fusedamp's step runs torch's step hooks itself (it skips torch's wrapper when none is
+    registered): per-optimizer and global pre/post hooks in torch's order, with torch's
+    arguments, a pre-hook's replacement arguments honoured; once the hooks are removed the
+    step is the plain one again. torch.optim's optimizer of the same kind is the reference."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    def make(cls_of):
+        params = [torch.nn.Parameter(torch.ones(4, device=device))]
+        opt = cls_of[kind](params, lr=0.1)
+        return params, opt
+
+    def run(cls_of):
+        params, opt = make(cls_of)
+        calls = []
+        closures_called = []
+
+        def closure():
+            closures_called.append(True)
+            return torch.tensor(3.0)
+
+        def own_pre(o, args, kwargs):
+            calls.append(("own_pre", o is opt, len(args), sorted(kwargs)))
+            if not kwargs and len(args) == 1:
+                return args, {"closure": closure}  # torch's argument rewriting
+            return None
+
+        handles = [opt.register_step_pre_hook(own_pre),
+                   opt.register_step_post_hook(
+                       lambda o, args, kwargs: calls.append(("own_post", o is opt,
+                                                             sorted(kwargs)))),
+                   register_optimizer_step_pre_hook(
+                       lambda o, args, kwargs: calls.append(("global_pre", o is opt))),
+                   register_optimizer_step_post_hook(
+                       lambda o, args, kwargs: calls.append(("global_post", o is opt)))]
+        try:
+            params[0].grad = torch.full((4,), 0.5, device=device)
+            loss = opt.step()  # the pre-hook adds the closure
+        finally:
+            for h in handles:
+                h.remove()
+        params[0].grad = torch.full((4,), 0.5, device=device)
+        calls_before = list(calls)
+        assert opt.step() is None  # no hook left: nothing recorded
+        return calls_before, calls, float(loss), len(closures_called), params[0].detach().cpu()
+
+    ours = run({"AdamW": fusedamp.optim.AdamW, "SGD": fusedamp.optim.SGD})
+    ref = run({"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD})
+    assert ours[0] == ref[0] and ours[0][0][0] == "global_pre" and len(ours[0]) == 4
+    assert ours[1] == ours[0]  # the step without hooks called none
+    assert ours[2:4] == ref[2:4] == (3.0, 1)
+    torch.testing.assert_close(ours[4], ref[4])
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_the_profiler_sees_the_step_scope_around_the_engine_ops(device, kind):
+    """torch.optim's profiler scope "Optimizer.step#<class>.step" (opened by the engine's call
+    when no hook runs, by torch's wrapper when one does) encloses the step op, plain or scaled."""
+    op = "fusedamp::adam_step_" if kind == "AdamW" else "fusedamp::sgd_step_"
+    scope = f"Optimizer.step#{kind}.step"
+    params = [torch.nn.Parameter(torch.randn(6, device=device).half()) for _ in range(2)]
+    opt = getattr(fusedamp.optim, kind)(params, lr=1e-2)
+    scaler = fusedamp.GradScaler(device, init_scale=8.0)
+
+    def enclosed(prof):
+        for e in prof.events():
+            if e.name == op:
+                parent = e.cpu_parent
+                while parent is not None and parent.name != scope:
+                    parent = parent.cpu_parent
+                return parent is not None
+        raise AssertionError(f"{op} was not recorded")
+
+    for how in ("plain", "scaled", "hooked"):
+        for p in params:
+            p.grad = torch.randn(6, device=device).half()
+        handle = opt.register_step_post_hook(lambda *a: None) if how == "hooked" else None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if how == "scaled":
+                scaler.scale(torch.ones((), device=device))
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if handle is not None:
+            handle.remove()
+        assert enclosed(prof), how
+
+
+def test_the_inverse_scale_is_torchs(device):
+    """The engine takes 1 / scale in FP32 (one op) where torch rounds the double reciprocal
+    to FP32: the same number for every FP32 scale. Checked through the optimizer (a scale
+    handed over by torch's protocol: SGD, lr 1, gradient 1 leaves -1/scale in the weight and
+    1/scale in .grad) and through the scaler's unscale_, over random scales of every
+    magnitude, against torch's formula."""
+    g = torch.Generator().manual_seed(7)
+    exponents = torch.randint(-60, 60, (150,), generator=g).to(torch.float64)
+    scales = (torch.rand(150, generator=g, dtype=torch.float64) + 1.0) * 2.0 ** exponents
+    scales = scales.float()
+    expected = scales.double().reciprocal().float()
+
+    param = torch.nn.Parameter(torch.zeros(1, device=device))
+    opt = fusedamp.optim.SGD([param], lr=1.0, master_weights=False)
+    scaler = fusedamp.GradScaler(device)
+    via_optimizer, via_scaler, via_grad = [], [], []
+    for s in scales.tolist():
+        with torch.no_grad():
+            param.zero_()
+        param.grad = torch.ones(1, device=device)
+        opt.grad_scale = torch.tensor(s, device=device)
+        opt.found_inf = torch.zeros((), device=device)
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        via_optimizer.append(-param.item())
+        via_grad.append(param.grad.item())
+
+        scaler.update(s)
+        scaler.scale(torch.ones((), device=device))
+        param.grad = torch.ones(1, device=device)
+        scaler.unscale_(opt)
+        via_scaler.append(param.grad.item())
+        scaler.update(s)  # ends the iteration (no step)
+    for got in (via_optimizer, via_grad, via_scaler):
+        assert torch.equal(torch.tensor(got, dtype=torch.float32), expected)

@@ -138,7 +138,8 @@ class GradScaler {
   double get_scale() const;
   // The device tensors themselves (no copies, no sync). Undefined before the state exists.
   const at::Tensor& scale_tensor() const { return scale_; }
-  const at::Tensor& inv_scale_tensor() const { return inv_scale_; }
+  // 1 / scale (FP32, as torch.amp rounds it), brought up to date when read.
+  const at::Tensor& inv_scale_tensor() const;
   const at::Tensor& growth_tracker() const { return growth_tracker_; }
   const at::Tensor& hysteresis_tracker() const { return hysteresis_tracker_; }
   // found_inf of the last update() (sum over the optimizers stepped; nonzero: overflow).
@@ -175,13 +176,15 @@ class GradScaler {
   PerOptimizer& record_unscale(OptimizerKey key);
   PerOptimizer& record_step(OptimizerKey key);
   at::Tensor zero_flag() const;
+  void end_iteration();  // the per-iteration records are dropped
   static void validate(const GradScalerOptions& o);
   static void check_positive_finite(const char* name, double v);
   static void check_state(double scale, int64_t growth_tracker, int64_t hysteresis_tracker);
 
   GradScalerOptions opts_;
   at::Tensor scale_, growth_tracker_, hysteresis_tracker_, found_inf_, inv_scale_;
-  bool inv_scale_fresh_ = false;
+  bool iteration_begun_ = false;            // begin_iteration() ran since the last update()
+  mutable bool inv_scale_current_ = false;  // inv_scale_ is 1 / scale_ (a cache)
   bool bound_ = false;  // state tensors are on their training device
   std::unordered_map<OptimizerKey, PerOptimizer> per_optimizer_;
   std::unique_ptr<detail::ScalerTelemetry> telemetry_;  // null without telemetry

@@ -1,0 +1,30 @@
+// The inverse of a loss scale, as torch.amp computes it: the reciprocal in double, rounded once
+// to float. Shared by the scaler (unscale_) and the optimizers (a scaled step).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace fusedamp::detail {
+
+// For an FP32 scale this is one ATen call (one kernel launch on a GPU, paid every step) instead
+// of three (to double, reciprocal, back to float), and the same number: an IEEE division of
+// floats rounded through a double intermediate equals the directly rounded one, because 53 bits
+// hold at least 2 * 24 + 2 (double rounding is harmless for +, -, *, / and sqrt then).
+// tests/python/test_engine.py compares both with torch's formula over random scales.
+inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {  // a handle: writes out's memory
+  if (scale.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat) {
+    at::reciprocal_out(out, scale.reshape(out.sizes()));
+  } else {
+    out.copy_(scale.to(at::kDouble).reciprocal().reshape(out.sizes()));
+  }
+}
+
+// FP32[1] on the scale's device.
+inline at::Tensor inverse_scale(const at::Tensor& scale) {
+  if (scale.scalar_type() == at::kFloat) {
+    return at::reciprocal(scale).reshape({1});
+  }
+  return scale.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+}
+
+}  // namespace fusedamp::detail
