@@ -25,15 +25,23 @@ void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max
     w.load(i, k, p0, p1);
     PairIO<TS>::load(m + i, k, m0, m1);
     PairIO<TS>::load(v + i, k, v0, v1);
+    // A tail of at most one vector (all of a tensor under 17 elements: biases, scales, gains)
+    // leaves the second vector all padding, which the stores leave unwritten: its update, a
+    // vector sqrt and two vector divisions (the slowest instructions here), is skipped.
+    const bool second_vec = k > Vec::size();
     if constexpr (kAmsgrad) {
       Vec x0, x1;
       PairIO<TS>::load(v_max + i, k, x0, x1);
       math::adam_update(p0, m0, v0, g0, h, c, &x0);
-      math::adam_update(p1, m1, v1, g1, h, c, &x1);
+      if (second_vec) {
+        math::adam_update(p1, m1, v1, g1, h, c, &x1);
+      }
       PairIO<TS>::store(v_max + i, k, x0, x1);
     } else {
       math::adam_update(p0, m0, v0, g0, h, c);
-      math::adam_update(p1, m1, v1, g1, h, c);
+      if (second_vec) {
+        math::adam_update(p1, m1, v1, g1, h, c);
+      }
     }
     PairIO<TS>::store(m + i, k, m0, m1);
     PairIO<TS>::store(v + i, k, v0, v1);
