@@ -10,7 +10,8 @@ config, no downloaded weights) and the demo's two models, trained on the demo's 
 (examples/python/amp_models.py). Every (model, set-up) runs in its own process: steps per
 second (median step time after warm-up), peak memory (torch.cuda.max_memory_allocated, or on the
 CPU the growth of the process's peak RSS from after the task's imports and data, before the model
-is made: every set-up's weights and state count), the loss after the fixed number of steps, and
+is made: every set-up's weights and state count; glibc's mmap threshold is fixed in the workers,
+see worker_env), the loss after the fixed number of steps, and
 ratios against torch.amp of the same dtype. Writes benchmarks/results/train_<device>.{md,json}.
 """
 from __future__ import annotations
@@ -31,6 +32,21 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 # Steps per model: (CPU, GPU). FP16 kernels are slow on a CPU, so its runs are short.
 STEPS = {"digits-cnn": (60, 300), "char-gpt": (40, 300), "resnet18": (8, 200),
          "gpt2": (30, 300)}
+
+
+# glibc's malloc raises its mmap threshold each time a large block is freed, after which large
+# blocks come from the heap and a freed one may stay resident: the same CPU run's peak RSS then
+# landed at ~205 or ~255 MB (char-GPT, torch.amp, six runs), more than the set-ups differ by.
+# A fixed threshold (glibc's initial 128 KiB) gives every large tensor its own mapping, returned
+# when freed, and the same peak run after run (177 MB, three runs). Workers only; a value the
+# caller set is kept.
+MMAP_THRESHOLD = "131072"
+
+
+def worker_env():
+    env = dict(os.environ)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
+    return env
 
 
 def device_tag(torch):
@@ -70,7 +86,7 @@ def main():
             print(f"  {model} / {mode}: {steps} steps", flush=True)
             path = os.path.join(tmp_dir, f"{model}_{mode}.json")
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model, mode,
-                            str(steps), path], check=True)
+                            str(steps), path], check=True, env=worker_env())
             with open(path) as f:
                 r = json.load(f)
             r.pop("loss_curve")
@@ -93,7 +109,8 @@ def main():
              "with torch.amp-bf16, the rest with torch.amp). Peak memory: " +
              ("torch.cuda.max_memory_allocated." if gpu else
               "growth of the process's peak RSS from before the model is made (CPU; imports "
-              "and data excluded)."), "",
+              "and data excluded; glibc's mmap threshold fixed at "
+              f"{worker_env()['MALLOC_MMAP_THRESHOLD_']} bytes, see bench_train.py)."), "",
              "| model | set-up | steps | steps/s | vs torch.amp | peak MB | vs torch.amp | "
              "final train loss | skipped |",
              "|---|---|---|---|---|---|---|---|---|"]
