@@ -33,7 +33,10 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
   if (!ring_.defined() || ring_.device() != device) {
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
     fresh_ = at::tensor({0.0, 0.0, 0.0, kNone, 0.0}, at::dtype(at::kDouble)).to(device);
-    current_ = at::empty({kSumSq + 1}, f64);
+    row_ = at::empty({kColumns}, f64);
+    row_scale_ = row_.narrow(0, kScale, 1);
+    row_found_inf_ = row_.narrow(0, kFoundInf, 1);
+    current_ = row_.narrow(0, kCurrent, kSumSq + 1);
     current_slots_ = current_.narrow(0, 0, math::kTelemetrySlots);
     current_first_ = current_slots_.narrow(0, math::kFirstNonfinite, 1);
     current_sum_sq_ = current_.narrow(0, kSumSq, 1);
@@ -139,10 +142,9 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
     return;
   }
   const int64_t slot = recorded_ % capacity_;
-  at::Tensor row = ring_.select(0, slot);
-  row.narrow(0, kScale, 1).copy_(scale.reshape({1}));
-  row.narrow(0, kFoundInf, 1).copy_(found_inf.reshape({1}));
-  row.narrow(0, kCurrent, kSumSq + 1).copy_(current_);
+  row_scale_.copy_(scale);  // one element each, broadcast into the row's slot
+  row_found_inf_.copy_(found_inf);
+  ring_.select(0, slot).copy_(row_);
   ring_elements_[static_cast<size_t>(slot)] = elements_;
   last_layouts_ = std::move(layouts_);
   layouts_.clear();
