@@ -88,6 +88,7 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
   group_keys.reserve(groups.size());
   param_keys.reserve(param_keys_.size());
   grads_seen_.clear();
+  cpu_param_grad_keys_ = c10::DispatchKeySet();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& group = groups[gi];
     group_keys.push_back(
@@ -108,6 +109,9 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
       param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                             p.device()});
       grads_seen_.push_back(&g);
+      if (p.is_cpu()) {
+        cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
+      }
     }
   }
   if (!valid_ || !(group_keys == group_keys_) || !(param_keys == param_keys_)) {
@@ -184,6 +188,7 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
       devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
     b.grads = devices.grads(b.device_slot, b.stats_position, b.params.size());
+    b.cpu_param_grad_keys = b.device.is_cpu() ? cpu_param_grad_keys_ : c10::DispatchKeySet();
   }
 }
 

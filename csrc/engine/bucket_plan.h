@@ -4,6 +4,7 @@
 // the same order. The plan is rebuilt only when what it depends on changes — the set of
 // parameters with gradients, their dtypes and devices, or the state a group needs — so a
 // steady training loop only collects this step's gradient handles.
+#include <c10/core/DispatchKeySet.h>
 #include <fusedamp/optim/optimizer.h>
 
 #include <vector>
@@ -42,6 +43,10 @@ struct Bucket {
   // and load_state_dict rebuild it); in-place edits are seen at once. A cache, so mutable in
   // a const bucket; only backends that walk host memory (the CPU) use it.
   mutable StepAddresses step_rows;
+  // This step's: the union of the dispatch keys of the CPU params and grads of the whole plan,
+  // read by update()'s walk (which reads each param and grad anyway) for a CPU bucket, so that
+  // step_dispatch.h needs no walk of its own. Empty for other devices.
+  c10::DispatchKeySet cpu_param_grad_keys;
 };
 
 class BucketPlan {
@@ -102,6 +107,7 @@ class BucketPlan {
   // This step's gradients, as update() walked the groups (each a parameter's .grad member,
   // read once per step and unchanged until collect_grads() takes them).
   std::vector<const at::Tensor*> grads_seen_;
+  c10::DispatchKeySet cpu_param_grad_keys_;  // of the params and grads update() walked
   bool valid_ = false;
   int64_t builds_ = 0;
 };

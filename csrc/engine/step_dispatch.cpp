@@ -3,8 +3,6 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "../tensor_prefetch.h"
-
 namespace fusedamp::optim::detail {
 namespace {
 
@@ -28,12 +26,9 @@ std::optional<c10::DispatchKeySet> direct_step_keys(const Bucket& b) {
            .empty()) {
     return std::nullopt;
   }
-  c10::DispatchKeySet keys;
-  for (size_t i = 0; i < b.params.size(); ++i) {
-    prefetch_ahead(i, {b.params, b.grads});
-    keys = keys | b.params[i].key_set() | b.grads[i].key_set();
-  }
-  if (!plain(keys)) {
+  // The params' and grads' keys, gathered by the plan's walk of this step (all CPU params of
+  // the optimizer together: one that is not plain sends every CPU bucket to the dispatcher).
+  if (!plain(b.cpu_param_grad_keys)) {
     return std::nullopt;
   }
   return c10::DispatchKeySet(c10::DispatchKey::CPU);

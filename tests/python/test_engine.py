@@ -600,3 +600,27 @@ def test_the_inverse_scale_is_torchs(device):
         scaler.update(s)  # ends the iteration (no step)
     for got in (via_optimizer, via_grad, via_scaler):
         assert torch.equal(torch.tensor(got, dtype=torch.float32), expected)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_gradient_with_dispatch_keys_of_its_own_goes_through_the_dispatcher(device, kind):
+    """After the first steps the engine's CPU step op skips the dispatcher when every param and
+    grad is a plain tensor. A grad that is not (here a negative view: its memory holds -g) must
+    still reach torch's fallback, which refuses it in a mutable list, and the failing step
+    changes no weight — the kernel must never run on the raw memory."""
+    params = [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(3)]
+    opt = (fusedamp.optim.AdamW(params, lr=0.1) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=0.1, momentum=0.9))
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(5, device=device).half()
+        opt.step()
+    before = [p.detach().clone() for p in params]
+    for i, p in enumerate(params):
+        g = torch.randn(5, device=device).half()
+        p.grad = (-g)._neg_view() if i == 1 else g
+    assert params[1].grad.is_neg()
+    with pytest.raises(RuntimeError, match="negation"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
