@@ -126,11 +126,21 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   const at::Tensor sum_sq_here =
       here ? sum_sq.reshape({1}) : sum_sq.reshape({1}).to(current_.device(), /*non_blocking=*/true);
   current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
-  layouts_.push_back(PassLayout{list_of(params), walked_});
-  walked_ += static_cast<int64_t>(grads.size());
-  for (const auto& g : grads) {
-    elements_ += static_cast<double>(g.numel());
+  const size_t pass = layouts_.size();
+  ParamList list = list_of(params);
+  double pass_elements = 0.0;
+  if (pass < last_layouts_.size() && list == last_layouts_[pass].params) {
+    // The same parameters as this pass of the last record: the same element count (a grad has
+    // its parameter's shape), without reading every gradient's metadata again.
+    pass_elements = last_layouts_[pass].elements;
+  } else {
+    for (const auto& g : grads) {
+      pass_elements += static_cast<double>(g.numel());
+    }
   }
+  layouts_.push_back(PassLayout{std::move(list), walked_, pass_elements});
+  walked_ += static_cast<int64_t>(grads.size());
+  elements_ += pass_elements;
 }
 
 at::Tensor ScalerTelemetry::amax() const {

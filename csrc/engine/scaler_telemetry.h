@@ -44,6 +44,7 @@ class ScalerTelemetry final : public GradTelemetrySink {
   struct PassLayout {
     ParamList params;
     int64_t base;  // position of params->front() among the iteration's walked gradients
+    double elements;  // gradient elements the pass walked
   };
   // The last iteration's list for this iteration's next pass if it holds the same parameters,
   // else a new one.
