@@ -132,6 +132,79 @@ void sync_options(Optimizer& opt, const py::list& groups) {
   }
 }
 
+// A value whose identity tells its content: Python's immutable scalars, strings, dtypes and
+// tuples of them. A list or a tensor may change in place under the same identity.
+bool immutable_value(py::handle value) {
+  if (value.is_none() || PyFloat_CheckExact(value.ptr()) || PyLong_CheckExact(value.ptr()) ||
+      PyBool_Check(value.ptr()) || PyUnicode_CheckExact(value.ptr()) ||
+      THPDtype_Check(value.ptr())) {
+    return true;
+  }
+  if (PyTuple_CheckExact(value.ptr())) {
+    for (const auto& item : py::reinterpret_borrow<py::tuple>(value)) {
+      if (!immutable_value(item)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  return false;
+}
+
+// The group's items as a tuple of (key, value) pairs (holding them, so that an identity seen
+// again is the same object), or None where a value may change in place.
+py::object snapshot_of(const py::dict& group) {
+  py::tuple items(group.size());
+  size_t k = 0;
+  for (const auto& item : group) {
+    if (!immutable_value(item.second) && !(item.first.cast<std::string>() == "params")) {
+      return py::none();
+    }
+    items[k++] = py::make_tuple(item.first, item.second);
+  }
+  return std::move(items);
+}
+
+// Whether `group` holds exactly the objects of `snapshot` (same keys, same values, same order).
+bool same_as(const py::dict& group, py::handle snapshot) {
+  if (snapshot.is_none() || static_cast<size_t>(PyTuple_GET_SIZE(snapshot.ptr())) !=
+                                static_cast<size_t>(PyDict_Size(group.ptr()))) {
+    return false;
+  }
+  Py_ssize_t position = 0;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t k = 0;
+  while (PyDict_Next(group.ptr(), &position, &key, &value)) {
+    PyObject* pair = PyTuple_GET_ITEM(snapshot.ptr(), k++);
+    if (PyTuple_GET_ITEM(pair, 0) != key || PyTuple_GET_ITEM(pair, 1) != value) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// sync_options, skipping the groups whose dicts hold the same objects as at the last call with
+// the same `synced` list (the optimizer's own; snapshots of the groups it last wrote): a step
+// pushes an option to the engine only when it changed. Values that may change in place (a
+// list, an lr tensor) are pushed at every call.
+void sync_changed_options(Optimizer& opt, const py::list& groups, py::list synced) {
+  const size_t n = groups.size();
+  bool all_same = static_cast<size_t>(synced.size()) == n && n == opt.num_groups();
+  for (size_t i = 0; all_same && i < n; ++i) {
+    all_same = same_as(groups[i].cast<py::dict>(), synced[i]);
+  }
+  if (all_same) {
+    return;
+  }
+  // Forgotten first: a sync that raises leaves no snapshot behind.
+  PyList_SetSlice(synced.ptr(), 0, PyList_GET_SIZE(synced.ptr()), nullptr);
+  sync_options(opt, groups);
+  for (size_t i = 0; i < n; ++i) {
+    synced.append(snapshot_of(groups[i].cast<py::dict>()));
+  }
+}
+
 // Checks torch.optim param-group dicts as optimizer `Kind` would, without any parameter: what a
 // front end calls before it changes anything (e.g. the sharded optimizer repacks the model).
 template <typename Kind>
@@ -182,6 +255,7 @@ void bind_optim(py::module_& m) {
           py::arg("grad_scale"), py::arg("found_inf"), py::arg("scaled"))
       .def("zero_grad", &Optimizer::zero_grad, py::arg("set_to_none") = true)
       .def("sync_options", &sync_options)
+      .def("sync_changed_options", &sync_changed_options)
       .def("check_options", &Optimizer::check_options)
       .def("set_group_option", &Optimizer::set_group_option)
       .def("group_option", &Optimizer::group_option)

@@ -154,6 +154,10 @@ class ShardEngine:
         self._param_groups = param_groups
         self._engine.sync_options(param_groups)
 
+    def sync_changed_options(self, param_groups, synced):
+        self._param_groups = param_groups
+        self._engine.sync_changed_options(param_groups, synced)
+
     def step(self, record_as=None):
         needs_stats = any(_needs_stats(g) for g in self._param_groups or ())
         with _step_scope(record_as):

@@ -97,6 +97,9 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         engine.sync_options(self.param_groups)
         engine.check_options()  # ValueError before anything is kept
         self._engine = engine
+        # Snapshots of the group dicts the step last pushed (sync_changed_options): dropped
+        # whenever options reach the engine another way.
+        self._synced_options = []
 
     @staticmethod
     def check_group(group):
@@ -157,7 +160,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def _run_engine_step(self, record_as):
         # The engine runs its step without autograd (its own guard): no torch.no_grad here.
         engine = self._engine
-        engine.sync_options(self.param_groups)
+        engine.sync_changed_options(self.param_groups, self._synced_options)
         grad_scale, found_inf = amp_handover(self)
         if grad_scale is None and found_inf is None:
             engine.step(record_as)
@@ -231,12 +234,14 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self._engine.load_param_states([p for p, _ in entries], [s for _, s in entries])
         self.param_groups[:] = merged
         self._engine.sync_options(self.param_groups)
+        self._synced_options.clear()
         if state_dict.get("skipped_steps") is not None:
             self._engine.set_skipped_steps(state_dict["skipped_steps"])
 
     # ---- pickling (as torch.optim: the parameters travel with the optimizer) ------------
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_pre_state")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_engine", "_pre_state", "_synced_options")}
         state["_engine_state"] = self.state_dict()
         return state
 

@@ -624,3 +624,42 @@ def test_a_gradient_with_dispatch_keys_of_its_own_goes_through_the_dispatcher(de
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p.detach(), b)
+
+
+@pytest.mark.parametrize("how", ["new value", "list edited in place", "lr tensor edited in place",
+                                 "group dict replaced"])
+def test_every_change_of_a_param_group_reaches_the_next_step(device, how):
+    """The step pushes a param group's options to the engine only when the group's dict holds
+    other objects than at the last step; a value that can change under the same identity (a
+    list, a tensor) is pushed every time. Each kind of change must reach the next step exactly
+    as torch.optim.AdamW (which reads the dicts every step) sees it."""
+    def run(make):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(8, device=device))]
+        # float64: the engine takes a converted copy, seen again only when pushed again
+        lr = (torch.tensor(0.01, dtype=torch.float64) if how == "lr tensor edited in place"
+              else 0.01)
+        opt = make(params, lr=lr)
+        if how == "list edited in place":
+            opt.param_groups[0]["betas"] = [0.9, 0.999]  # torch.optim reads it at every step
+        trajectory = []
+        for step in range(4):
+            params[0].grad = torch.randn(8, device=device)
+            if step == 2:
+                group = opt.param_groups[0]
+                if how == "new value":
+                    group["lr"] = 0.05
+                elif how == "list edited in place":
+                    group["betas"][0] = 0.5
+                elif how == "lr tensor edited in place":
+                    group["lr"].fill_(0.05)
+                else:
+                    opt.param_groups[0] = dict(group, weight_decay=0.3)
+            opt.step()
+            trajectory.append(params[0].detach().cpu().clone())
+        return trajectory
+
+    ours = run(fusedamp.optim.AdamW)
+    ref = run(lambda params, **kw: torch.optim.AdamW(params, foreach=False, **kw))
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
