@@ -13,33 +13,34 @@
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-bool has_nan(const Vec& v) {
+// Reductions over the first `live` lanes (all by default), in lane order.
+bool has_nan(const Vec& v, int64_t live = Vec::size()) {
   float lanes[Vec::size()];
   v.store(lanes);
-  for (float x : lanes) {
-    if (math::is_nonfinite_marker(x)) {
+  for (int64_t l = 0; l < live; ++l) {
+    if (math::is_nonfinite_marker(lanes[l])) {
       return true;
     }
   }
   return false;
 }
 
-float lane_sum(const Vec& v) {
+float lane_sum(const Vec& v, int64_t live = Vec::size()) {
   float lanes[Vec::size()];
   v.store(lanes);
   float s = 0.f;
-  for (float x : lanes) {
-    s += x;
+  for (int64_t l = 0; l < live; ++l) {
+    s += lanes[l];
   }
   return s;
 }
 
-float lane_max(const Vec& v) {
+float lane_max(const Vec& v, int64_t live = Vec::size()) {
   float lanes[Vec::size()];
   v.store(lanes);
   float m = 0.f;
-  for (float x : lanes) {
-    m = x > m ? x : m;
+  for (int64_t l = 0; l < live; ++l) {
+    m = lanes[l] > m ? lanes[l] : m;
   }
   return m;
 }
@@ -62,14 +63,42 @@ bool unscale_range(T* p, int64_t n, float inv_scale) {
     bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, a), b);
     PairIO<T>::store(p + i, n - i, math::unscale(a, s), math::unscale(b, s));
   }
-  return has_nan(bad);
+  // Under one vector's worth of elements, the lanes from n on held padding (zeros).
+  return has_nan(bad, std::min<int64_t>(n, Vec::size()));
 }
 
 // The statistics pass over one chunk: check, sum of squares and (kTelemetry) telemetry of the
 // values as read; with kUnscale they are then unscaled and written back in the same pass.
 // The tail load pads with zeros: those lanes must not count as zero elements.
+// A chunk of at most one vector (all of a tensor under 17 elements): the pair's second vector
+// and the first's lanes from n on are padding, so only the first n lanes are accumulated and
+// reduced. Bit for bit stats_range's result: its padding lanes add +0 to the sums (in lane
+// order, after the live ones), never raise the max, and are subtracted from the counts.
+template <typename T, bool kUnscale, bool kTelemetry>
+bool stats_one_vector(T* p, int64_t n, float inv_scale, float* sum_sq,
+                      ChunkTelemetry* telemetry) {
+  Vec a, padding;
+  PairIO<T>::load(p, n, a, padding);
+  const Vec bad = math::accumulate_nonfinite(Vec(0.f), a);
+  *sum_sq = lane_sum(math::accumulate_square(Vec(0.f), a), n);
+  if constexpr (kTelemetry) {
+    auto tele = math::telemetry_zero<Vec>();
+    math::accumulate_telemetry(tele, a, Vec(math::smallest_normal<T>()));
+    telemetry->amax = lane_max(tele.amax, n);
+    telemetry->n_small = lane_sum(tele.n_small, n);
+    telemetry->n_zero = lane_sum(tele.n_zero, n);
+  }
+  if constexpr (kUnscale) {
+    PairIO<T>::store(p, n, math::unscale(a, Vec(inv_scale)), padding);
+  }
+  return has_nan(bad, n);
+}
+
 template <typename T, bool kUnscale, bool kTelemetry>
 bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry* telemetry) {
+  if (n <= Vec::size()) {
+    return stats_one_vector<T, kUnscale, kTelemetry>(p, n, inv_scale, sum_sq, telemetry);
+  }
   const Vec s(inv_scale);
   Vec bad(0.f), sq0(0.f), sq1(0.f);
   auto tele = math::telemetry_zero<Vec>();

@@ -491,3 +491,22 @@ def test_empty_lists_are_noops(device):
     found, sq = scalar(0.0, device), scalar(0.0, device)
     ops.grad_stats_([], found, sq)
     assert found.item() == 0.0 and sq.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_nonfinite_value_at_any_position_of_a_small_tensor_is_found(device, dtype):
+    """The CPU passes reduce a tensor under one vector's worth of elements over its live lanes
+    only. A single inf or NaN at any position of any such tensor, the last element included,
+    must be found by both passes (the plain unscale and the statistics pass)."""
+    for n in (1, 2, 15, 16, 17, 31, 32, 33):
+        for position in sorted({0, n // 2, n - 1}):
+            for bad in (float("inf"), float("nan")):
+                grads = [torch.ones(k, device=device, dtype=dtype) for k in (3, n, 5)]
+                grads[1][position] = bad
+                found = torch.zeros(1, device=device)
+                ops.unscale_and_check_(grads, found, torch.ones(1, device=device))
+                assert found.item() == 1.0, (n, position, bad, "unscale")
+                found = torch.zeros(1, device=device)
+                sum_sq = torch.zeros(1, device=device)
+                ops.grad_stats_(grads, found, sum_sq)
+                assert found.item() == 1.0, (n, position, bad, "stats")
