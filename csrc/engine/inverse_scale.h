@@ -11,7 +11,8 @@ namespace fusedamp::detail {
 // floats rounded through a double intermediate equals the directly rounded one, because 53 bits
 // hold at least 2 * 24 + 2 (double rounding is harmless for +, -, *, / and sqrt then).
 // tests/python/test_engine.py compares both with torch's formula over random scales.
-inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {  // a handle: writes out's memory
+// `out` is a handle: its memory is written.
+inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {
   if (scale.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat) {
     at::reciprocal_out(out, scale.reshape(out.sizes()));
   } else {
@@ -19,7 +20,8 @@ inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {  // a 
   }
 }
 
-// FP32[1] on the scale's device.
+// FP32[1] on the scale's device. Not inverse_scale_into on a new tensor: that is one ATen call
+// (the allocation) more on every scaled step.
 inline at::Tensor inverse_scale(const at::Tensor& scale) {
   if (scale.scalar_type() == at::kFloat) {
     return at::reciprocal(scale).reshape({1});
