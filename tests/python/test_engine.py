@@ -439,6 +439,14 @@ def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_sha
         assert torch.equal(value, state[name]), name
 
 
+def three_fp16_params_and(kind, device, numel):
+    """Three FP16 parameters of `numel` elements and a fusedamp optimizer of `kind` over them."""
+    params = [torch.nn.Parameter(torch.randn(numel, device=device).half()) for _ in range(3)]
+    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    return params, opt
+
+
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_engine_step_ops_are_seen_by_dispatch_modes_and_the_profiler(device, kind):
     """From its second step on, the engine's CPU step op goes straight to its kernel (the engine
@@ -456,9 +464,7 @@ def test_engine_step_ops_are_seen_by_dispatch_modes_and_the_profiler(device, kin
             return func(*args, **(kwargs or {}))
 
     op = "adam_step_" if kind == "AdamW" else "sgd_step_"
-    params = [torch.nn.Parameter(torch.randn(6, device=device).half()) for _ in range(3)]
-    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
-           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    params, opt = three_fp16_params_and(kind, device, numel=6)
     for step in range(4):
         for p in params:
             p.grad = torch.randn(6, device=device).half()
@@ -663,3 +669,57 @@ def test_every_change_of_a_param_group_reaches_the_next_step(device, how):
     ref = run(lambda params, **kw: torch.optim.AdamW(params, foreach=False, **kw))
     for mine, theirs in zip(ours, ref):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_gradient_sharing_its_parameters_memory_is_refused_at_any_step(device, kind):
+    """From the second step on, the engine checks each parameter and gradient for the step op
+    in its own walk over the gradients (on the CPU), and the op then skips its walk: that walk
+    must refuse what the op refuses. A gradient that is its parameter's own memory, given at
+    the third step: the op's error, nothing modified."""
+    params, opt = three_fp16_params_and(kind, device, numel=5)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(5, device=device).half()
+        opt.step()
+    params[1].grad = params[1].detach()
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(RuntimeError, match=r"grads\[1\] and params\[1\] share memory"):
+        opt.step()
+    for p, weight, state in zip(params, weights, states):
+        assert torch.equal(p.detach(), weight)
+        for name, value in opt.state[p].items():
+            assert torch.equal(value, state[name]), name
+    params[1].grad = torch.randn(5, device=device).half()  # and the next step runs
+    opt.step()
+    assert not torch.equal(params[1].detach(), weights[1])
+
+
+def test_the_state_of_a_small_parameter_is_one_block_of_disjoint_tensors(device):
+    """A small parameter's state (step count, master, moments) is created as views of one block
+    of memory, a large one's as tensors of their own; either way each state tensor is its own
+    memory: an edit of one changes no other, and reaches the next step."""
+    small = torch.nn.Parameter(torch.randn(3, device=device).half())
+    large = torch.nn.Parameter(torch.randn(5000, device=device).half())
+    opt = fusedamp.optim.AdamW([small, large], lr=1e-2)
+    for p in (small, large):
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+    def storages(p):
+        return {t.untyped_storage().data_ptr() for t in opt.state[p].values()}
+    assert set(opt.state[small]) == {"step", "master_param", "exp_avg", "exp_avg_sq"}
+    assert len(storages(small)) == 1
+    assert len(storages(large)) == 4
+    state = opt.state[small]
+    assert state["master_param"].dtype == torch.float32 and state["master_param"].shape == (3,)
+    assert state["step"].shape == () and state["step"].item() == 1.0
+    before = {k: v.clone() for k, v in state.items()}
+    state["exp_avg"].fill_(7.0)
+    for name in ("step", "master_param", "exp_avg_sq"):
+        assert torch.equal(state[name], before[name]), name
+    # The edited moment reaches the next step: AdamW's update of it, from 7.
+    small.grad = torch.zeros_like(small)
+    opt.step()
+    torch.testing.assert_close(state["exp_avg"], torch.full((3,), 7.0 * 0.9, device=device))
