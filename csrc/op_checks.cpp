@@ -123,10 +123,10 @@ C10_ALWAYS_INLINE void check_same_layout(const char* op, const char* list, size_
   const c10::TensorImpl& ai = *a.unsafeGetTensorImpl();
   const c10::TensorImpl& bi = *b.unsafeGetTensorImpl();
   const bool concrete = C10_LIKELY(t.concrete && params.concrete);
-  if (C10_UNLIKELY(!(concrete ? ai.sizes().equals(bi.sizes()) : same_sizes_symbolic(a, b)))) {
+  if (C10_UNLIKELY(!(concrete ? same_ints(ai.sizes(), bi.sizes()) : same_sizes_symbolic(a, b)))) {
     raise_layout(op, list, i, a, b, /*shape=*/true);
   }
-  if (C10_UNLIKELY(!(concrete ? ai.numel() <= 1 || ai.strides().equals(bi.strides())
+  if (C10_UNLIKELY(!(concrete ? ai.numel() <= 1 || same_ints(ai.strides(), bi.strides())
                               : same_strides_symbolic(a, b)))) {
     raise_layout(op, list, i, a, b, /*shape=*/false);
   }
@@ -290,29 +290,29 @@ C10_ALWAYS_INLINE bool same_layout_as_recorded(const c10::TensorImpl& param,
   const auto dims = static_cast<size_t>(held.param_layout_at[i + 1] - held.param_layout_at[i]) / 2;
   const c10::IntArrayRef sizes = param.sizes();
   const c10::IntArrayRef strides = param.strides();
-  return sizes.size() == dims && sizes.equals(c10::IntArrayRef(recorded, dims)) &&
-         strides.equals(c10::IntArrayRef(recorded + dims, dims));
+  return same_ints(sizes, c10::IntArrayRef(recorded, dims)) &&
+         same_ints(strides, c10::IntArrayRef(recorded + dims, dims));
 }
 
 // Index i of a call whose rows hold the master/state/step addresses: params[i] and grads[i]
 // checked as check_step_index checks them, in its order, and their addresses taken. False
 // (nothing raised) where params[i]'s layout is not the recorded one: the call then goes
 // through the full checks, which judge it against the state itself.
-C10_ALWAYS_INLINE bool check_held_step_index(const char* op, size_t i, TensorList params,
-                                             TensorList grads, const c10::Device& device,
+C10_ALWAYS_INLINE bool check_held_step_index(const char* op, size_t i, const Tensor& param,
+                                             const Tensor& grad, const c10::Device& device,
                                              c10::ScalarType pdtype, c10::ScalarType gdtype,
                                              StepAddresses& held) {
   TensorFacts p, g;
-  read_facts(params[i], device, /*with_span=*/true, p);
-  read_facts(grads[i], device, /*with_span=*/true, g);
+  read_facts(param, device, /*with_span=*/true, p);
+  read_facts(grad, device, /*with_span=*/true, g);
   check_param_and_grad(op, i, p, g, device, pdtype, gdtype);
   if (C10_UNLIKELY(!p.concrete ||
-                   !same_layout_as_recorded(*params[i].unsafeGetTensorImpl(), held, i))) {
+                   !same_layout_as_recorded(*param.unsafeGetTensorImpl(), held, i))) {
     return false;
   }
   StepRow& row = held.rows[i];
-  row.param = plain_address(params[i]);
-  row.grad = plain_address(grads[i]);
+  row.param = plain_address(param);
+  row.grad = plain_address(grad);
   if ((row.param == nullptr || row.grad == nullptr) && row.numel != 0) {
     held.needs_mutable_access = true;
   }
@@ -330,7 +330,7 @@ bool check_held_step_lists(const char* op, TensorList params, TensorList grads,
   held.needs_mutable_access = false;
   for (size_t i = 0; i < n; ++i) {
     prefetch_ahead(i, {params, grads});
-    if (!check_held_step_index(op, i, params, grads, device, pdtype, gdtype, held)) {
+    if (!check_held_step_index(op, i, params[i], grads[i], device, pdtype, gdtype, held)) {
       return false;
     }
   }
@@ -438,6 +438,17 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
                           : state.lists[0][0].scalar_type();
   TORCH_CHECK(sdtype == at::kFloat || sdtype == at::kBFloat16, op, ": ", state.names[0],
               " have dtype ", sdtype, "; optimizer state is float32 or bfloat16");
+  if (addresses != nullptr) {
+    // Rows the caller took (StepAddresses::rows_taken) for exactly these lists: params and
+    // grads were checked there by check_held_step_index, as the walk below would check them.
+    const bool taken = addresses->rows_taken && addresses->state_taken &&
+                       addresses->rows.size() == n && addresses->param_dtype == pdtype &&
+                       addresses->param_device == device && addresses->rows_grad_dtype == gdtype;
+    addresses->rows_taken = false;
+    if (taken) {
+      return;
+    }
+  }
   if (addresses != nullptr && addresses->state_taken &&
       check_held_step_lists(op, params, grads, device, pdtype, gdtype, *addresses)) {
     return;
@@ -462,6 +473,14 @@ void check_step_lists(const char* op, TensorList params, TensorList master_param
 }
 
 }  // namespace
+
+bool take_held_row(const char* op, size_t i, const Tensor& param, const Tensor& grad,
+                   c10::ScalarType grad_dtype, StepAddresses& held) {
+  TORCH_INTERNAL_ASSERT(held.state_taken && i < held.rows.size());
+  held.rows_grad_dtype = grad_dtype;
+  return check_held_step_index(op, i, param, grad, held.param_device, held.param_dtype,
+                               grad_dtype, held);
+}
 
 namespace {
 

@@ -44,6 +44,16 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
                   const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm,
               c10::OptionalIntArrayRef rounding_seeds);
 
+// Position i of a caller's kept rows (StepAddresses::state_taken), taken ahead of the step
+// op's call by a caller that walks the params and grads right before it anyway (the engine's
+// gradient walk): param and grad (the call's params[i] and grads[i], of dtype grad_dtype like
+// every grad of the call) checked exactly as the call's own walk checks them (the same code,
+// the same messages, naming `op`), and their addresses taken into held.rows[i]. False, with
+// nothing raised, where the call must check everything itself (param's layout is not the
+// recorded one). Once every row is taken, the caller sets held.rows_taken (see there).
+bool take_held_row(const char* op, size_t i, const Tensor& param, const Tensor& grad,
+                   c10::ScalarType grad_dtype, StepAddresses& held);
+
 // The whole argument check of a fused step: lists, hyper-parameters and (when there are
 // params) the device scalars. Returns false for empty lists (a no-op). With `addresses`, also
 // fills it: one row of element addresses per list position, for the kernels.

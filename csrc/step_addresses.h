@@ -63,8 +63,26 @@ struct StepAddresses {
   // read them again: engine/step_dispatch.h).
   c10::DispatchKeySet state_keys;
 
+  // ---- rows taken ahead by the caller (checks::take_held_row) -------------------------------
+  // A caller that walks the params and grads anyway, right before the call (the engine's
+  // gradient walk of a whole step), checks them there with the op's own checks and takes
+  // their addresses while their metadata is in cache; the call then skips its own walk of
+  // them (a third of a whole AMP step over 10,000 one-element tensors was those walks
+  // reading the same metadata again: perf, issue 13). Set by the caller once every row is
+  // taken, for the next call only: the call clears it, whatever it does.
+  bool rows_taken = false;
+  c10::ScalarType rows_grad_dtype = c10::ScalarType::Undefined;  // what take_held_row was told
+
+  // Before a caller's walk that takes rows: nothing taken yet, no row needing the mutable
+  // accessors yet (take_held_row sets it, as the call's own walk would).
+  void begin_taking_rows() {
+    rows_taken = false;
+    needs_mutable_access = false;
+  }
+
   // Forgets the record (the next call checks everything and records again).
   void forget() {
+    rows_taken = false;
     state_taken = false;
     param_layouts.clear();
     param_layout_at.clear();

@@ -33,6 +33,21 @@ struct Span {
   const char* hi = nullptr;
 };
 
+// Two shapes (or two stride lists) alike, compared inline: IntArrayRef::equals and == call
+// memcmp, a library call per comparison that was 3.5% of a whole AMP step over 10,000
+// one-element tensors (perf, issue 13), for lists of one to four numbers.
+C10_ALWAYS_INLINE bool same_ints(c10::IntArrayRef x, c10::IntArrayRef y) {
+  if (x.size() != y.size()) {
+    return false;
+  }
+  for (size_t d = 0; d < x.size(); ++d) {
+    if (x[d] != y[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 inline bool disjoint(const Span& a, const Span& b) {
   return a.lo == nullptr || b.lo == nullptr || !(a.lo < b.hi && b.lo < a.hi);
 }

@@ -9,6 +9,8 @@
 
 #include <initializer_list>
 
+#include "tensor_facts.h"
+
 namespace fusedamp {
 
 // Starts loading `t`'s TensorImpl, or (with_storage; once the TensorImpl is cached, since the
@@ -44,8 +46,11 @@ C10_ALWAYS_INLINE void prefetch_ahead(size_t i, std::initializer_list<at::Tensor
 
 // The same for a walk over parameters that reads each one's .grad: the parameter's TensorImpl
 // at i + kImplAhead, its autograd metadata (where .grad is kept) at i + kStorageAhead, and
-// the gradient's TensorImpl at i + kStorageAhead / 2.
-C10_ALWAYS_INLINE void prefetch_grads_ahead(size_t i, at::TensorList params) {
+// the gradient's TensorImpl at i + kStorageAhead / 2; with_storages (a walk that takes their
+// addresses too), the parameter's StorageImpl at i + kStorageAhead / 2. (Not the gradient's:
+// finding it ahead would cost a second out-of-line TensorImpl::grad() call per parameter.)
+C10_ALWAYS_INLINE void prefetch_grads_ahead(size_t i, at::TensorList params,
+                                            bool with_storages = false) {
   if (i + kImplAhead < params.size()) {
     prefetch_tensor_metadata(params[i + kImplAhead], false);
   }
@@ -53,8 +58,56 @@ C10_ALWAYS_INLINE void prefetch_grads_ahead(size_t i, at::TensorList params) {
     __builtin_prefetch(params[i + kStorageAhead].unsafeGetTensorImpl()->autograd_meta());
   }
   if (i + kStorageAhead / 2 < params.size()) {
+    const at::Tensor& param = params[i + kStorageAhead / 2];
     // TensorImpl::grad(): the .grad of Tensor::grad() without its non-leaf warning.
-    prefetch_tensor_metadata(params[i + kStorageAhead / 2].unsafeGetTensorImpl()->grad(), false);
+    prefetch_tensor_metadata(param.unsafeGetTensorImpl()->grad(), false);
+    if (with_storages) {
+      prefetch_tensor_metadata(param, true);
+    }
+  }
+}
+
+// Distance of the third stage, for walks that read each tensor's elements: by then its
+// TensorImpl and StorageImpl (asked for at kImplAhead and kStorageAhead) are cached.
+constexpr size_t kDataAhead = 8;
+
+// Starts loading the first elements of list[i + kDataAhead]; nothing for a tensor without
+// plain sizes (its offset may be symbolic) or without memory.
+C10_ALWAYS_INLINE void prefetch_data_ahead(size_t i, at::TensorList list) {
+  if (i + kDataAhead >= list.size()) {
+    return;
+  }
+  const c10::TensorImpl& impl = *list[i + kDataAhead].unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = impl.unsafe_storage().unsafeGetStorageImpl();
+  if (storage != nullptr && checks::has_concrete_sizes(impl)) {
+    __builtin_prefetch(static_cast<const char*>(storage->data_ptr().get()) +
+                       impl.storage_offset() * static_cast<int64_t>(impl.dtype().itemsize()));
+  }
+}
+
+// Reads the version counter of `t` (an allocation of its own, which an in-place op's
+// bump_version() writes), for a walk that bumps `t` a few iterations later: a load rather than a
+// prefetch, since torch gives no address of the counter, but one that nothing waits on, so the
+// miss overlaps the iterations in between. Inference tensors have no counter: nothing to read.
+C10_ALWAYS_INLINE void load_version_counter(const at::Tensor& t) {
+  const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
+  if (version.enabled()) {
+    (void)version.current_version();
+  }
+}
+
+// Bumps the version counter of every tensor of `tensors` as an in-place op does (TensorImpl's
+// inline bump_version, which raises torch's error for an inference tensor outside
+// InferenceMode), reading each counter kImplAhead positions ahead: with thousands of
+// parameters the counters are so many cache misses one after another otherwise (perf, issue 13:
+// 6% of a whole AMP step over 10,000 one-element tensors).
+inline void bump_versions(at::TensorList tensors) {
+  const size_t n = tensors.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kImplAhead < n) {
+      load_version_counter(tensors[i + kImplAhead]);
+    }
+    tensors[i].unsafeGetTensorImpl()->bump_version();
   }
 }
 

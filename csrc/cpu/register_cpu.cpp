@@ -69,20 +69,34 @@ void take_mutable_addresses(TensorList params, TensorList master_params, TensorL
 }
 
 // The step counts: read before the kernel, advanced after it. The kernel itself only reads
-// the "before" values, so an exception in between leaves them untouched.
+// the "before" values, so an exception in between leaves them untouched. Each count is a
+// one-element tensor of its own, so each is a cache miss of its own in both walks (after the
+// kernel's walk over thousands of tensors they are out of cache again): the walks ask for the
+// count kCountsAhead rows later, so that the misses overlap instead of queueing (perf, issue 13:
+// the walk before the kernel was 5% of a whole AMP step over 10,000 one-element tensors).
+constexpr size_t kCountsAhead = 16;
+
 struct StepCounts {
   const std::vector<StepRow>& rows;
   std::vector<float> before;
 
   explicit StepCounts(const std::vector<StepRow>& step_rows)
       : rows(step_rows), before(step_rows.size()) {
-    for (size_t i = 0; i < rows.size(); ++i) {
+    const size_t n = rows.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kCountsAhead < n) {
+        __builtin_prefetch(rows[i + kCountsAhead].step);
+      }
       before[i] = *rows[i].step;
     }
   }
   void advance() const {
-    for (const StepRow& row : rows) {
-      *row.step += 1.f;
+    const size_t n = rows.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kCountsAhead < n) {
+        __builtin_prefetch(rows[i + kCountsAhead].step, 1);
+      }
+      *rows[i].step += 1.f;
     }
   }
 };

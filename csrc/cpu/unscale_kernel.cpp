@@ -139,10 +139,18 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
     const at::Tensor& g = grads[i];
     if (begin == 0) {
       prefetch_ahead(static_cast<size_t>(i), {grads});
+      prefetch_data_ahead(static_cast<size_t>(i), grads);
     }
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
-      // Read-only unless unscaling: grad_stats_ may be given tensors it must not write.
-      auto* p = const_cast<scalar_t*>(g.const_data_ptr<scalar_t>()) + begin;
+      // Read-only unless unscaling: grad_stats_ may be given tensors it must not write (the
+      // const accessor), while unscaling writes them (the mutable one, which gives
+      // copy-on-write memory its own copy first). TensorImpl's inline accessors: the Tensor
+      // ones are calls into torch, one per tensor.
+      const c10::TensorImpl& impl = *g.unsafeGetTensorImpl();
+      scalar_t* p = (inv_scale != nullptr
+                         ? elements_of<scalar_t>(g)
+                         : const_cast<scalar_t*>(impl.data_dtype_initialized<scalar_t>())) +
+                    begin;
       ChunkTelemetry* tele = telemetry != nullptr ? &chunk_tele[c] : nullptr;
       static_switch(
           [&](auto unscale, auto with_telemetry) {
@@ -194,6 +202,7 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
     const at::Tensor& g = grads[i];
     if (begin == 0) {
       prefetch_ahead(static_cast<size_t>(i), {grads});
+      prefetch_data_ahead(static_cast<size_t>(i), grads);
     }
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
       chunk_bad[c] = unscale_range(elements_of<scalar_t>(g) + begin, end - begin, inv_scale);

@@ -44,6 +44,7 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
+  static constexpr const char* kStepOp = "fusedamp::adam_step_";
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,

@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "../op_checks.h"
+#include "../tensor_facts.h"
 #include "../tensor_prefetch.h"
 #include "device_stats.h"
 #include "param_state_store.h"
@@ -33,14 +35,15 @@ void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_
               ": sparse gradients are not supported", where());
   TORCH_CHECK(g.device() == p.device(), "fusedamp::optim::", who, ": gradient is on ",
               g.device(), " but the parameter is on ", p.device(), where());
-  TORCH_CHECK(g.sizes() == p.sizes(), "fusedamp::optim::", who, ": gradient shape ", g.sizes(),
-              " differs from the parameter's ", p.sizes(), where());
+  TORCH_CHECK(checks::same_ints(g.sizes(), p.sizes()), "fusedamp::optim::", who,
+              ": gradient shape ", g.sizes(), " differs from the parameter's ", p.sizes(),
+              where());
   TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat,
               "fusedamp::optim::", who, ": gradient dtype ", g.scalar_type(),
               " must be the parameter's (", p.scalar_type(), ") or float32", where());
-  TORCH_CHECK(p.numel() <= 1 || g.strides() == p.strides(), "fusedamp::optim::", who,
-              ": gradient strides ", g.strides(), " differ from the parameter's ", p.strides(),
-              where());
+  TORCH_CHECK(p.numel() <= 1 || checks::same_ints(g.strides(), p.strides()),
+              "fusedamp::optim::", who, ": gradient strides ", g.strides(),
+              " differ from the parameter's ", p.strides(), where());
 }
 
 // A parameter's .grad: what Tensor::grad() returns, without its check for non-leaf tensors (an
@@ -81,7 +84,7 @@ std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
 
 }  // namespace
 
-void BucketPlan::update(const char* who, const std::vector<Group>& groups,
+void BucketPlan::update(const char* who, const char* step_op, const std::vector<Group>& groups,
                         ParamStateStore& states, DeviceStats& devices) {
   std::vector<GroupKey> group_keys;
   std::vector<ParamKey> param_keys;
@@ -89,13 +92,48 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
   param_keys.reserve(param_keys_.size());
   grads_seen_.clear();
   cpu_param_grad_keys_ = c10::DispatchKeySet();
+  // While this step's parameters are the previous plan's, in its order, each gradient goes to
+  // its place in this walk (place_grad), while its metadata is in cache, instead of in a
+  // walk of its own after it (collect_grads) and again in the step op's checks.
+  bool on_plan = valid_;
+  for (auto& b : buckets_) {
+    b.taking_rows = on_plan && step_op != nullptr && b.step_rows.state_taken;
+    if (b.taking_rows) {
+      b.step_rows.begin_taking_rows();
+    } else {
+      b.step_rows.rows_taken = false;
+    }
+  }
+  try {
+    walk(who, step_op, groups, group_keys, param_keys, on_plan, devices);
+    on_plan = on_plan && param_keys.size() == param_keys_.size() && group_keys == group_keys_;
+    if (on_plan) {
+      finish_collect(devices);
+      return;
+    }
+    group_keys_ = std::move(group_keys);
+    param_keys_ = std::move(param_keys);
+    valid_ = false;
+    rebuild(groups, states, devices);
+    valid_ = true;
+    collect_grads(devices);
+  } catch (...) {
+    // The handles placed so far are dropped: a failed call keeps no gradient alive.
+    release_grads(devices);
+    throw;
+  }
+}
+
+void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Group>& groups,
+                      std::vector<GroupKey>& group_keys, std::vector<ParamKey>& param_keys,
+                      bool& on_plan, DeviceStats& devices) {
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& group = groups[gi];
     group_keys.push_back(
         {group.master_weights, group.state_dtype, group.rounding_seed, group.slots});
     const auto& params = *group.params;
     for (size_t j = 0; j < params.size(); ++j) {
-      prefetch_grads_ahead(j, params);
+      prefetch_grads_ahead(j, params, /*with_storages=*/on_plan && step_op != nullptr);
       const auto& p = params[j];
       const auto& g = grad_of(p);
       if (!g.defined()) {
@@ -106,27 +144,37 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
                         ": master_weights=\"", group.master_weights.name(),
                         "\" keeps bfloat16 weights, but parameter ", j, " of param group ", gi,
                         " is ", p.scalar_type(), "; use master_weights=True or \"kahan\"");
+      const size_t seen = param_keys.size();
       param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                             p.device()});
       grads_seen_.push_back(&g);
       if (p.is_cpu()) {
         cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
       }
+      on_plan = on_plan && seen < param_keys_.size() && param_keys.back() == param_keys_[seen];
+      if (on_plan) {
+        place_grad(step_op, seen, p, g, devices);
+      }
     }
   }
-  if (!valid_ || !(group_keys == group_keys_) || !(param_keys == param_keys_)) {
-    group_keys_ = std::move(group_keys);
-    param_keys_ = std::move(param_keys);
-    rebuild(groups, states, devices);
-    valid_ = true;
+}
+
+void BucketPlan::place_grad(const char* step_op, size_t seen, const at::Tensor& p,
+                            const at::Tensor& g, DeviceStats& devices) {
+  Bucket& b = buckets_[bucket_of_seen_[seen]];
+  const size_t k = position_of_seen_[seen];
+  devices.set_grad(b.device_slot, b.stats_position + k, g);
+  if (b.taking_rows) {
+    b.taking_rows = checks::take_held_row(step_op, k, p, g, b.grad_dtype, b.step_rows);
   }
-  collect_grads(devices);
 }
 
 void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,
                          DeviceStats& devices) {
   ++builds_;
   buckets_.clear();
+  bucket_of_seen_.assign(param_keys_.size(), 0);
+  position_of_seen_.assign(param_keys_.size(), 0);
   int64_t param_index = -1;  // in the optimizer's order (all groups, with or without grads)
   size_t seen = 0;           // parameters with a gradient so far (update()'s order)
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -162,6 +210,8 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
       }
       b->params.push_back(p);
       b->seen_index.push_back(seen_index);
+      bucket_of_seen_[seen_index] = static_cast<uint32_t>(b - buckets_.data());
+      position_of_seen_[seen_index] = static_cast<uint32_t>(b->params.size() - 1);
       b->steps.push_back(s.step);
       for (const auto& info : kStateSlots) {
         const bool kept = is_weight_store_slot(info.slot) ? (s.*info.member).defined()
@@ -187,14 +237,27 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
       const at::Tensor& g = *grads_seen_[b.seen_index[k]];  // update() just read them
       devices.set_grad(b.device_slot, b.stats_position + k, g);
     }
+  }
+  finish_collect(devices);
+}
+
+void BucketPlan::finish_collect(DeviceStats& devices) {
+  for (auto& b : buckets_) {
     b.grads = devices.grads(b.device_slot, b.stats_position, b.params.size());
     b.cpu_param_grad_keys = b.device.is_cpu() ? cpu_param_grad_keys_ : c10::DispatchKeySet();
+    // Every row was taken in the walk (on the plan, every position was placed).
+    b.step_rows.rows_taken = b.taking_rows;
+    b.taking_rows = false;
   }
 }
 
 void BucketPlan::release_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     b.grads = at::TensorList();
+    // Rows taken for a step op that was not called (a failure in between) are not lent to
+    // a later call.
+    b.step_rows.rows_taken = false;
+    b.taking_rows = false;
   }
   devices.release_grads();
 }

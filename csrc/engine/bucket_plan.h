@@ -43,6 +43,9 @@ struct Bucket {
   // and load_state_dict rebuild it); in-place edits are seen at once. A cache, so mutable in
   // a const bucket; only backends that walk host memory (the CPU) use it.
   mutable StepAddresses step_rows;
+  // During update()'s walk: the rows are being taken for this step (checks::take_held_row),
+  // none has failed so far.
+  bool taking_rows = false;
   // This step's: the union of the dispatch keys of the CPU params and grads of the whole plan,
   // read by update()'s walk (which reads each param and grad anyway) for a CPU bucket, so that
   // step_dispatch.h needs no walk of its own. Empty for other devices.
@@ -62,9 +65,13 @@ class BucketPlan {
 
   // Checks every gradient (`who` names the optimizer in messages), rebuilds the buckets if the
   // key changed (creating missing state in `states`), and collects this step's gradients into
-  // the buckets and `devices`. Nothing is modified when a check fails.
-  void update(const char* who, const std::vector<Group>& groups, ParamStateStore& states,
-              DeviceStats& devices);
+  // the buckets and `devices`. Nothing is modified when a check fails (but this step's
+  // gradient handles, dropped again). With `step_op` (the fused op the step will call next,
+  // with nothing run in between that could change a param or grad), a CPU bucket whose rows
+  // are kept also gets its rows' param and grad addresses, taken in this walk with that op's
+  // checks (StepAddresses::rows_taken), while the plan stays the previous step's.
+  void update(const char* who, const char* step_op, const std::vector<Group>& groups,
+              ParamStateStore& states, DeviceStats& devices);
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t builds() const { return builds_; }
   // Forces a rebuild at the next update() (state was replaced from outside).
@@ -98,8 +105,19 @@ class BucketPlan {
     }
   };
 
+  // update()'s walk over every parameter: the checks, this step's keys, and (while on_plan)
+  // each gradient placed; on_plan turns false at the first parameter off the plan.
+  void walk(const char* who, const char* step_op, const std::vector<Group>& groups,
+            std::vector<GroupKey>& group_keys, std::vector<ParamKey>& param_keys,
+            bool& on_plan, DeviceStats& devices);
   void rebuild(const std::vector<Group>& groups, ParamStateStore& states, DeviceStats& devices);
   void collect_grads(DeviceStats& devices);
+  // update()'s walk, while the parameters match the previous step's plan: the gradient of the
+  // `seen`-th parameter with one goes to its place at once (see update()).
+  void place_grad(const char* step_op, size_t seen, const at::Tensor& p, const at::Tensor& g,
+                  DeviceStats& devices);
+  // The lists' views of this step's gradients, once `devices` holds them all.
+  void finish_collect(DeviceStats& devices);
 
   std::vector<Bucket> buckets_;
   std::vector<GroupKey> group_keys_;
@@ -107,6 +125,9 @@ class BucketPlan {
   // This step's gradients, as update() walked the groups (each a parameter's .grad member,
   // read once per step and unchanged until collect_grads() takes them).
   std::vector<const at::Tensor*> grads_seen_;
+  // Where the plan puts the seen-th parameter with a gradient: its bucket and its position
+  // there (set by rebuild()).
+  std::vector<uint32_t> bucket_of_seen_, position_of_seen_;
   c10::DispatchKeySet cpu_param_grad_keys_;  // of the params and grads update() walked
   bool valid_ = false;
   int64_t builds_ = 0;

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 
+#include "../tensor_prefetch.h"
 #include "bucket_plan.h"
 #include "device_stats.h"
 #include "inverse_scale.h"
@@ -21,13 +22,9 @@ namespace {
 // (and grads written back) get their version counters bumped, as torch's fused optimizer ops
 // do, skipped step or not.
 void bump_observable(const detail::Bucket& b, const ops::StepModes& modes) {
-  for (const auto& p : b.params) {
-    torch::autograd::impl::bump_version(p);
-  }
+  bump_versions(b.params);
   if (modes.write_back_grads) {
-    for (const auto& g : b.grads) {
-      torch::autograd::impl::bump_version(g);
-    }
+    bump_versions(b.grads);
   }
 }
 
@@ -57,6 +54,10 @@ Optimizer::~Optimizer() = default;
 // ---- phases ---------------------------------------------------------------------------------
 
 bool Optimizer::gather_grads() {
+  return gather(/*within_step=*/false);
+}
+
+bool Optimizer::gather(bool within_step) {
   check_options();
   std::vector<detail::BucketPlan::Group> groups;
   groups.reserve(param_groups_.size());
@@ -65,7 +66,10 @@ bool Optimizer::gather_grads() {
     groups.push_back({&g.params(), e.master_weights, e.state_dtype, e.rounding_seed,
                       slots_needed(g.options())});
   }
-  plan_->update(kind(), groups, *states_, *stats_);
+  // Within a whole step nothing runs between this walk and the step op that could change a
+  // param or grad, so the walk may take the op's rows (BucketPlan::update); a caller of the
+  // phases may run anything in between.
+  plan_->update(kind(), within_step ? step_op() : nullptr, groups, *states_, *stats_);
   stats_->invalidate();
   grad_norm_ = at::Tensor();
   return !plan_->buckets().empty();
@@ -182,7 +186,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  if (!gather_grads()) {
+  if (!gather(/*within_step=*/true)) {
     return loss;
   }
   if (any_group(needs_stats)) {
@@ -195,7 +199,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
 void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
                          GradTelemetrySink* telemetry) {
   at::NoGradGuard no_grad;
-  if (!gather_grads()) {
+  if (!gather(/*within_step=*/true)) {
     return;
   }
   if (grad_scale.defined() || !found_inf.defined() || any_group(clips)) {

@@ -34,6 +34,7 @@ void SGDOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
+  static constexpr const char* kStepOp = "fusedamp::sgd_step_";
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};

@@ -162,6 +162,8 @@ class Optimizer : public torch::optim::Optimizer {
 
   // ---- what a concrete optimizer provides (OptimizerOf implements all but run_bucket) ------
   virtual const char* kind() const = 0;  // "Adam" | "SGD": in messages, checked on load
+  // The fused op run_bucket calls ("fusedamp::adam_step_"): its checks' messages name it.
+  virtual const char* step_op() const = 0;
   virtual EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const = 0;
   // Throws c10::ValueError for invalid hyper-parameters of group `group`.
   virtual void check_group(const torch::optim::OptimizerOptions& o, size_t group) const = 0;
@@ -185,6 +187,9 @@ class Optimizer : public torch::optim::Optimizer {
   const torch::optim::OptimizerOptions& checked_group(size_t group) const;
 
  private:
+  // gather_grads(); within_step: called by step()/step_amp(), which run the step op right
+  // after it (see BucketPlan::update).
+  bool gather(bool within_step);
   bool any_group(bool (*pred)(const EngineGroupOptions&)) const;
   void account(const at::Tensor& found_inf, bool checked);
 

@@ -21,6 +21,7 @@ class OptimizerOf : public Optimizer {
 
  private:
   const char* kind() const final;
+  const char* step_op() const final;
   EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const final;
   void check_group(const torch::optim::OptimizerOptions& o, size_t group) const final;
   StateSlots known_slots() const final;
