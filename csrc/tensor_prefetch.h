@@ -96,19 +96,4 @@ C10_ALWAYS_INLINE void load_version_counter(const at::Tensor& t) {
   }
 }
 
-// Bumps the version counter of every tensor of `tensors` as an in-place op does (TensorImpl's
-// inline bump_version, which raises torch's error for an inference tensor outside
-// InferenceMode), reading each counter kImplAhead positions ahead: with thousands of
-// parameters the counters are so many cache misses one after another otherwise (perf, issue 13:
-// 6% of a whole AMP step over 10,000 one-element tensors).
-inline void bump_versions(at::TensorList tensors) {
-  const size_t n = tensors.size();
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kImplAhead < n) {
-      load_version_counter(tensors[i + kImplAhead]);
-    }
-    tensors[i].unsafeGetTensorImpl()->bump_version();
-  }
-}
-
 }  // namespace fusedamp

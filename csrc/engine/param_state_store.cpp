@@ -130,9 +130,9 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
 // AMP step's host time (issue 13). So the state a parameter's first step creates is moved into
 // one block when the parameter is small: the tensors become views of it (same values, dtypes,
 // shapes and strides; each its own bytes, 16-byte aligned for vector loads), which is all a
-// user sees of the change (their storage is shared, as a state dict's tensors saved with
-// torch.save are then saved once). A state tensor replaced later (a conversion, a load) is a
-// tensor of its own again. Larger parameters keep one allocation per tensor: their lines are
+// user sees of the change: their `untyped_storage()` is the block (a state dict saved with
+// torch.save and loaded again holds tensors of their own). A state tensor replaced later (a
+// conversion, a load) is a tensor of its own again. Larger parameters keep one allocation per tensor: their lines are
 // their elements, and moving them would briefly hold their state twice.
 constexpr int64_t kPackedMaxNumel = 4096;
 constexpr int64_t kPackedAlignBytes = 16;
