@@ -571,6 +571,47 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
   }
 }
 
+void account_step(const char* op, const Tensor& step_applied, const Tensor& skipped_steps,
+                  const OptTensor& found_inf, const OptTensor& found_inf_out,
+                  const OptTensor& grad_sum_sq, const OptTensor& inv_scale,
+                  const OptTensor& grad_norms, int64_t grad_norm_slot) {
+  TORCH_CHECK(step_applied.defined(), op, ": step_applied is undefined");
+  const auto device = step_applied.device();
+  check_scalar(op, "step_applied", step_applied, at::kFloat, device);
+  check_scalar(op, "skipped_steps", skipped_steps, at::kLong, device);
+  const auto given = [](const OptTensor& t) { return t.has_value() && t->defined(); };
+  if (given(found_inf)) {
+    check_scalar(op, "found_inf", *found_inf, at::kFloat, device);
+  }
+  if (given(found_inf_out)) {
+    TORCH_CHECK(given(found_inf), op,
+                ": found_inf_out is given without found_inf (an unchecked step has no flag)");
+    check_scalar(op, "found_inf_out", *found_inf_out, at::kFloat, device);
+  }
+  if (!given(grad_norms)) {
+    TORCH_CHECK(!given(grad_sum_sq) && !given(inv_scale), op,
+                ": grad_sum_sq and inv_scale only make the norm written into grad_norms, which "
+                "is not given");
+    return;
+  }
+  TORCH_CHECK(given(grad_sum_sq), op,
+              ": grad_norms needs grad_sum_sq (the sum of squares from grad_stats_)");
+  check_scalar(op, "grad_sum_sq", *grad_sum_sq, at::kFloat, device);
+  if (given(inv_scale)) {
+    check_scalar(op, "inv_scale", *inv_scale, at::kFloat, device);
+  }
+  const Tensor& norms = *grad_norms;
+  TORCH_CHECK(norms.layout() == at::kStrided && norms.dim() == 1 && norms.is_contiguous(), op,
+              ": grad_norms must be a contiguous 1-D tensor");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat, op, ": grad_norms must be float32, got ",
+              norms.scalar_type());
+  TORCH_CHECK(norms.device() == device, op, ": grad_norms is on ", norms.device(),
+              " but step_applied is on ", device);
+  TORCH_CHECK(grad_norm_slot >= 0 && grad_norm_slot < norms.sym_numel(), op,
+              ": grad_norm_slot ", grad_norm_slot, " is outside grad_norms (",
+              norms.sym_numel(), " elements)");
+}
+
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,
                   const OptTensor& inv_scale, const OptTensor& found_inf,
                   const OptTensor& grad_sum_sq, std::optional<double> max_grad_norm) {

@@ -38,6 +38,11 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
                   std::optional<double> min_scale, std::optional<double> max_scale,
                   const OptTensor& amax, std::optional<double> amax_target);
 
+void account_step(const char* op, const Tensor& step_applied, const Tensor& skipped_steps,
+                  const OptTensor& found_inf, const OptTensor& found_inf_out,
+                  const OptTensor& grad_sum_sq, const OptTensor& inv_scale,
+                  const OptTensor& grad_norms, int64_t grad_norm_slot);
+
 // The optional device scalars of a fused step.
 void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor,
                   const OptTensor& inv_scale, const OptTensor& found_inf,

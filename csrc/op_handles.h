@@ -23,6 +23,8 @@ using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&
 using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
                       int64_t, int64_t, std::optional<double>, std::optional<double>,
                       const OptTensor&, std::optional<double>);
+using AccountSig = void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                        const OptTensor&, const OptTensor&, const OptTensor&, int64_t);
 using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
                      double, double, double, double, bool, bool, const OptTensor&, const OptTensor&,
                      const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
@@ -50,6 +52,11 @@ inline const c10::TypedOperatorHandle<StatsSig>& grad_stats() {
 
 inline const c10::TypedOperatorHandle<ScaleSig>& update_scale() {
   static const auto op = find<ScaleSig>("fusedamp::update_scale_");
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<AccountSig>& account_step() {
+  static const auto op = find<AccountSig>("fusedamp::account_step_");
   return op;
 }
 

@@ -3,7 +3,7 @@
 // fallback): for each op (its C++ signature is op_handles.h's, checked at registration) what
 // every backend does first: check all arguments (op_checks.h, before anything is touched) and
 // gather them into one struct; for the step ops that includes the math hyper-parameters and
-// which optional device scalars were given. A backend is a struct of five static functions,
+// which optional device scalars were given. A backend is a struct of six static functions,
 // one per op, that take those structs; implement_ops<Backend>(m) registers them.
 //
 // What a backend does with a step's device scalars is its own: the CPU reads them on the host
@@ -80,6 +80,20 @@ struct UpdateScale {
     h.amax_target = amax_target.value_or(0.0);
     return h;
   }
+};
+
+// ---- after a step ----------------------------------------------------------------------------
+
+struct AccountStep {
+  static constexpr const char* kOp = "fusedamp::account_step_";
+  const Tensor& step_applied;
+  const Tensor& skipped_steps;
+  const Tensor* found_inf;      // nullptr: an unchecked step
+  const Tensor* found_inf_out;  // nullptr where absent (given only with found_inf)
+  const Tensor* grad_sum_sq;    // given with grad_norms
+  const Tensor* inv_scale;      // nullptr: the norm is not scaled
+  const Tensor* grad_norms;     // nullptr: no norm recorded
+  int64_t grad_norm_slot;
 };
 
 // ---- the step ops ------------------------------------------------------------------------
@@ -240,6 +254,21 @@ void update_scale(const Tensor& scale, const Tensor& growth_tracker,
                                     min_scale, max_scale, amax, amax_target});
 }
 
+template <typename Backend>
+void account_step(const Tensor& step_applied, const Tensor& skipped_steps,
+                  const OptTensor& found_inf, const OptTensor& found_inf_out,
+                  const OptTensor& grad_sum_sq, const OptTensor& inv_scale,
+                  const OptTensor& grad_norms, int64_t grad_norm_slot) {
+  checks::account_step(AccountStep::kOp, step_applied, skipped_steps, found_inf, found_inf_out,
+                       grad_sum_sq, inv_scale, grad_norms, grad_norm_slot);
+  const auto present = [](const OptTensor& t) -> const Tensor* {
+    return t && t->defined() ? &*t : nullptr;
+  };
+  Backend::account_step(AccountStep{step_applied, skipped_steps, present(found_inf),
+                                    present(found_inf_out), present(grad_sum_sq),
+                                    present(inv_scale), present(grad_norms), grad_norm_slot});
+}
+
 // Empty lists are a no-op: the backend is not called.
 template <typename Backend>
 void adam_step(TensorList params, TensorList master_params, TensorList grads,
@@ -299,11 +328,13 @@ void implement_ops(torch::Library& m) {
   static_assert(std::is_same_v<decltype(&unscale_and_check<Backend>), op_handles::UnscaleSig*>);
   static_assert(std::is_same_v<decltype(&grad_stats<Backend>), op_handles::StatsSig*>);
   static_assert(std::is_same_v<decltype(&update_scale<Backend>), op_handles::ScaleSig*>);
+  static_assert(std::is_same_v<decltype(&account_step<Backend>), op_handles::AccountSig*>);
   static_assert(std::is_same_v<decltype(&adam_step<Backend>), op_handles::AdamSig*>);
   static_assert(std::is_same_v<decltype(&sgd_step<Backend>), op_handles::SgdSig*>);
   m.impl("unscale_and_check_", &unscale_and_check<Backend>);
   m.impl("grad_stats_", &grad_stats<Backend>);
   m.impl("update_scale_", &update_scale<Backend>);
+  m.impl("account_step_", &account_step<Backend>);
   m.impl("adam_step_", &adam_step<Backend>);
   m.impl("sgd_step_", &sgd_step<Backend>);
 }

@@ -29,6 +29,14 @@ void update_scale_(
       growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
 }
 
+void account_step_(const Tensor& step_applied, const Tensor& skipped_steps,
+                   const OptTensor& found_inf, const OptTensor& found_inf_out,
+                   const OptTensor& grad_sum_sq, const OptTensor& inv_scale,
+                   const OptTensor& grad_norms, int64_t grad_norm_slot) {
+  op_handles::account_step().call(step_applied, skipped_steps, found_inf, found_inf_out,
+                                   grad_sum_sq, inv_scale, grad_norms, grad_norm_slot);
+}
+
 namespace {
 
 // A step op's arguments from fusedamp's structs, handed to `invoke`: the dispatcher's call, or

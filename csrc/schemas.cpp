@@ -33,6 +33,19 @@ TORCH_LIBRARY(fusedamp, m) {
       "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
       "float? amax_target=None) -> ()");
 
+  // What a master-weight optimizer records after a step, in one kernel (math/
+  // step_account_math.h): with found_inf (the step's flag), step_applied = 1 if it is 0 else 0,
+  // skipped_steps += 1 if it is not 0, and found_inf_out (the loss scaler's flag) = found_inf;
+  // without it (an unchecked step) step_applied = 1. With grad_norms (FP32, 1-D, needs
+  // grad_sum_sq), grad_norms[grad_norm_slot] = the global norm of the unscaled gradients,
+  // sqrt(grad_sum_sq) * inv_scale (inv_scale absent: 1): one slot of a history ring, chosen on
+  // the host, so recording needs no index op. step_applied, found_inf_out and the scalars are
+  // one-element FP32 tensors, skipped_steps one-element int64, all on one device.
+  m.def(
+      "account_step_(Tensor(a!) step_applied, Tensor(b!) skipped_steps, Tensor? found_inf=None, "
+      "Tensor(c!)? found_inf_out=None, Tensor? grad_sum_sq=None, Tensor? inv_scale=None, "
+      "Tensor(d!)? grad_norms=None, int grad_norm_slot=0) -> ()");
+
   // Adam/AdamW step over lists. grads are multiplied
   // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if
   // found_inf is set nothing is modified (steps included). lr_tensor, when given, overrides lr.

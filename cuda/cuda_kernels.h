@@ -23,6 +23,12 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
                 const std::optional<at::Tensor>& tensor_flags,
                 const std::optional<at::Tensor>& telemetry);
 
+// account_step.cu (the optional tensors: nullptr where absent)
+void account_step(const at::Tensor& step_applied, const at::Tensor& skipped_steps,
+                  const at::Tensor* found_inf, const at::Tensor* found_inf_out,
+                  const at::Tensor* grad_sum_sq, const at::Tensor* inv_scale,
+                  const at::Tensor* grad_norms, int64_t grad_norm_slot);
+
 // update_scale.cu
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,

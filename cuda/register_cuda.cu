@@ -36,6 +36,12 @@ struct CudaOps {
                        op.hyper());
   }
 
+  static void account_step(const prelude::AccountStep& op) {
+    const c10::cuda::CUDAGuard guard(op.step_applied.device());
+    cuda::account_step(op.step_applied, op.skipped_steps, op.found_inf, op.found_inf_out,
+                       op.grad_sum_sq, op.inv_scale, op.grad_norms, op.grad_norm_slot);
+  }
+
   static void adam_step(const prelude::AdamStep& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     adam(step.params, step.master_params, step.grads, step.exp_avgs, step.exp_avg_sqs,

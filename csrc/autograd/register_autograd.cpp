@@ -48,6 +48,7 @@ struct Mutated {
 const auto& unscale_op = op_handles::unscale_and_check;
 const auto& stats_op = op_handles::grad_stats;
 const auto& scale_op = op_handles::update_scale;
+const auto& account_op = op_handles::account_step;
 const auto& adam_op = op_handles::adam_step;
 const auto& sgd_op = op_handles::sgd_step;
 
@@ -150,6 +151,27 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
   bump_versions({scale, growth, hysteresis});
 }
 
+// ---- account_step_ -------------------------------------------------------------------------
+void account_autograd(c10::DispatchKeySet ks, const Tensor& applied, const Tensor& skipped,
+                      const OptTensor& found_inf, const OptTensor& found_inf_out,
+                      const OptTensor& sum_sq, const OptTensor& inv_scale,
+                      const OptTensor& norms, int64_t slot) {
+  refuse_in_grad_mode("fusedamp::account_step_", {applied, skipped});
+  refuse_optional_in_grad_mode("fusedamp::account_step_", found_inf_out, norms);
+  account_op().redispatch(ks & c10::after_autograd_keyset, applied, skipped, found_inf,
+                          found_inf_out, sum_sq, inv_scale, norms, slot);
+}
+
+void account_view(c10::DispatchKeySet ks, const Tensor& applied, const Tensor& skipped,
+                  const OptTensor& found_inf, const OptTensor& found_inf_out,
+                  const OptTensor& sum_sq, const OptTensor& inv_scale, const OptTensor& norms,
+                  int64_t slot) {
+  account_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, applied, skipped, found_inf,
+                          found_inf_out, sum_sq, inv_scale, norms, slot);
+  bump_versions({applied, skipped});
+  bump_optional(found_inf_out, norms);
+}
+
 // ---- adam_step_ ----------------------------------------------------------------------------
 void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
                    TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
@@ -213,7 +235,7 @@ void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Ten
 template <typename... Kernels>
 void impl_all(torch::Library& m, Kernels... kernels) {
   static constexpr const char* kOps[] = {"unscale_and_check_", "grad_stats_", "update_scale_",
-                                         "adam_step_", "sgd_step_"};
+                                         "account_step_", "adam_step_", "sgd_step_"};
   static_assert(sizeof...(Kernels) == std::size(kOps), "one kernel per op");
   size_t i = 0;
   (m.impl(kOps[i++], kernels), ...);
@@ -224,11 +246,11 @@ void impl_all(torch::Library& m, Kernels... kernels) {
 
 TORCH_LIBRARY_IMPL(fusedamp, Autograd, m) {
   using namespace fusedamp::autograd;
-  impl_all(m, &unscale_autograd, &stats_autograd, &scale_autograd, &adam_autograd,
-           &sgd_autograd);
+  impl_all(m, &unscale_autograd, &stats_autograd, &scale_autograd, &account_autograd,
+           &adam_autograd, &sgd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fusedamp, ADInplaceOrView, m) {
   using namespace fusedamp::autograd;
-  impl_all(m, &unscale_view, &stats_view, &scale_view, &adam_view, &sgd_view);
+  impl_all(m, &unscale_view, &stats_view, &scale_view, &account_view, &adam_view, &sgd_view);
 }

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/scale_math.h>
+#include <fusedamp/math/step_account_math.h>
 #include <fusedamp/math/telemetry_math.h>
 #include <torch/library.h>
 
@@ -185,6 +186,25 @@ struct CpuOps {
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
                        *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper(),
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
+  }
+
+  static void account_step(const prelude::AccountStep& op) {
+    // Every input is read before anything is written: found_inf_out may be found_inf itself.
+    const float found = op.found_inf != nullptr ? *op.found_inf->const_data_ptr<float>() : 0.f;
+    const float norm =
+        op.grad_norms != nullptr
+            ? math::unscaled_grad_norm(
+                  *op.grad_sum_sq->const_data_ptr<float>(),
+                  op.inv_scale != nullptr ? *op.inv_scale->const_data_ptr<float>() : 1.f)
+            : 0.f;
+    *op.step_applied.data_ptr<float>() = math::step_applied(found);
+    *op.skipped_steps.data_ptr<int64_t>() += math::steps_skipped(found);
+    if (op.found_inf_out != nullptr) {
+      *op.found_inf_out->data_ptr<float>() = found;
+    }
+    if (op.grad_norms != nullptr) {
+      op.grad_norms->data_ptr<float>()[op.grad_norm_slot] = norm;
+    }
   }
 
   // The step kernels walk the element addresses the checks read (step_addresses.h).

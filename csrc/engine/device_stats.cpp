@@ -45,10 +45,15 @@ size_t DeviceStats::add_params(size_t slot, const std::vector<at::Tensor>& param
 }
 
 void DeviceStats::seed(const at::Tensor& seed_found_inf) {
+  // A 0-dim or [1] flag (the scaler's are 0-dim, as torch.amp's) broadcasts into found_inf
+  // as it is: no reshape op on every step.
+  const at::Tensor seed = !seed_found_inf.defined() || seed_found_inf.dim() <= 1
+                              ? seed_found_inf
+                              : seed_found_inf.reshape({1});
   for (size_t i = 0; i < devices_.size(); ++i) {
     sum_sq(i).zero_();
-    if (seed_found_inf.defined()) {
-      found_inf(i).copy_(seed_found_inf.reshape({1}), /*non_blocking=*/true);
+    if (seed.defined()) {
+      found_inf(i).copy_(seed, /*non_blocking=*/true);
     } else {
       found_inf(i).zero_();
     }

@@ -75,7 +75,10 @@ void GradScaler::ensure_state(const c10::Device& device) {
       *t = t->to(target);
     }
     bound_ = true;
+  } else {
+    return;
   }
+  scale_0d_ = scale_.reshape({});  // made once, not on every step
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
@@ -160,7 +163,7 @@ GradScaler::AmpHandover GradScaler::begin_amp_step(OptimizerKey key,
   begin_iteration(first_device(params_to_check, c10::Device(c10::kCPU)));
   AmpHandover h;
   if (r.stage == Stage::kReady) {
-    h.grad_scale = scale_.reshape({});  // 0-dim view, as torch.amp hands its scale over
+    h.grad_scale = scale_0d_;  // a 0-dim view, as torch.amp hands its scale over
     at::NoGradGuard no_grad;
     r.found_inf = params_to_check.empty() ? zero_flag()
                                           : detail::check_grads(params_to_check, scale_.device(),

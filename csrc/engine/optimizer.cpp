@@ -6,6 +6,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <limits>
+
 #include "../tensor_prefetch.h"
 #include "bucket_plan.h"
 #include "device_stats.h"
@@ -86,7 +88,7 @@ bool Optimizer::gather(bool within_step) {
   // phases may run anything in between.
   plan_->update(kind(), within_step ? step_op() : nullptr, groups, *states_, *stats_);
   stats_->invalidate();
-  grad_norm_ = at::Tensor();
+  last_norm_slot_ = -1;
   return !plan_->buckets().empty();
 }
 
@@ -155,31 +157,50 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     }
     bump_observable(b, modes);
   }
-  const at::Tensor found = have_stats ? stats_->found_inf(0) : at::Tensor();
-  account(found, checked);
-  if (found_inf_out.defined() && have_stats) {
-    found_inf_out.copy_(found.reshape(found_inf_out.sizes()), /*non_blocking=*/true);
-  }
-  if (stats_->from_pass()) {
-    const auto norm = stats_->sum_sq(0).sqrt();
-    grad_norm_ = grad_scale.defined() ? norm * inv_scale[0] : norm;
-  }
+  account(have_stats ? stats_->found_inf(0) : at::Tensor(), checked, found_inf_out,
+          grad_scale.defined() ? inv_scale[0] : at::Tensor());
   stats_->invalidate();
   plan_->release_grads(*stats_);
 }
 
-void Optimizer::account(const at::Tensor& found_inf, bool checked) {
-  if (!last_step_applied_.defined()) {
-    const auto d = stats_->primary_device();
+void Optimizer::account(const at::Tensor& found_inf, bool checked,
+                        const at::Tensor& found_inf_out, const at::Tensor& inv_scale) {
+  const auto d = stats_->primary_device();
+  if (!last_step_applied_.defined() || last_step_applied_.device() != d) {
+    // First step, or the counters were restored onto another device than the step's flags.
     last_step_applied_ = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(d));
-    skipped_steps_ = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(d));
+    skipped_steps_ = skipped_steps_.defined()
+                         ? skipped_steps_.to(d).clone()
+                         : at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(d));
   }
-  if (checked) {
-    // Written straight into the counters (three ATen calls, each a kernel launch on a GPU).
-    at::eq_out(last_step_applied_, found_inf, 0);
-    skipped_steps_.add_(found_inf.ne(0));
-  } else {
-    last_step_applied_.fill_(1);
+  // The norm of this step's statistics pass goes into the next slot of the history.
+  std::optional<at::Tensor> sum_sq, norms;
+  if (stats_->from_pass()) {
+    if (!grad_norms_.defined() || grad_norms_.device() != d) {
+      grad_norms_ = at::full({kGradNormHistory}, std::numeric_limits<float>::quiet_NaN(),
+                             at::TensorOptions().dtype(at::kFloat).device(d));
+      grad_norms_recorded_ = 0;
+    }
+    sum_sq = stats_->sum_sq(0);
+    norms = grad_norms_;
+  }
+  const int64_t slot = grad_norms_recorded_ % kGradNormHistory;
+  // The loss scaler's flag gets the step's through the op where it lives on the same device.
+  const bool flag_here =
+      checked && found_inf_out.defined() && found_inf_out.device() == found_inf.device();
+  // One op (one kernel launch on a GPU) for what the step records.
+  ops::account_step_(last_step_applied_, skipped_steps_,
+                     checked ? std::optional<at::Tensor>(found_inf) : std::nullopt,
+                     flag_here ? std::optional<at::Tensor>(found_inf_out) : std::nullopt, sum_sq,
+                     norms && inv_scale.defined() ? std::optional<at::Tensor>(inv_scale)
+                                                  : std::nullopt,
+                     norms, slot);
+  if (found_inf.defined() && found_inf_out.defined() && !flag_here) {
+    found_inf_out.copy_(found_inf.reshape(found_inf_out.sizes()), /*non_blocking=*/true);
+  }
+  if (norms) {
+    last_norm_slot_ = slot;
+    ++grad_norms_recorded_;
   }
 }
 
@@ -228,6 +249,22 @@ void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_i
 
 at::Tensor Optimizer::found_inf() const {
   return stats_->empty() ? at::Tensor() : stats_->found_inf(0);
+}
+
+at::Tensor Optimizer::grad_norm() const {
+  return last_norm_slot_ < 0 ? at::Tensor() : grad_norms_.narrow(0, last_norm_slot_, 1).clone();
+}
+
+at::Tensor Optimizer::grad_norm_history() const {
+  if (grad_norms_recorded_ == 0) {
+    return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+  }
+  if (grad_norms_recorded_ <= kGradNormHistory) {
+    return grad_norms_.narrow(0, 0, grad_norms_recorded_).clone();
+  }
+  const int64_t oldest = grad_norms_recorded_ % kGradNormHistory;
+  return at::cat({grad_norms_.narrow(0, oldest, kGradNormHistory - oldest),
+                  grad_norms_.narrow(0, 0, oldest)});
 }
 
 at::Tensor Optimizer::grad_sum_sq() const {

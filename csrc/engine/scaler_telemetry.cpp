@@ -123,8 +123,10 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
     auto own_first = current_.narrow(0, math::kFirstNonfinite, 1);
     own_first.copy_(at::minimum(own_first, local.narrow(0, math::kFirstNonfinite, 1)));
   }
+  // The passes' sums are [1] (no reshape op on every step); a 0-dim one broadcasts as well.
+  const at::Tensor sum_sq_one = sum_sq.dim() <= 1 ? sum_sq : sum_sq.reshape({1});
   const at::Tensor sum_sq_here =
-      here ? sum_sq.reshape({1}) : sum_sq.reshape({1}).to(current_.device(), /*non_blocking=*/true);
+      here ? sum_sq_one : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
   current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
   const size_t pass = layouts_.size();
   ParamList list = list_of(params);

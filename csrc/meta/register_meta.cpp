@@ -39,6 +39,9 @@ struct CheckOnlyOps {
   static void update_scale(const prelude::UpdateScale& op) {
     refuse_work(op.kOp, op.scale);
   }
+  static void account_step(const prelude::AccountStep& op) {
+    refuse_work(op.kOp, op.step_applied);
+  }
   static void adam_step(const prelude::AdamStep& step) {
     refuse_work(step.kOp, step.params);
   }

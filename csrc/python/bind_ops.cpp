@@ -366,6 +366,23 @@ py::object update_scale(const py::args& args, const py::kwargs& kwargs) {
   });
 }
 
+py::object account_step(const py::args& args, const py::kwargs& kwargs) {
+  const auto& op = op_handles::account_step();
+  SchemaCall call("account_step_", op.schema(), args, kwargs);
+  const Tensor& step_applied = call.tensor("step_applied");
+  const Tensor& skipped_steps = call.tensor("skipped_steps");
+  const OptTensor& found_inf = call.optional_tensor("found_inf");
+  const OptTensor& found_inf_out = call.optional_tensor("found_inf_out");
+  const OptTensor& grad_sum_sq = call.optional_tensor("grad_sum_sq");
+  const OptTensor& inv_scale = call.optional_tensor("inv_scale");
+  const OptTensor& grad_norms = call.optional_tensor("grad_norms");
+  const int64_t grad_norm_slot = call.integer("grad_norm_slot");
+  return finish(call, [&] {
+    op.call(step_applied, skipped_steps, found_inf, found_inf_out, grad_sum_sq, inv_scale,
+            grad_norms, grad_norm_slot);
+  });
+}
+
 // The device scalars and modes adam_step_ and sgd_step_ share, read in schema order.
 struct StepTail {
   const OptTensor* lr_tensor;
@@ -449,13 +466,15 @@ void bind_ops(py::module_& m) {
       doc_of("unscale_and_check_", op_handles::unscale_and_check().schema()),
       doc_of("grad_stats_", op_handles::grad_stats().schema()),
       doc_of("update_scale_", op_handles::update_scale().schema()),
+      doc_of("account_step_", op_handles::account_step().schema()),
       doc_of("adam_step_", op_handles::adam_step().schema()),
       doc_of("sgd_step_", op_handles::sgd_step().schema())};
   ops.def("unscale_and_check_", &unscale_and_check, docs[0].c_str());
   ops.def("grad_stats_", &grad_stats, docs[1].c_str());
   ops.def("update_scale_", &update_scale, docs[2].c_str());
-  ops.def("adam_step_", &adam_step, docs[3].c_str());
-  ops.def("sgd_step_", &sgd_step, docs[4].c_str());
+  ops.def("account_step_", &account_step, docs[3].c_str());
+  ops.def("adam_step_", &adam_step, docs[4].c_str());
+  ops.def("sgd_step_", &sgd_step, docs[5].c_str());
 }
 
 }  // namespace fusedamp::python

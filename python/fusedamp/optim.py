@@ -45,7 +45,6 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from ._library import _C
-from .diagnostics import History
 from .fsdp import make_engine
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
@@ -87,7 +86,6 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self._engine = None
         super().__init__(params, defaults)
         self._build_engine()
-        self._grad_norms = History()
 
     def _build_engine(self):
         for group in self.param_groups:
@@ -168,15 +166,13 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             # fusedamp.GradScaler's telemetry: this step's gradient pass records for it.
             engine.step_amp(grad_scale, found_inf,
                             getattr(self, "_fusedamp_telemetry_of", None), record_as)
-        norm = engine.grad_norm()
-        if norm is not None:
-            self._grad_norms.record(norm)
 
     def grad_norm_history(self):
         """Global gradient norm (unscaled, before clipping) of each recorded step, oldest
-        first (one synchronisation). Steps after an explicit scaler.unscale_() without
-        clipping are not recorded (no norm pass ran)."""
-        return self._grad_norms.values()
+        first, the last 100,000 (one synchronisation). Steps after an explicit
+        scaler.unscale_() without clipping are not recorded (no norm pass ran). The engine's
+        step writes each norm in its accounting op: no host work per step."""
+        return self._engine.grad_norm_history().tolist()
 
     # ---- state ----------------------------------------------------------------------
     @property

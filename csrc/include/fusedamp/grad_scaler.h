@@ -183,6 +183,7 @@ class GradScaler {
 
   GradScalerOptions opts_;
   at::Tensor scale_, growth_tracker_, hysteresis_tracker_, found_inf_, inv_scale_;
+  at::Tensor scale_0d_;  // scale_ as the 0-dim view begin_amp_step hands over
   bool iteration_begun_ = false;            // begin_iteration() ran since the last update()
   mutable bool inv_scale_current_ = false;  // inv_scale_ is 1 / scale_ (a cache)
   bool bound_ = false;  // state tensors are on their training device

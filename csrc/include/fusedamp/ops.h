@@ -28,6 +28,17 @@ void update_scale_(
     std::optional<double> max_scale = std::nullopt, const OptTensor& amax = std::nullopt,
     std::optional<double> amax_target = std::nullopt);
 
+// What a master-weight optimizer records after a step, in one kernel (schemas.cpp): from the
+// step's found_inf, whether it was applied (step_applied) and the skipped-step count, the loss
+// scaler's copy of the flag (found_inf_out); with grad_norms, the unscaled global gradient norm
+// into grad_norms[grad_norm_slot].
+void account_step_(const Tensor& step_applied, const Tensor& skipped_steps,
+                   const OptTensor& found_inf = std::nullopt,
+                   const OptTensor& found_inf_out = std::nullopt,
+                   const OptTensor& grad_sum_sq = std::nullopt,
+                   const OptTensor& inv_scale = std::nullopt,
+                   const OptTensor& grad_norms = std::nullopt, int64_t grad_norm_slot = 0);
+
 // The device-side scalars a fused step reads. All optional; each is a 1-element FP32 tensor on
 // the parameters' device.
 struct StepScalars {

@@ -102,9 +102,15 @@ class Optimizer : public torch::optim::Optimizer {
   // tensor). Undefined before one.
   at::Tensor found_inf() const;
   at::Tensor grad_sum_sq() const;
-  // The global norm of the unscaled gradients of this step's statistics pass (FP32[1]), or
-  // undefined when this step ran none (e.g. after unscale_ without clipping).
-  at::Tensor grad_norm() const { return grad_norm_; }
+  // The global norm of the unscaled gradients of this step's statistics pass (FP32[1], a
+  // tensor of its own), or undefined when this step ran none (e.g. after unscale_ without
+  // clipping).
+  at::Tensor grad_norm() const;
+  // The norms of the last kGradNormHistory steps that ran a statistics pass, oldest first
+  // (FP32, on the device of the steps; empty before one). Recording costs no op of its own: the
+  // step's accounting op writes each norm into a ring (account_step_).
+  static constexpr int64_t kGradNormHistory = 100000;
+  at::Tensor grad_norm_history() const;
 
   // ---- hyper-parameters ---------------------------------------------------------------------
   // Sets a hyper-parameter of group i by name: the names of torch.optim's param groups ("lr",
@@ -191,12 +197,15 @@ class Optimizer : public torch::optim::Optimizer {
   // after it (see BucketPlan::update).
   bool gather(bool within_step);
   bool any_group(bool (*pred)(const EngineGroupOptions&)) const;
-  void account(const at::Tensor& found_inf, bool checked);
+  void account(const at::Tensor& found_inf, bool checked, const at::Tensor& found_inf_out,
+               const at::Tensor& inv_scale);
 
   std::unique_ptr<detail::ParamStateStore> states_;
   std::unique_ptr<detail::BucketPlan> plan_;
   std::unique_ptr<detail::DeviceStats> stats_;
-  at::Tensor grad_norm_;
+  at::Tensor grad_norms_;  // FP32[kGradNormHistory], a ring; allocated by the first pass
+  int64_t grad_norms_recorded_ = 0;
+  int64_t last_norm_slot_ = -1;  // this step's norm in grad_norms_; -1: none this step
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
 };
