@@ -56,7 +56,7 @@ template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool k
           typename TS>
 void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
   const size_t n = step.params.size();
-  std::vector<math::AdamCoeffs> coeffs(n);
+  ScratchVector<math::AdamCoeffs> coeffs(n);
   for (size_t i = 0; i < n; ++i) {
     // Usually every tensor is at the same step: two pow() per tensor are then wasted work.
     coeffs[i] = i > 0 && step.steps_before[i] == step.steps_before[i - 1]

@@ -10,13 +10,15 @@
 #include <algorithm>
 #include <vector>
 
+#include "scratch_vector.h"
+
 namespace fusedamp::cpu {
 
 constexpr int64_t kChunk = 16384;  // elements; multiple of every vector width
 
 struct ChunkPlan {
-  std::vector<int64_t> first_chunk;  // first_chunk[i]: index of tensor i's first chunk
-  std::vector<int64_t> numel;        // of tensor i
+  ScratchVector<int64_t> first_chunk;  // first_chunk[i]: index of tensor i's first chunk
+  ScratchVector<int64_t> numel;        // of tensor i
   int64_t total = 0;
 
   explicit ChunkPlan(at::TensorList tensors)
@@ -24,16 +26,14 @@ struct ChunkPlan {
 
   // count tensors of numel_of(i) elements.
   template <typename NumelOf>
-  ChunkPlan(size_t count, const NumelOf& numel_of) {
-    first_chunk.reserve(count + 1);
-    numel.reserve(count);
+  ChunkPlan(size_t count, const NumelOf& numel_of) : first_chunk(count + 1), numel(count) {
     for (size_t i = 0; i < count; ++i) {
       const int64_t n = numel_of(i);
-      first_chunk.push_back(total);
-      numel.push_back(n);
+      first_chunk[i] = total;
+      numel[i] = n;
       total += (n + kChunk - 1) / kChunk;
     }
-    first_chunk.push_back(total);
+    first_chunk[count] = total;
   }
 };
 
@@ -45,8 +45,9 @@ void for_each_chunk(const ChunkPlan& plan, const F& f) {
   }
   at::parallel_for(0, plan.total, 1, [&](int64_t c0, int64_t c1) {
     // Tensor holding chunk c0: last i with first_chunk[i] <= c0 (skipping empty tensors).
-    auto it = std::upper_bound(plan.first_chunk.begin(), plan.first_chunk.end(), c0);
-    int64_t i = static_cast<int64_t>(it - plan.first_chunk.begin()) - 1;
+    const std::vector<int64_t>& first_chunk = *plan.first_chunk;
+    auto it = std::upper_bound(first_chunk.begin(), first_chunk.end(), c0);
+    int64_t i = static_cast<int64_t>(it - first_chunk.begin()) - 1;
     for (int64_t c = c0; c < c1; ++c) {
       while (c >= plan.first_chunk[i + 1]) {
         ++i;

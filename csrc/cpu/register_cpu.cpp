@@ -19,6 +19,7 @@
 #include "../op_prelude.h"
 #include "../step_scalars.h"
 #include "cpu_kernels.h"
+#include "scratch_vector.h"
 
 namespace fusedamp::cpu {
 
@@ -79,7 +80,7 @@ constexpr size_t kCountsAhead = 16;
 
 struct StepCounts {
   const std::vector<StepRow>& rows;
-  std::vector<float> before;
+  ScratchVector<float> before;
 
   explicit StepCounts(const std::vector<StepRow>& step_rows)
       : rows(step_rows), before(step_rows.size()) {
@@ -118,7 +119,7 @@ void run_step(const Step& step, std::initializer_list<TensorList> states, const 
                            states, addresses);
   }
   const StepCounts counts(addresses.rows);
-  kernel(CpuStep{step.params, step.grads, addresses.rows.data(), counts.before.data(), lr,
+  kernel(CpuStep{step.params, step.grads, addresses.rows.data(), (*counts.before).data(), lr,
                  scalars.grad_multiplier(), step.weight_store(),
                  step.rounding_seeds.empty() ? nullptr : step.rounding_seeds.data(),
                  step.write_back_grads});

@@ -131,9 +131,9 @@ bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry
 bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
                 std::vector<char>* flags, GradTelemetry* telemetry) {
   const ChunkPlan plan(grads);
-  std::vector<char> chunk_bad(plan.total, 0);
-  std::vector<float> chunk_sq(plan.total, 0.f);
-  std::vector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
+  ScratchVector<char> chunk_bad(plan.total, 0);
+  ScratchVector<float> chunk_sq(plan.total, 0.f);
+  ScratchVector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
   const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
   for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
@@ -163,7 +163,7 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   });
   // Combined in chunk order, so the result does not depend on the number of threads.
   double total = 0.0;
-  for (float sq : chunk_sq) {
+  for (float sq : *chunk_sq) {
     total += sq;
   }
   *sum_sq += total;
@@ -181,7 +181,7 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
       }
     }
   }
-  for (const auto& t : chunk_tele) {
+  for (const auto& t : *chunk_tele) {
     telemetry->amax = std::max(telemetry->amax, static_cast<double>(t.amax));
     telemetry->n_subnormal += static_cast<double>(t.n_small - t.n_zero);
     telemetry->n_zero += static_cast<double>(t.n_zero);
@@ -197,7 +197,7 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
     return stats_pass(grads, &inv_scale, sum_sq, nullptr, telemetry);
   }
   const ChunkPlan plan(grads);
-  std::vector<char> chunk_bad(plan.total, 0);
+  ScratchVector<char> chunk_bad(plan.total, 0);
   for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
     const at::Tensor& g = grads[i];
     if (begin == 0) {
@@ -208,7 +208,7 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
       chunk_bad[c] = unscale_range(elements_of<scalar_t>(g) + begin, end - begin, inv_scale);
     });
   });
-  return std::any_of(chunk_bad.begin(), chunk_bad.end(), [](char b) { return b != 0; });
+  return std::any_of((*chunk_bad).begin(), (*chunk_bad).end(), [](char b) { return b != 0; });
 }
 
 bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,

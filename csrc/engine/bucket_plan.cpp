@@ -87,8 +87,9 @@ std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
 void BucketPlan::update(const char* who, const char* step_op, const std::vector<Group>& groups,
                         ParamStateStore& states, DeviceStats& devices) {
   std::vector<GroupKey> group_keys;
-  std::vector<ParamKey> param_keys;
+  std::vector<ParamKey>& param_keys = walked_param_keys_;
   group_keys.reserve(groups.size());
+  param_keys.clear();
   param_keys.reserve(param_keys_.size());
   grads_seen_.clear();
   cpu_param_grad_keys_ = c10::DispatchKeySet();
@@ -112,7 +113,7 @@ void BucketPlan::update(const char* who, const char* step_op, const std::vector<
       return;
     }
     group_keys_ = std::move(group_keys);
-    param_keys_ = std::move(param_keys);
+    param_keys_.swap(param_keys);
     valid_ = false;
     rebuild(groups, states, devices);
     valid_ = true;

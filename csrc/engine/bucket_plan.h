@@ -122,6 +122,9 @@ class BucketPlan {
   std::vector<Bucket> buckets_;
   std::vector<GroupKey> group_keys_;
   std::vector<ParamKey> param_keys_;
+  // This step's keys as the walk reads them: kept between steps, so that the walk over
+  // thousands of parameters allocates nothing (swapped with param_keys_ when they change).
+  std::vector<ParamKey> walked_param_keys_;
   // This step's gradients, as update() walked the groups (each a parameter's .grad member,
   // read once per step and unchanged until collect_grads() takes them).
   std::vector<const at::Tensor*> grads_seen_;
