@@ -571,6 +571,33 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
   }
 }
 
+void record_telemetry(const char* op, const Tensor& ring, int64_t slot, const Tensor& scale,
+                      const Tensor& found_inf, const Tensor& measured,
+                      const OptTensor& pass_sum_sq) {
+  TORCH_CHECK(ring.defined(), op, ": ring is undefined");
+  const auto device = ring.device();
+  TORCH_CHECK(ring.layout() == at::kStrided && ring.dim() == 2 && ring.is_contiguous() &&
+                  ring.scalar_type() == at::kDouble && ring.sym_size(1) == math::kTelemetryColumns,
+              op, ": ring must be a contiguous float64 tensor of shape [capacity, ",
+              int64_t{math::kTelemetryColumns}, "], got ", ring.scalar_type(), " of shape ",
+              ring.sym_sizes());
+  TORCH_CHECK(slot >= 0 && slot < ring.sym_size(0), op, ": slot ", slot,
+              " is outside ring (", ring.sym_size(0), " rows)");
+  check_scalar(op, "scale", scale, at::kFloat, device);
+  check_scalar(op, "found_inf", found_inf, at::kFloat, device);
+  TORCH_CHECK(measured.defined() && measured.layout() == at::kStrided && measured.dim() == 1 &&
+                  measured.is_contiguous() && measured.scalar_type() == at::kDouble &&
+                  measured.sym_numel() == math::kTelemetrySlots + 1,
+              op, ": measured must be a contiguous float64 tensor of ",
+              int64_t{math::kTelemetrySlots + 1}, " elements (the telemetry slots and a sum of "
+              "squares)");
+  TORCH_CHECK(measured.device() == device, op, ": measured is on ", measured.device(),
+              " but ring is on ", device);
+  if (pass_sum_sq.has_value() && pass_sum_sq->defined()) {
+    check_scalar(op, "pass_sum_sq", *pass_sum_sq, at::kFloat, device);
+  }
+}
+
 void account_step(const char* op, const Tensor& step_applied, const Tensor& skipped_steps,
                   const OptTensor& found_inf, const OptTensor& found_inf_out,
                   const OptTensor& grad_sum_sq, const OptTensor& inv_scale,

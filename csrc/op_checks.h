@@ -38,6 +38,10 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
                   std::optional<double> min_scale, std::optional<double> max_scale,
                   const OptTensor& amax, std::optional<double> amax_target);
 
+void record_telemetry(const char* op, const Tensor& ring, int64_t slot, const Tensor& scale,
+                      const Tensor& found_inf, const Tensor& measured,
+                      const OptTensor& pass_sum_sq);
+
 void account_step(const char* op, const Tensor& step_applied, const Tensor& skipped_steps,
                   const OptTensor& found_inf, const OptTensor& found_inf_out,
                   const OptTensor& grad_sum_sq, const OptTensor& inv_scale,

@@ -23,6 +23,8 @@ using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&
 using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
                       int64_t, int64_t, std::optional<double>, std::optional<double>,
                       const OptTensor&, std::optional<double>);
+using TelemetrySig = void(const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&,
+                          const OptTensor&);
 using AccountSig = void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
                         const OptTensor&, const OptTensor&, const OptTensor&, int64_t);
 using AdamSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, TensorList, double,
@@ -52,6 +54,11 @@ inline const c10::TypedOperatorHandle<StatsSig>& grad_stats() {
 
 inline const c10::TypedOperatorHandle<ScaleSig>& update_scale() {
   static const auto op = find<ScaleSig>("fusedamp::update_scale_");
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<TelemetrySig>& record_telemetry() {
+  static const auto op = find<TelemetrySig>("fusedamp::record_telemetry_");
   return op;
 }
 

@@ -3,7 +3,7 @@
 // fallback): for each op (its C++ signature is op_handles.h's, checked at registration) what
 // every backend does first: check all arguments (op_checks.h, before anything is touched) and
 // gather them into one struct; for the step ops that includes the math hyper-parameters and
-// which optional device scalars were given. A backend is a struct of six static functions,
+// which optional device scalars were given. A backend is a struct of seven static functions,
 // one per op, that take those structs; implement_ops<Backend>(m) registers them.
 //
 // What a backend does with a step's device scalars is its own: the CPU reads them on the host
@@ -80,6 +80,16 @@ struct UpdateScale {
     h.amax_target = amax_target.value_or(0.0);
     return h;
   }
+};
+
+struct RecordTelemetry {
+  static constexpr const char* kOp = "fusedamp::record_telemetry_";
+  const Tensor& ring;
+  int64_t slot;
+  const Tensor& scale;
+  const Tensor& found_inf;
+  const Tensor& measured;
+  const Tensor* pass_sum_sq;  // nullptr where absent
 };
 
 // ---- after a step ----------------------------------------------------------------------------
@@ -255,6 +265,17 @@ void update_scale(const Tensor& scale, const Tensor& growth_tracker,
 }
 
 template <typename Backend>
+void record_telemetry(const Tensor& ring, int64_t slot, const Tensor& scale,
+                      const Tensor& found_inf, const Tensor& measured,
+                      const OptTensor& pass_sum_sq) {
+  checks::record_telemetry(RecordTelemetry::kOp, ring, slot, scale, found_inf, measured,
+                           pass_sum_sq);
+  Backend::record_telemetry(RecordTelemetry{
+      ring, slot, scale, found_inf, measured,
+      pass_sum_sq && pass_sum_sq->defined() ? &*pass_sum_sq : nullptr});
+}
+
+template <typename Backend>
 void account_step(const Tensor& step_applied, const Tensor& skipped_steps,
                   const OptTensor& found_inf, const OptTensor& found_inf_out,
                   const OptTensor& grad_sum_sq, const OptTensor& inv_scale,
@@ -328,12 +349,15 @@ void implement_ops(torch::Library& m) {
   static_assert(std::is_same_v<decltype(&unscale_and_check<Backend>), op_handles::UnscaleSig*>);
   static_assert(std::is_same_v<decltype(&grad_stats<Backend>), op_handles::StatsSig*>);
   static_assert(std::is_same_v<decltype(&update_scale<Backend>), op_handles::ScaleSig*>);
+  static_assert(
+      std::is_same_v<decltype(&record_telemetry<Backend>), op_handles::TelemetrySig*>);
   static_assert(std::is_same_v<decltype(&account_step<Backend>), op_handles::AccountSig*>);
   static_assert(std::is_same_v<decltype(&adam_step<Backend>), op_handles::AdamSig*>);
   static_assert(std::is_same_v<decltype(&sgd_step<Backend>), op_handles::SgdSig*>);
   m.impl("unscale_and_check_", &unscale_and_check<Backend>);
   m.impl("grad_stats_", &grad_stats<Backend>);
   m.impl("update_scale_", &update_scale<Backend>);
+  m.impl("record_telemetry_", &record_telemetry<Backend>);
   m.impl("account_step_", &account_step<Backend>);
   m.impl("adam_step_", &adam_step<Backend>);
   m.impl("sgd_step_", &sgd_step<Backend>);

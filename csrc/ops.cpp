@@ -29,6 +29,12 @@ void update_scale_(
       growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
 }
 
+void record_telemetry_(const Tensor& ring, int64_t slot, const Tensor& scale,
+                       const Tensor& found_inf, const Tensor& measured,
+                       const OptTensor& pass_sum_sq) {
+  op_handles::record_telemetry().call(ring, slot, scale, found_inf, measured, pass_sum_sq);
+}
+
 void account_step_(const Tensor& step_applied, const Tensor& skipped_steps,
                    const OptTensor& found_inf, const OptTensor& found_inf_out,
                    const OptTensor& grad_sum_sq, const OptTensor& inv_scale,

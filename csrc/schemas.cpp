@@ -33,6 +33,15 @@ TORCH_LIBRARY(fusedamp, m) {
       "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
       "float? amax_target=None) -> ()");
 
+  // A loss scaler's telemetry record of one iteration (math/telemetry_math.h's columns): ring
+  // (FP64 [capacity, 7]) row `slot` = [scale, found_inf, measured[0..3], measured[4] +
+  // pass_sum_sq], where measured (FP64[5]) holds grad_stats_'s four telemetry slots and a sum
+  // of squares, and pass_sum_sq (FP32) is a pass's sum not yet added (absent: 0). The slot is
+  // chosen on the host, so recording needs no index op. All on one device.
+  m.def(
+      "record_telemetry_(Tensor(a!) ring, int slot, Tensor scale, Tensor found_inf, "
+      "Tensor measured, Tensor? pass_sum_sq=None) -> ()");
+
   // What a master-weight optimizer records after a step, in one kernel (math/
   // step_account_math.h): with found_inf (the step's flag), step_applied = 1 if it is 0 else 0,
   // skipped_steps += 1 if it is not 0, and found_inf_out (the loss scaler's flag) = found_inf;

@@ -23,6 +23,11 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
                 const std::optional<at::Tensor>& tensor_flags,
                 const std::optional<at::Tensor>& telemetry);
 
+// record_telemetry.cu (pass_sum_sq: nullptr where absent)
+void record_telemetry(const at::Tensor& ring, int64_t slot, const at::Tensor& scale,
+                      const at::Tensor& found_inf, const at::Tensor& measured,
+                      const at::Tensor* pass_sum_sq);
+
 // account_step.cu (the optional tensors: nullptr where absent)
 void account_step(const at::Tensor& step_applied, const at::Tensor& skipped_steps,
                   const at::Tensor* found_inf, const at::Tensor* found_inf_out,

@@ -36,6 +36,12 @@ struct CudaOps {
                        op.hyper());
   }
 
+  static void record_telemetry(const prelude::RecordTelemetry& op) {
+    const c10::cuda::CUDAGuard guard(op.ring.device());
+    cuda::record_telemetry(op.ring, op.slot, op.scale, op.found_inf, op.measured,
+                           op.pass_sum_sq);
+  }
+
   static void account_step(const prelude::AccountStep& op) {
     const c10::cuda::CUDAGuard guard(op.step_applied.device());
     cuda::account_step(op.step_applied, op.skipped_steps, op.found_inf, op.found_inf_out,

@@ -48,6 +48,7 @@ struct Mutated {
 const auto& unscale_op = op_handles::unscale_and_check;
 const auto& stats_op = op_handles::grad_stats;
 const auto& scale_op = op_handles::update_scale;
+const auto& telemetry_op = op_handles::record_telemetry;
 const auto& account_op = op_handles::account_step;
 const auto& adam_op = op_handles::adam_step;
 const auto& sgd_op = op_handles::sgd_step;
@@ -151,6 +152,23 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
   bump_versions({scale, growth, hysteresis});
 }
 
+// ---- record_telemetry_ ---------------------------------------------------------------------
+void telemetry_autograd(c10::DispatchKeySet ks, const Tensor& ring, int64_t slot,
+                        const Tensor& scale, const Tensor& found_inf, const Tensor& measured,
+                        const OptTensor& pass_sum_sq) {
+  refuse_in_grad_mode("fusedamp::record_telemetry_", {ring});
+  telemetry_op().redispatch(ks & c10::after_autograd_keyset, ring, slot, scale, found_inf,
+                            measured, pass_sum_sq);
+}
+
+void telemetry_view(c10::DispatchKeySet ks, const Tensor& ring, int64_t slot,
+                    const Tensor& scale, const Tensor& found_inf, const Tensor& measured,
+                    const OptTensor& pass_sum_sq) {
+  telemetry_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, ring, slot, scale,
+                            found_inf, measured, pass_sum_sq);
+  bump_versions({ring});
+}
+
 // ---- account_step_ -------------------------------------------------------------------------
 void account_autograd(c10::DispatchKeySet ks, const Tensor& applied, const Tensor& skipped,
                       const OptTensor& found_inf, const OptTensor& found_inf_out,
@@ -235,7 +253,8 @@ void sgd_view(c10::DispatchKeySet ks, TensorList params, TensorList masters, Ten
 template <typename... Kernels>
 void impl_all(torch::Library& m, Kernels... kernels) {
   static constexpr const char* kOps[] = {"unscale_and_check_", "grad_stats_", "update_scale_",
-                                         "account_step_", "adam_step_", "sgd_step_"};
+                                         "record_telemetry_", "account_step_", "adam_step_",
+                                         "sgd_step_"};
   static_assert(sizeof...(Kernels) == std::size(kOps), "one kernel per op");
   size_t i = 0;
   (m.impl(kOps[i++], kernels), ...);
@@ -246,11 +265,12 @@ void impl_all(torch::Library& m, Kernels... kernels) {
 
 TORCH_LIBRARY_IMPL(fusedamp, Autograd, m) {
   using namespace fusedamp::autograd;
-  impl_all(m, &unscale_autograd, &stats_autograd, &scale_autograd, &account_autograd,
-           &adam_autograd, &sgd_autograd);
+  impl_all(m, &unscale_autograd, &stats_autograd, &scale_autograd, &telemetry_autograd,
+           &account_autograd, &adam_autograd, &sgd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fusedamp, ADInplaceOrView, m) {
   using namespace fusedamp::autograd;
-  impl_all(m, &unscale_view, &stats_view, &scale_view, &account_view, &adam_view, &sgd_view);
+  impl_all(m, &unscale_view, &stats_view, &scale_view, &telemetry_view, &account_view,
+           &adam_view, &sgd_view);
 }

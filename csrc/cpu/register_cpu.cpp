@@ -189,6 +189,14 @@ struct CpuOps {
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
   }
 
+  static void record_telemetry(const prelude::RecordTelemetry& op) {
+    math::write_telemetry_row(
+        op.ring.data_ptr<double>() + op.slot * math::kTelemetryColumns,
+        *op.scale.const_data_ptr<float>(), *op.found_inf.const_data_ptr<float>(),
+        op.measured.const_data_ptr<double>(),
+        op.pass_sum_sq != nullptr ? op.pass_sum_sq->const_data_ptr<float>() : nullptr);
+  }
+
   static void account_step(const prelude::AccountStep& op) {
     // Every input is read before anything is written: found_inf_out may be found_inf itself.
     const float found = op.found_inf != nullptr ? *op.found_inf->const_data_ptr<float>() : 0.f;

@@ -15,10 +15,8 @@ namespace {
 
 constexpr double kNone = std::numeric_limits<double>::infinity();  // no non-finite gradient
 constexpr int64_t kSumSq = math::kTelemetrySlots;  // current_'s slot after the op's four
-
-// The ring's columns: the scale and found_inf, then current_ as it stands at update(). Derived
-// values (norm, fractions) are computed when read, on the host: a record is three device ops.
-enum Column : int64_t { kScale, kFoundInf, kCurrent, kColumns = kCurrent + kSumSq + 1 };
+static_assert(math::kColumnSumSq - math::kColumnMeasured == kSumSq,
+              "a ring row holds current_ from kColumnMeasured on");
 
 }  // namespace
 
@@ -33,17 +31,16 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
   if (!ring_.defined() || ring_.device() != device) {
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
     fresh_ = at::tensor({0.0, 0.0, 0.0, kNone, 0.0}, at::dtype(at::kDouble)).to(device);
-    row_ = at::empty({kColumns}, f64);
-    row_scale_ = row_.narrow(0, kScale, 1);
-    row_found_inf_ = row_.narrow(0, kFoundInf, 1);
-    current_ = row_.narrow(0, kCurrent, kSumSq + 1);
+    current_ = at::empty({kSumSq + 1}, f64);
     current_slots_ = current_.narrow(0, 0, math::kTelemetrySlots);
     current_first_ = current_slots_.narrow(0, math::kFirstNonfinite, 1);
     current_sum_sq_ = current_.narrow(0, kSumSq, 1);
-    ring_ = at::zeros({capacity_, kColumns}, f64);
+    pass_sum_sq_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+    ring_ = at::zeros({capacity_, math::kTelemetryColumns}, f64);
     recorded_ = 0;
   }
   current_.copy_(fresh_);
+  pass_sum_pending_ = false;
   layouts_.clear();
   elements_ = 0.0;
   walked_ = 0;
@@ -127,7 +124,12 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   const at::Tensor sum_sq_one = sum_sq.dim() <= 1 ? sum_sq : sum_sq.reshape({1});
   const at::Tensor sum_sq_here =
       here ? sum_sq_one : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
-  current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
+  if (layouts_.empty()) {
+    pass_sum_sq_.copy_(sum_sq_here);  // the record op adds it
+    pass_sum_pending_ = true;
+  } else {
+    current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
+  }
   const size_t pass = layouts_.size();
   ParamList list = list_of(params);
   double pass_elements = 0.0;
@@ -154,9 +156,9 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
     return;
   }
   const int64_t slot = recorded_ % capacity_;
-  row_scale_.copy_(scale);  // one element each, broadcast into the row's slot
-  row_found_inf_.copy_(found_inf);
-  ring_.select(0, slot).copy_(row_);
+  ops::record_telemetry_(ring_, slot, scale, found_inf, current_,
+                         pass_sum_pending_ ? std::optional<at::Tensor>(pass_sum_sq_)
+                                           : std::nullopt);
   ring_elements_[static_cast<size_t>(slot)] = elements_;
   last_layouts_ = std::move(layouts_);
   layouts_.clear();
@@ -176,14 +178,15 @@ TelemetryLog ScalerTelemetry::read() const {
   const int64_t start = recorded_ - n;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t slot = (start + k) % capacity_;
-    const double* r = rows + slot * kColumns;
-    const double* measured = r + kCurrent;  // current_'s slots
+    const double* r = rows + slot * math::kTelemetryColumns;
+    const double* measured = r + math::kColumnMeasured;  // current_ as it was recorded
     const double elements = ring_elements_[static_cast<size_t>(slot)];
     const double none = std::numeric_limits<double>::quiet_NaN();  // nothing was measured
     log.step.push_back(start + k);
-    log.scale.push_back(r[kScale]);
-    log.found_inf.push_back(r[kFoundInf] != 0.0);
-    log.grad_norm.push_back(elements > 0 ? std::sqrt(measured[kSumSq]) / r[kScale] : none);
+    log.scale.push_back(r[math::kColumnScale]);
+    log.found_inf.push_back(r[math::kColumnFoundInf] != 0.0);
+    log.grad_norm.push_back(elements > 0 ? std::sqrt(measured[kSumSq]) / r[math::kColumnScale]
+                                         : none);
     log.amax.push_back(elements > 0 ? measured[math::kAmax] : none);
     log.underflow_fraction.push_back(
         elements > 0 ? (measured[math::kSubnormal] + measured[math::kZero]) / elements : none);

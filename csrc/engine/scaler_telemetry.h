@@ -56,11 +56,13 @@ class ScalerTelemetry final : public GradTelemetrySink {
 
   int64_t capacity_;
   at::Tensor fresh_;    // what a record starts as (see current_)
-  at::Tensor row_;      // FP64[7]: the ring row being filled (its layout), copied in by record()
-  at::Tensor row_scale_, row_found_inf_;  // views of row_'s first two slots
-  at::Tensor current_;  // row_'s last five: amax, subnormal count, zero count, first
-                        // non-finite, sum_sq
-  at::Tensor ring_;     // FP64[capacity, 7]: row_ at each update()
+  at::Tensor current_;  // FP64[5], this iteration's: amax, subnormal count, zero count, first
+                        // non-finite, sum_sq (math::kColumnMeasured on of a ring row)
+  // FP32[1]: the first pass's sum of squares, added to current_'s by the record op (later
+  // passes add theirs themselves): one same-dtype copy per step instead of a cast and an add.
+  at::Tensor pass_sum_sq_;
+  bool pass_sum_pending_ = false;
+  at::Tensor ring_;     // FP64[capacity, 7]: a row per update() (math::TelemetryColumn)
   // Views of current_ made with it (each narrow() is an ATen call: a fixed cost per pass):
   // the op's telemetry slots, their first-non-finite slot, and the sum of squares.
   at::Tensor current_slots_, current_first_, current_sum_sq_;

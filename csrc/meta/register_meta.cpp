@@ -39,6 +39,9 @@ struct CheckOnlyOps {
   static void update_scale(const prelude::UpdateScale& op) {
     refuse_work(op.kOp, op.scale);
   }
+  static void record_telemetry(const prelude::RecordTelemetry& op) {
+    refuse_work(op.kOp, op.ring);
+  }
   static void account_step(const prelude::AccountStep& op) {
     refuse_work(op.kOp, op.step_applied);
   }

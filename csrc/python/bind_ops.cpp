@@ -366,6 +366,18 @@ py::object update_scale(const py::args& args, const py::kwargs& kwargs) {
   });
 }
 
+py::object record_telemetry(const py::args& args, const py::kwargs& kwargs) {
+  const auto& op = op_handles::record_telemetry();
+  SchemaCall call("record_telemetry_", op.schema(), args, kwargs);
+  const Tensor& ring = call.tensor("ring");
+  const int64_t slot = call.integer("slot");
+  const Tensor& scale = call.tensor("scale");
+  const Tensor& found_inf = call.tensor("found_inf");
+  const Tensor& measured = call.tensor("measured");
+  const OptTensor& pass_sum_sq = call.optional_tensor("pass_sum_sq");
+  return finish(call, [&] { op.call(ring, slot, scale, found_inf, measured, pass_sum_sq); });
+}
+
 py::object account_step(const py::args& args, const py::kwargs& kwargs) {
   const auto& op = op_handles::account_step();
   SchemaCall call("account_step_", op.schema(), args, kwargs);
@@ -466,15 +478,17 @@ void bind_ops(py::module_& m) {
       doc_of("unscale_and_check_", op_handles::unscale_and_check().schema()),
       doc_of("grad_stats_", op_handles::grad_stats().schema()),
       doc_of("update_scale_", op_handles::update_scale().schema()),
+      doc_of("record_telemetry_", op_handles::record_telemetry().schema()),
       doc_of("account_step_", op_handles::account_step().schema()),
       doc_of("adam_step_", op_handles::adam_step().schema()),
       doc_of("sgd_step_", op_handles::sgd_step().schema())};
   ops.def("unscale_and_check_", &unscale_and_check, docs[0].c_str());
   ops.def("grad_stats_", &grad_stats, docs[1].c_str());
   ops.def("update_scale_", &update_scale, docs[2].c_str());
-  ops.def("account_step_", &account_step, docs[3].c_str());
-  ops.def("adam_step_", &adam_step, docs[4].c_str());
-  ops.def("sgd_step_", &sgd_step, docs[5].c_str());
+  ops.def("record_telemetry_", &record_telemetry, docs[3].c_str());
+  ops.def("account_step_", &account_step, docs[4].c_str());
+  ops.def("adam_step_", &adam_step, docs[5].c_str());
+  ops.def("sgd_step_", &sgd_step, docs[6].c_str());
 }
 
 }  // namespace fusedamp::python

@@ -18,8 +18,8 @@ import torch
 
 from ._library import _C
 
-__all__ = ["unscale_and_check_", "grad_stats_", "update_scale_", "account_step_", "adam_step_",
-           "sgd_step_"]
+__all__ = ["unscale_and_check_", "grad_stats_", "update_scale_", "record_telemetry_",
+           "account_step_", "adam_step_", "sgd_step_"]
 
 
 def _operator(name):
@@ -40,6 +40,7 @@ def _operator(name):
 unscale_and_check_ = _operator("unscale_and_check_")
 grad_stats_ = _operator("grad_stats_")
 update_scale_ = _operator("update_scale_")
+record_telemetry_ = _operator("record_telemetry_")
 account_step_ = _operator("account_step_")
 adam_step_ = _operator("adam_step_")
 sgd_step_ = _operator("sgd_step_")

@@ -28,6 +28,12 @@ void update_scale_(
     std::optional<double> max_scale = std::nullopt, const OptTensor& amax = std::nullopt,
     std::optional<double> amax_target = std::nullopt);
 
+// A loss scaler's telemetry record of one iteration into row `slot` of its ring (schemas.cpp,
+// math/telemetry_math.h's columns), in one kernel.
+void record_telemetry_(const Tensor& ring, int64_t slot, const Tensor& scale,
+                       const Tensor& found_inf, const Tensor& measured,
+                       const OptTensor& pass_sum_sq = std::nullopt);
+
 // What a master-weight optimizer records after a step, in one kernel (schemas.cpp): from the
 // step's found_inf, whether it was applied (step_applied) and the skipped-step count, the loss
 // scaler's copy of the flag (found_inf_out); with grad_norms, the unscaled global gradient norm

@@ -59,4 +59,35 @@ enum TelemetrySlot : int64_t {
   kTelemetrySlots = 4,
 };
 
+// One row of a loss scaler's telemetry ring per iteration (record_telemetry_, FP64): the scale
+// the gradients carried, found_inf, then the iteration's measurements as grad_stats_'s slots
+// combined them, then the sum of squares of the scaled gradients. Derived values (norm,
+// fractions) are computed when the ring is read.
+enum TelemetryColumn : int64_t {
+  kColumnScale = 0,
+  kColumnFoundInf = 1,
+  kColumnMeasured = 2,  // kTelemetrySlots columns
+  kColumnSumSq = kColumnMeasured + kTelemetrySlots,
+  kTelemetryColumns,
+};
+
+// measured: the slots and then the sum of squares so far (FP64[kTelemetrySlots + 1]);
+// pass_sum_sq (or nullptr): a pass's FP32 sum not yet added to it. Every input is read before
+// the row is written (the row may overlap them).
+C10_HOST_DEVICE inline void write_telemetry_row(double* row, float scale, float found_inf,
+                                                const double* measured,
+                                                const float* pass_sum_sq) {
+  double values[kTelemetryColumns];
+  values[kColumnScale] = scale;
+  values[kColumnFoundInf] = found_inf;
+  for (int64_t k = 0; k < kTelemetrySlots; ++k) {
+    values[kColumnMeasured + k] = measured[k];
+  }
+  values[kColumnSumSq] = measured[kTelemetrySlots] +
+                         (pass_sum_sq != nullptr ? static_cast<double>(*pass_sum_sq) : 0.0);
+  for (int64_t k = 0; k < kTelemetryColumns; ++k) {
+    row[k] = values[k];
+  }
+}
+
 }  // namespace fusedamp::math
