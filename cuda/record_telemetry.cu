@@ -1,6 +1,5 @@
 // CUDA: a loss scaler's telemetry record of one iteration (record_telemetry_) as a one-thread
-// kernel: one launch where the record took three copies, an index op and (for the pass's sum of
-// squares) a cast and an add.
+// kernel: one launch where the record took three copy kernels (and the pass's sum an add).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

@@ -93,6 +93,8 @@ void bind_grad_scaler(py::module_& m) {
       .def("update_to", py::overload_cast<double>(&GradScaler::update))
       .def("get_scale", &GradScaler::get_scale)
       .def("scale_tensor", [](const GradScaler& s) { return s.scale_tensor(); })
+      // Whether the scale exists yet, without handing a tensor to Python (every step asks).
+      .def("has_scale", [](const GradScaler& s) { return s.scale_tensor().defined(); })
       .def("inv_scale_tensor", [](const GradScaler& s) { return s.inv_scale_tensor(); })
       .def("growth_tracker", [](const GradScaler& s) { return s.growth_tracker(); })
       .def("hysteresis_tracker", [](const GradScaler& s) { return s.hysteresis_tracker(); })

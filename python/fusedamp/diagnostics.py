@@ -40,8 +40,9 @@ class History:
                                    device=value.device)
             self._n = 0
         # One indexed assignment (a device copy, no sync): half the host time of
-        # select + detach + reshape + copy_ from Python, paid every step.
-        self._buf[self._n % self.capacity] = value.detach()
+        # select + detach + reshape + copy_ from Python, paid every step. Detached only where
+        # autograd would record the copy (an op call fewer for the usual plain tensor).
+        self._buf[self._n % self.capacity] = value.detach() if value.requires_grad else value
         self._n += 1
 
     def __len__(self):

@@ -86,7 +86,7 @@ class GradScaler:
     def _require_scale(self, funcname):
         # torch.amp's check and words: the iteration starts with scale(), which creates the
         # scale on the loss's device (a loaded state_dict alone does not count in torch).
-        if self._engine.scale_tensor() is None:
+        if not self._engine.has_scale():
             raise AssertionError(f"Attempted {funcname} but _scale is None.  This may indicate "
                                  "your script did not use scaler.scale(loss or outputs) earlier "
                                  "in the iteration.")

@@ -155,3 +155,15 @@ def test_a_step_without_a_norm_pass_records_nothing(device):
     opt.step()
     assert opt.last_step_applied.item() == 0.0 and opt.skipped_steps.item() == 1
     assert opt.grad_norm_history() == [float("inf")]
+
+
+def test_a_history_records_values_not_their_autograd_graphs(device):
+    """fusedamp.History (the scaler's scale history) detaches a value that requires grad and
+    stores a plain one as it is: its ring never joins an autograd graph."""
+    history = fusedamp.History(capacity=2)
+    leaf = torch.tensor(3.0, device=device, requires_grad=True)
+    history.record(leaf * 2)
+    history.record(torch.tensor(5.0, device=device))
+    history.record(torch.tensor(7.0, device=device))
+    assert history.values() == [5.0, 7.0] and len(history) == 2
+    assert not history._buf.requires_grad and history._buf.grad_fn is None
