@@ -6,7 +6,8 @@ dispatch, argument checks, the engine's bucket walk, the pybind11 boundary and t
 step. Each row times one call of a fusedamp op or step and of its torch counterpart on the same
 N tensors, and reports the median over repetitions (after warm-up) in ns per tensor and per
 call, with the ratio fusedamp/torch. All sides at one N are timed in turn, one call each per
-round, so that a busy moment of the machine falls on all of them alike:
+round in a new (seeded) random order, so that a busy moment of the machine and the cache state
+a call inherits from the one before it fall on all of them alike:
 
   unscale op        torch._amp_foreach_non_finite_check_and_unscale_  vs  unscale_and_check_
   AdamW op          torch._fused_adamw_ (FP32, grad_scale + found_inf)  vs  adam_step_ (FP16
@@ -46,6 +47,7 @@ import datetime as _dt
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -65,6 +67,7 @@ ADAM = HYPER_DEFAULTS["adam_step_"]  # the hyper-parameters of every Adam row, b
 LEAN_OPTIONS = dict(adopt_param_edits=False, write_back_grads=False)
 OP_TARGET = 0.8         # issue 13: each op <= 0.8x its torch counterpart, per tensor
 STEP_TARGET = 0.4       # issue 13: the whole step <= 0.4x torch's bare _fused_adamw_
+ORDER_SEED = 13         # the sides' order in each timing round (time_interleaved)
 
 
 class Skip(Exception):
@@ -325,12 +328,14 @@ def skipped(e):
 
 def time_interleaved(timed: dict, device, reps, warmup):
     """{key: [wall ns of each call], [CUDA-event ns of each call] or None} for the sides in
-    `timed`, called in turn: repetition r calls every side once, starting at side r mod k, so
-    every side sees the same machine (another process, a frequency change) and the same cache
-    state (the others' calls in between) instead of each its own stretch of time. The stream
-    is drained before each call, so the wall time is what issuing it costs the host. The
-    garbage collector is off while timing, as in timeit: a collection is noise, not a cost of
-    the call."""
+    `timed`, called in turn: repetition r calls every side once, so every side sees the same
+    machine (another process, a frequency change) instead of each its own stretch of time; in
+    a new random order each round (seeded), so every side also sees the same cache states: a
+    call finds in cache what the call before it left, and in a fixed cycle each side would
+    always follow the same one (the fusedamp step torch's Python loop, its telemetry-off twin
+    the fusedamp step itself, with the engine's code still hot). The stream is drained before
+    each call, so the wall time is what issuing it costs the host. The garbage collector is off
+    while timing, as in timeit: a collection is noise, not a cost of the call."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     keys = list(timed)
@@ -344,8 +349,9 @@ def time_interleaved(timed: dict, device, reps, warmup):
     gc.collect()
     gc.disable()
     try:
-        for r in range(reps):
-            for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+        order = random.Random(ORDER_SEED)
+        for _ in range(reps):
+            for k in order.sample(keys, len(keys)):
                 timed[k].reset()
                 sync()
                 if cuda:
@@ -464,7 +470,8 @@ def markdown(info, results, args, command):
            f"`{command}`", "",
            f"{args.numel}-element tensors, torch threads {info['torch_threads']}, median of "
            f"{args.reps} calls after {args.warmup} warm-up calls ({timing}); the sides are "
-           "called in turn, one call each per round. Gradients refilled from a pristine copy "
+           "called in turn, one call each per round, in a new random order each round (seed "
+           f"{ORDER_SEED}). Gradients refilled from a pristine copy "
            "before each call, outside the timed region. Targets (issue 13), "
            f"per tensor: an op ≤ {OP_TARGET} × its torch counterpart; a whole step ≤ "
            f"{STEP_TARGET} × torch's bare `_fused_adamw_` at the same N.", "", *lines, "",
