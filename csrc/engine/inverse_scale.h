@@ -20,13 +20,14 @@ inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {
   }
 }
 
-// FP32[1] on the scale's device. Not inverse_scale_into on a new tensor: that is one ATen call
-// (the allocation) more on every scaled step.
+// FP32 on the scale's device, in the scale's shape (one element: the ops take any shape of
+// one element; no reshape op on every step). Not inverse_scale_into on a new tensor: that is
+// one ATen call (the allocation) more on every scaled step.
 inline at::Tensor inverse_scale(const at::Tensor& scale) {
   if (scale.scalar_type() == at::kFloat) {
-    return at::reciprocal(scale).reshape({1});
+    return at::reciprocal(scale);
   }
-  return scale.to(at::kDouble).reciprocal().to(at::kFloat).reshape({1});
+  return scale.to(at::kDouble).reciprocal().to(at::kFloat);
 }
 
 }  // namespace fusedamp::detail
