@@ -131,9 +131,11 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
 // one block when the parameter is small: the tensors become views of it (same values, dtypes,
 // shapes and strides; each its own bytes, 16-byte aligned for vector loads), which is all a
 // user sees of the change: their `untyped_storage()` is the block (a state dict saved with
-// torch.save and loaded again holds tensors of their own). A state tensor replaced later (a
-// conversion, a load) is a tensor of its own again. Larger parameters keep one allocation per tensor: their lines are
-// their elements, and moving them would briefly hold their state twice.
+// torch.save and loaded again holds tensors of their own). State loaded by copy (a resumed
+// run) is packed the same way, so a resumed run walks what an uninterrupted one does. A state
+// tensor replaced later (a conversion of its dtype) is a tensor of its own again. Larger
+// parameters keep one allocation per tensor: their lines are their elements, and moving them
+// would briefly hold their state twice.
 constexpr int64_t kPackedMaxNumel = 4096;
 constexpr int64_t kPackedAlignBytes = 16;
 
@@ -271,6 +273,9 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     } else {
       s.*(slot_named(name)->member) = copy ? copy_like(p, t, kept_dtype(name, p, t)) : t;
     }
+  }
+  if (copy) {
+    pack_small_state(p, s);  // the copies are the store's own: laid out as a first step's
   }
   return s;
 }
