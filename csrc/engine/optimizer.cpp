@@ -6,8 +6,6 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-#include <limits>
-
 #include "../tensor_prefetch.h"
 #include "bucket_plan.h"
 #include "device_stats.h"
@@ -177,8 +175,9 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
   std::optional<at::Tensor> sum_sq, norms;
   if (stats_->from_pass()) {
     if (!grad_norms_.defined() || grad_norms_.device() != d) {
-      grad_norms_ = at::full({kGradNormHistory}, std::numeric_limits<float>::quiet_NaN(),
-                             at::TensorOptions().dtype(at::kFloat).device(d));
+      // Not filled: only written slots are ever read, and on the CPU the pages of a ring
+      // nobody has written yet are not resident (a short run's peak memory stays its own).
+      grad_norms_ = at::empty({kGradNormHistory}, at::TensorOptions().dtype(at::kFloat).device(d));
       grad_norms_recorded_ = 0;
     }
     sum_sq = stats_->sum_sq(0);

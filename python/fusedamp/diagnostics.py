@@ -36,8 +36,9 @@ class History:
 
     def record(self, value: torch.Tensor):
         if self._buf is None or self._buf.device != value.device:
-            self._buf = torch.full((self.capacity,), float("nan"), dtype=torch.float32,
-                                   device=value.device)
+            # Not filled: values() reads only what was recorded, and on the CPU the pages of
+            # the ring nobody has written yet are not resident.
+            self._buf = torch.empty((self.capacity,), dtype=torch.float32, device=value.device)
             self._n = 0
         # One indexed assignment (a device copy, no sync): half the host time of
         # select + detach + reshape + copy_ from Python, paid every step. Detached only where
