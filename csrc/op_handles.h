@@ -36,6 +36,18 @@ using SgdSig = void(TensorList, TensorList, TensorList, TensorList, TensorList, 
                     const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
                     c10::OptionalIntArrayRef);
 
+// Each operator's qualified name, written once: the dispatcher lookups below, the checks'
+// messages (op_prelude.h), the Autograd kernels' refusals, the engine's step ops.
+namespace names {
+inline constexpr char kUnscaleAndCheck[] = "fusedamp::unscale_and_check_";
+inline constexpr char kGradStats[] = "fusedamp::grad_stats_";
+inline constexpr char kUpdateScale[] = "fusedamp::update_scale_";
+inline constexpr char kRecordTelemetry[] = "fusedamp::record_telemetry_";
+inline constexpr char kAccountStep[] = "fusedamp::account_step_";
+inline constexpr char kAdamStep[] = "fusedamp::adam_step_";
+inline constexpr char kSgdStep[] = "fusedamp::sgd_step_";
+}  // namespace names
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
@@ -43,37 +55,37 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 
 // Looked up once per library that calls them (the first call), after the schemas are loaded.
 inline const c10::TypedOperatorHandle<UnscaleSig>& unscale_and_check() {
-  static const auto op = find<UnscaleSig>("fusedamp::unscale_and_check_");
+  static const auto op = find<UnscaleSig>(names::kUnscaleAndCheck);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<StatsSig>& grad_stats() {
-  static const auto op = find<StatsSig>("fusedamp::grad_stats_");
+  static const auto op = find<StatsSig>(names::kGradStats);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<ScaleSig>& update_scale() {
-  static const auto op = find<ScaleSig>("fusedamp::update_scale_");
+  static const auto op = find<ScaleSig>(names::kUpdateScale);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<TelemetrySig>& record_telemetry() {
-  static const auto op = find<TelemetrySig>("fusedamp::record_telemetry_");
+  static const auto op = find<TelemetrySig>(names::kRecordTelemetry);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<AccountSig>& account_step() {
-  static const auto op = find<AccountSig>("fusedamp::account_step_");
+  static const auto op = find<AccountSig>(names::kAccountStep);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<AdamSig>& adam_step() {
-  static const auto op = find<AdamSig>("fusedamp::adam_step_");
+  static const auto op = find<AdamSig>(names::kAdamStep);
   return op;
 }
 
 inline const c10::TypedOperatorHandle<SgdSig>& sgd_step() {
-  static const auto op = find<SgdSig>("fusedamp::sgd_step_");
+  static const auto op = find<SgdSig>(names::kSgdStep);
   return op;
 }
 

@@ -37,7 +37,7 @@ using OptTensor = std::optional<Tensor>;
 // ---- the loss scaler's ops ---------------------------------------------------------------
 
 struct UnscaleAndCheck {
-  static constexpr const char* kOp = "fusedamp::unscale_and_check_";
+  static constexpr const char* kOp = op_handles::names::kUnscaleAndCheck;
   TensorList grads;
   const Tensor& found_inf;
   const Tensor& inv_scale;
@@ -46,7 +46,7 @@ struct UnscaleAndCheck {
 };
 
 struct GradStats {
-  static constexpr const char* kOp = "fusedamp::grad_stats_";
+  static constexpr const char* kOp = op_handles::names::kGradStats;
   TensorList grads;
   const Tensor& found_inf;
   const Tensor& sum_sq;
@@ -55,7 +55,7 @@ struct GradStats {
 };
 
 struct UpdateScale {
-  static constexpr const char* kOp = "fusedamp::update_scale_";
+  static constexpr const char* kOp = op_handles::names::kUpdateScale;
   const Tensor& scale;
   const Tensor& growth_tracker;
   const Tensor& hysteresis_tracker;
@@ -83,7 +83,7 @@ struct UpdateScale {
 };
 
 struct RecordTelemetry {
-  static constexpr const char* kOp = "fusedamp::record_telemetry_";
+  static constexpr const char* kOp = op_handles::names::kRecordTelemetry;
   const Tensor& ring;
   int64_t slot;
   const Tensor& scale;
@@ -95,7 +95,7 @@ struct RecordTelemetry {
 // ---- after a step ----------------------------------------------------------------------------
 
 struct AccountStep {
-  static constexpr const char* kOp = "fusedamp::account_step_";
+  static constexpr const char* kOp = op_handles::names::kAccountStep;
   const Tensor& step_applied;
   const Tensor& skipped_steps;
   const Tensor* found_inf;      // nullptr: an unchecked step
@@ -171,14 +171,14 @@ struct Step {
 };
 
 struct AdamStep : Step<math::AdamHyper> {
-  static constexpr const char* kOp = "fusedamp::adam_step_";
+  static constexpr const char* kOp = op_handles::names::kAdamStep;
   TensorList exp_avgs;
   TensorList exp_avg_sqs;
   TensorList max_exp_avg_sqs;  // AMSGrad's running maxima; empty: plain Adam
 };
 
 struct SgdStep : Step<math::SgdHyper> {
-  static constexpr const char* kOp = "fusedamp::sgd_step_";
+  static constexpr const char* kOp = op_handles::names::kSgdStep;
   TensorList momentum_buffers;  // empty when momentum is 0
 };
 

@@ -110,7 +110,7 @@ void adam_step_to(std::optional<c10::DispatchKeySet> keys, TensorList params,
                   TensorList master_params, TensorList grads, TensorList exp_avgs,
                   TensorList exp_avg_sqs, TensorList steps, const AdamArgs& a,
                   const StepScalars& s, const StepModes& modes, TensorList max_exp_avg_sqs) {
-  adam_arguments(invoker(op_handles::adam_step(), "fusedamp::adam_step_", keys), params,
+  adam_arguments(invoker(op_handles::adam_step(), op_handles::names::kAdamStep, keys), params,
                  master_params, grads, exp_avgs, exp_avg_sqs, steps, a, s, modes,
                  max_exp_avg_sqs);
 }
@@ -119,7 +119,7 @@ void sgd_step_to(std::optional<c10::DispatchKeySet> keys, TensorList params,
                  TensorList master_params, TensorList grads, TensorList momentum_buffers,
                  TensorList steps, const SgdArgs& a, const StepScalars& s,
                  const StepModes& modes) {
-  sgd_arguments(invoker(op_handles::sgd_step(), "fusedamp::sgd_step_", keys), params,
+  sgd_arguments(invoker(op_handles::sgd_step(), op_handles::names::kSgdStep, keys), params,
                 master_params, grads, momentum_buffers, steps, a, s, modes);
 }
 

@@ -45,6 +45,7 @@ struct Mutated {
 };
 
 // The ops' typed handles (op_handles.h), by short names for the kernels below.
+namespace names = op_handles::names;  // each op's name, for the refusals' messages
 const auto& unscale_op = op_handles::unscale_and_check;
 const auto& stats_op = op_handles::grad_stats;
 const auto& scale_op = op_handles::update_scale;
@@ -98,8 +99,8 @@ void bump_optional(const OptTensor& a, const OptTensor& b) {
 void unscale_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
                       const Tensor& inv_scale, const OptTensor& sum_sq,
                       const OptTensor& telemetry) {
-  refuse_in_grad_mode("fusedamp::unscale_and_check_", {grads, found_inf});
-  refuse_optional_in_grad_mode("fusedamp::unscale_and_check_", sum_sq, telemetry);
+  refuse_in_grad_mode(names::kUnscaleAndCheck, {grads, found_inf});
+  refuse_optional_in_grad_mode(names::kUnscaleAndCheck, sum_sq, telemetry);
   unscale_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, inv_scale, sum_sq,
                           telemetry);
 }
@@ -115,8 +116,8 @@ void unscale_view(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_
 // ---- grad_stats_ ---------------------------------------------------------------------------
 void stats_autograd(c10::DispatchKeySet ks, TensorList grads, const Tensor& found_inf,
                     const Tensor& sum_sq, const OptTensor& flags, const OptTensor& telemetry) {
-  refuse_in_grad_mode("fusedamp::grad_stats_", {found_inf, sum_sq});
-  refuse_optional_in_grad_mode("fusedamp::grad_stats_", telemetry, std::nullopt);
+  refuse_in_grad_mode(names::kGradStats, {found_inf, sum_sq});
+  refuse_optional_in_grad_mode(names::kGradStats, telemetry, std::nullopt);
   stats_op().redispatch(ks & c10::after_autograd_keyset, grads, found_inf, sum_sq, flags,
                         telemetry);
 }
@@ -135,7 +136,7 @@ void scale_autograd(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& g
                     double backoff_factor, int64_t interval, int64_t hysteresis_steps,
                     std::optional<double> min_scale, std::optional<double> max_scale,
                     const OptTensor& amax, std::optional<double> amax_target) {
-  refuse_in_grad_mode("fusedamp::update_scale_", {scale, growth, hysteresis});
+  refuse_in_grad_mode(names::kUpdateScale, {scale, growth, hysteresis});
   scale_op().redispatch(ks & c10::after_autograd_keyset, scale, growth, hysteresis, found_inf,
                         growth_factor, backoff_factor, interval, hysteresis_steps, min_scale,
                         max_scale, amax, amax_target);
@@ -156,7 +157,7 @@ void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growt
 void telemetry_autograd(c10::DispatchKeySet ks, const Tensor& ring, int64_t slot,
                         const Tensor& scale, const Tensor& found_inf, const Tensor& measured,
                         const OptTensor& pass_sum_sq) {
-  refuse_in_grad_mode("fusedamp::record_telemetry_", {ring});
+  refuse_in_grad_mode(names::kRecordTelemetry, {ring});
   telemetry_op().redispatch(ks & c10::after_autograd_keyset, ring, slot, scale, found_inf,
                             measured, pass_sum_sq);
 }
@@ -174,8 +175,8 @@ void account_autograd(c10::DispatchKeySet ks, const Tensor& applied, const Tenso
                       const OptTensor& found_inf, const OptTensor& found_inf_out,
                       const OptTensor& sum_sq, const OptTensor& inv_scale,
                       const OptTensor& norms, int64_t slot) {
-  refuse_in_grad_mode("fusedamp::account_step_", {applied, skipped});
-  refuse_optional_in_grad_mode("fusedamp::account_step_", found_inf_out, norms);
+  refuse_in_grad_mode(names::kAccountStep, {applied, skipped});
+  refuse_optional_in_grad_mode(names::kAccountStep, found_inf_out, norms);
   account_op().redispatch(ks & c10::after_autograd_keyset, applied, skipped, found_inf,
                           found_inf_out, sum_sq, inv_scale, norms, slot);
 }
@@ -199,9 +200,9 @@ void adam_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters
                    const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
                    bool write_grads, std::optional<TensorList> v_maxes,
                    c10::OptionalIntArrayRef seeds) {
-  refuse_in_grad_mode("fusedamp::adam_step_", {params, masters, exp_avgs, exp_avg_sqs, steps,
-                                               write_grads ? grads : TensorList(),
-                                               v_maxes.value_or(TensorList())});
+  refuse_in_grad_mode(names::kAdamStep, {params, masters, exp_avgs, exp_avg_sqs, steps,
+                                         write_grads ? grads : TensorList(),
+                                         v_maxes.value_or(TensorList())});
   adam_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, exp_avgs,
                        exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled,
                        maximize, lr_t, inv_scale, found_inf, sum_sq, max_norm, adopt_edits,
@@ -230,7 +231,7 @@ void sgd_autograd(c10::DispatchKeySet ks, TensorList params, TensorList masters,
                   const OptTensor& lr_t, const OptTensor& inv_scale, const OptTensor& found_inf,
                   const OptTensor& sum_sq, std::optional<double> max_norm, bool adopt_edits,
                   bool write_grads, c10::OptionalIntArrayRef seeds) {
-  refuse_in_grad_mode("fusedamp::sgd_step_",
+  refuse_in_grad_mode(names::kSgdStep,
                       {params, masters, bufs, steps, write_grads ? grads : TensorList()});
   sgd_op().redispatch(ks & c10::after_autograd_keyset, params, masters, grads, bufs, steps, lr,
                       momentum, dampening, weight_decay, nesterov, maximize, lr_t, inv_scale,

@@ -4,6 +4,7 @@
 #include <torch/serialize/archive.h>
 
 #include "../op_calls.h"
+#include "../op_handles.h"
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
@@ -44,7 +45,7 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
-  static constexpr const char* kStepOp = "fusedamp::adam_step_";
+  static constexpr const char* kStepOp = op_handles::names::kAdamStep;
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,

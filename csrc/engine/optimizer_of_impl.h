@@ -3,7 +3,7 @@
 // .cpp file specialises AlgorithmOf<Options> and then instantiates OptimizerOf<Options> once:
 //   template <> struct AlgorithmOf<MyOptions> {
 //     static constexpr const char* kName = "My";               // messages, checkpoints
-//     static constexpr const char* kStepOp = "fusedamp::my_step_";  // the op run calls
+//     static constexpr const char* kStepOp = op_handles::names::kMyStep;  // the op run calls
 //     static StateSlots known_slots();                         // what its state dicts hold
 //     static StateSlots slots_for(const MyOptions&);           // what a step needs
 //     static bool set_option(MyOptions&, const std::string&, double);   // its own names

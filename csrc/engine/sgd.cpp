@@ -4,6 +4,7 @@
 #include <torch/serialize/archive.h>
 
 #include "../op_calls.h"
+#include "../op_handles.h"
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
@@ -34,7 +35,7 @@ void SGDOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
-  static constexpr const char* kStepOp = "fusedamp::sgd_step_";
+  static constexpr const char* kStepOp = op_handles::names::kSgdStep;
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
