@@ -484,21 +484,30 @@ bool take_held_row(const char* op, size_t i, const Tensor& param, const Tensor& 
 
 namespace {
 
+// A 1-D argument a kernel indexes as plain memory (a flag per grad, a telemetry record, a
+// ring of norms): strided and contiguous, of `dtype` (`dtype_name`, as torch names it), on
+// `device`, the device of the op's argument `anchor`. Its length is each op's own check.
+void check_vector(const char* op, const char* name, const Tensor& t, c10::ScalarType dtype,
+                  const char* dtype_name, const c10::Device& device, const char* anchor) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 1 && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous 1-D tensor, got shape ", t.sym_sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype_name, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", anchor,
+              " is on ", device);
+}
+
 // grad_stats_'s telemetry output, where either op takes it.
 void check_telemetry(const char* op, const OptTensor& telemetry, const c10::Device& device) {
   if (!telemetry.has_value() || !telemetry->defined()) {
     return;
   }
   const Tensor& t = *telemetry;
-  TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 1 && t.is_contiguous() &&
-                  t.sym_numel() == math::kTelemetrySlots,
-              op, ": telemetry must be a contiguous 1-D tensor of ", math::kTelemetrySlots,
-              " elements (amax, subnormal count, zero count, first non-finite position), got "
-              "shape ", t.sym_sizes());
-  TORCH_CHECK(t.scalar_type() == at::kDouble, op, ": telemetry must be float64, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == device, op, ": telemetry is on ", t.device(),
-              " but found_inf is on ", device);
+  check_vector(op, "telemetry", t, at::kDouble, "float64", device, "found_inf");
+  TORCH_CHECK(t.sym_numel() == math::kTelemetrySlots, op, ": telemetry must have ",
+              math::kTelemetrySlots, " elements (amax, subnormal count, zero count, first "
+              "non-finite position), got ", t.sym_numel());
 }
 
 }  // namespace
@@ -532,14 +541,9 @@ bool grad_stats(const char* op, TensorList grads, const Tensor& found_inf, const
   check_scalar(op, "sum_sq", sum_sq, at::kFloat, device);
   if (tensor_flags.has_value() && tensor_flags->defined()) {
     const Tensor& f = *tensor_flags;
-    TORCH_CHECK(f.layout() == at::kStrided && f.dim() == 1 && f.is_contiguous(), op,
-                ": tensor_flags must be a contiguous 1-D tensor");
+    check_vector(op, "tensor_flags", f, at::kFloat, "float32", device, "found_inf");
     TORCH_CHECK(f.sym_numel() == static_cast<int64_t>(grads.size()), op, ": tensor_flags has ",
                 f.sym_numel(), " elements but there are ", grads.size(), " grads");
-    TORCH_CHECK(f.scalar_type() == at::kFloat, op, ": tensor_flags must be float32, got ",
-                f.scalar_type());
-    TORCH_CHECK(f.device() == device, op, ": tensor_flags is on ", f.device(),
-                " but found_inf is on ", device);
   }
   check_telemetry(op, telemetry, device);
   return check_grad_list(op, grads, device, /*with_per_tensor=*/true);
@@ -585,14 +589,10 @@ void record_telemetry(const char* op, const Tensor& ring, int64_t slot, const Te
               " is outside ring (", ring.sym_size(0), " rows)");
   check_scalar(op, "scale", scale, at::kFloat, device);
   check_scalar(op, "found_inf", found_inf, at::kFloat, device);
-  TORCH_CHECK(measured.defined() && measured.layout() == at::kStrided && measured.dim() == 1 &&
-                  measured.is_contiguous() && measured.scalar_type() == at::kDouble &&
-                  measured.sym_numel() == math::kTelemetrySlots + 1,
-              op, ": measured must be a contiguous float64 tensor of ",
+  check_vector(op, "measured", measured, at::kDouble, "float64", device, "ring");
+  TORCH_CHECK(measured.sym_numel() == math::kTelemetrySlots + 1, op, ": measured must have ",
               int64_t{math::kTelemetrySlots + 1}, " elements (the telemetry slots and a sum of "
-              "squares)");
-  TORCH_CHECK(measured.device() == device, op, ": measured is on ", measured.device(),
-              " but ring is on ", device);
+              "squares), got ", measured.sym_numel());
   if (pass_sum_sq.has_value() && pass_sum_sq->defined()) {
     check_scalar(op, "pass_sum_sq", *pass_sum_sq, at::kFloat, device);
   }
@@ -628,12 +628,7 @@ void account_step(const char* op, const Tensor& step_applied, const Tensor& skip
     check_scalar(op, "inv_scale", *inv_scale, at::kFloat, device);
   }
   const Tensor& norms = *grad_norms;
-  TORCH_CHECK(norms.layout() == at::kStrided && norms.dim() == 1 && norms.is_contiguous(), op,
-              ": grad_norms must be a contiguous 1-D tensor");
-  TORCH_CHECK(norms.scalar_type() == at::kFloat, op, ": grad_norms must be float32, got ",
-              norms.scalar_type());
-  TORCH_CHECK(norms.device() == device, op, ": grad_norms is on ", norms.device(),
-              " but step_applied is on ", device);
+  check_vector(op, "grad_norms", norms, at::kFloat, "float32", device, "step_applied");
   TORCH_CHECK(grad_norm_slot >= 0 && grad_norm_slot < norms.sym_numel(), op,
               ": grad_norm_slot ", grad_norm_slot, " is outside grad_norms (",
               norms.sym_numel(), " elements)");
