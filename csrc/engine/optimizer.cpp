@@ -6,6 +6,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "../tensor_prefetch.h"
 #include "bucket_plan.h"
 #include "device_stats.h"
@@ -264,6 +266,21 @@ at::Tensor Optimizer::grad_norm_history() const {
   const int64_t oldest = grad_norms_recorded_ % kGradNormHistory;
   return at::cat({grad_norms_.narrow(0, oldest, kGradNormHistory - oldest),
                   grad_norms_.narrow(0, 0, oldest)});
+}
+
+void Optimizer::set_grad_norm_history(const at::Tensor& norms) {
+  TORCH_CHECK(norms.dim() == 1 && norms.is_floating_point(), "fusedamp::optim::", kind(),
+              ": set_grad_norm_history takes a 1-D floating-point tensor, got ",
+              norms.scalar_type(), " of shape ", norms.sizes());
+  const int64_t kept = std::min<int64_t>(norms.numel(), kGradNormHistory);
+  at::Tensor ring;  // none until a step records (account) where there is nothing to keep
+  if (kept > 0) {
+    ring = at::empty({kGradNormHistory}, norms.options().dtype(at::kFloat));
+    ring.narrow(0, 0, kept).copy_(norms.narrow(0, norms.numel() - kept, kept));
+  }
+  grad_norms_ = std::move(ring);
+  grad_norms_recorded_ = kept;
+  last_norm_slot_ = -1;
 }
 
 at::Tensor Optimizer::grad_sum_sq() const {

@@ -126,6 +126,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             self._engine.load_param_states([p for p, _ in state], [s for _, s in state])
             if old.skipped_steps() is not None:
                 self._engine.set_skipped_steps(old.skipped_steps())
+            self._engine.set_grad_norm_history(old.grad_norm_history())
 
     # ---- the step --------------------------------------------------------------------
     def step(self, *args, **kwargs):

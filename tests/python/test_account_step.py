@@ -1,6 +1,8 @@
 """account_step_: what a master-weight optimizer records after a step (whether it was applied,
 the skipped-step count, the loss scaler's flag, the gradient norm into a history ring), in one
 op; and the optimizer's gradient-norm history that it writes."""
+import math
+
 import pytest
 import torch
 
@@ -138,6 +140,21 @@ def test_the_history_keeps_the_last_norms_in_order_past_its_capacity(device):
     assert history[:3] == [3.0, 4.0, 5.0] and history[-1] == float(steps - 1)
     assert history == values[3:].tolist()
     assert opt._engine.grad_norm().item() == float(steps - 1)
+
+
+def test_the_history_survives_a_param_group_added(device):
+    """add_param_group rebuilds the engine; the norms recorded before are kept, as the
+    skipped-step count is."""
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    q = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = fusedamp.optim.SGD([p], lr=0.0, max_grad_norm=1e30)
+    p.grad = torch.full((3,), 2.0, device=device)
+    opt.step()
+    opt.add_param_group({"params": [q]})
+    q.grad = torch.full((4,), 3.0, device=device)
+    opt.step()
+    assert opt.grad_norm_history() == pytest.approx([math.sqrt(12.0), math.sqrt(12.0 + 36.0)])
+    assert opt._engine.grad_norm().item() == pytest.approx(math.sqrt(48.0))
 
 
 def test_a_step_without_a_norm_pass_records_nothing(device):

@@ -111,6 +111,9 @@ class Optimizer : public torch::optim::Optimizer {
   // step's accounting op writes each norm into a ring (account_step_).
   static constexpr int64_t kGradNormHistory = 100000;
   at::Tensor grad_norm_history() const;
+  // Restores the history (oldest first; the last kGradNormHistory kept), as a front end that
+  // rebuilds the optimizer (a param group added) carries it over, with the skipped-step count.
+  void set_grad_norm_history(const at::Tensor& norms);
 
   // ---- hyper-parameters ---------------------------------------------------------------------
   // Sets a hyper-parameter of group i by name: the names of torch.optim's param groups ("lr",
