@@ -40,7 +40,6 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
     recorded_ = 0;
   }
   current_.copy_(fresh_);
-  pass_sum_pending_ = false;
   layouts_.clear();
   elements_ = 0.0;
   walked_ = 0;
@@ -125,8 +124,7 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   const at::Tensor sum_sq_here =
       here ? sum_sq_one : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
   if (layouts_.empty()) {
-    pass_sum_sq_.copy_(sum_sq_here);  // the record op adds it
-    pass_sum_pending_ = true;
+    pass_sum_sq_.copy_(sum_sq_here);  // the iteration's first pass: the record op adds it
   } else {
     current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
   }
@@ -157,7 +155,7 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
   }
   const int64_t slot = recorded_ % capacity_;
   ops::record_telemetry_(ring_, slot, scale, found_inf, current_,
-                         pass_sum_pending_ ? std::optional<at::Tensor>(pass_sum_sq_)
+                         !layouts_.empty() ? std::optional<at::Tensor>(pass_sum_sq_)
                                            : std::nullopt);
   ring_elements_[static_cast<size_t>(slot)] = elements_;
   last_layouts_ = std::move(layouts_);

@@ -58,10 +58,10 @@ class ScalerTelemetry final : public GradTelemetrySink {
   at::Tensor fresh_;    // what a record starts as (see current_)
   at::Tensor current_;  // FP64[5], this iteration's: amax, subnormal count, zero count, first
                         // non-finite, sum_sq (math::kColumnMeasured on of a ring row)
-  // FP32[1]: the first pass's sum of squares, added to current_'s by the record op (later
-  // passes add theirs themselves): one same-dtype copy per step instead of a cast and an add.
+  // FP32[1]: the iteration's first pass's sum of squares (there is one when layouts_ holds a
+  // pass), added to current_'s by the record op (later passes add theirs themselves): one
+  // same-dtype copy per step instead of a cast and an add.
   at::Tensor pass_sum_sq_;
-  bool pass_sum_pending_ = false;
   at::Tensor ring_;     // FP64[capacity, 7]: a row per update() (math::TelemetryColumn)
   // Views of current_ made with it (each narrow() is an ATen call: a fixed cost per pass):
   // the op's telemetry slots, their first-non-finite slot, and the sum of squares.
