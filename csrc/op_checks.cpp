@@ -482,6 +482,23 @@ bool take_held_row(const char* op, size_t i, const Tensor& param, const Tensor& 
                                grad_dtype, held);
 }
 
+bool take_clean_row(size_t i, const TensorFacts& param, const TensorFacts& grad,
+                    StepAddresses& held) {
+  TORCH_INTERNAL_ASSERT(held.state_taken && i < held.rows.size());
+  if (param.dtype != held.param_dtype ||
+      !same_layout_as_recorded(*param.tensor->unsafeGetTensorImpl(), held, i)) {
+    return false;
+  }
+  held.rows_grad_dtype = grad.dtype;
+  StepRow& row = held.rows[i];
+  row.param = plain_address(*param.tensor);
+  row.grad = plain_address(*grad.tensor);
+  if ((row.param == nullptr || row.grad == nullptr) && row.numel != 0) {
+    held.needs_mutable_access = true;
+  }
+  return true;
+}
+
 namespace {
 
 // A 1-D argument a kernel indexes as plain memory (a flag per grad, a telemetry record, a

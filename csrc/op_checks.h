@@ -13,6 +13,8 @@ struct StepAddresses;  // step_addresses.h
 
 namespace fusedamp::checks {
 
+struct TensorFacts;  // tensor_facts.h
+
 using at::Tensor;
 using at::TensorList;
 using OptTensor = std::optional<Tensor>;
@@ -62,6 +64,13 @@ void step_scalars(const char* op, const Tensor& like, const OptTensor& lr_tensor
 // recorded one). Once every row is taken, the caller sets held.rows_taken (see there).
 bool take_held_row(const char* op, size_t i, const Tensor& param, const Tensor& grad,
                    c10::ScalarType grad_dtype, StepAddresses& held);
+
+// take_held_row for a caller that has read param's and grad's facts itself (on the held
+// device, with spans) and found them clean (tensor_facts.h clean_param_and_grad): what is
+// left of the op's checks is the recorded dtype and layout. False, with nothing raised, where
+// the call must check everything itself.
+bool take_clean_row(size_t i, const TensorFacts& param, const TensorFacts& grad,
+                    StepAddresses& held);
 
 // The whole argument check of a fused step: lists, hyper-parameters and (when there are
 // params) the device scalars. Returns false for empty lists (a no-op). With `addresses`, also

@@ -120,6 +120,23 @@ C10_ALWAYS_INLINE void read_facts(const at::Tensor& t, const c10::Device& device
                                      : span_of_symbolic(t);
 }
 
+// A parameter and its gradient as every fused step takes them, decided on their facts alone
+// (read on the step's device, with spans): both strided, dense and on the device, of plain
+// sizes, of one shape and (beyond one element) the same strides, in memory of their own.
+// Where this holds, every check of the pair passes (dtypes aside: each caller knows what it
+// expects); where not, the message-raising checks decide.
+C10_ALWAYS_INLINE bool clean_param_and_grad(const TensorFacts& param, const TensorFacts& grad) {
+  if (param.flaw != Flaw::kNone || grad.flaw != Flaw::kNone || !param.concrete ||
+      !grad.concrete) {
+    return false;
+  }
+  const c10::TensorImpl& p = *param.tensor->unsafeGetTensorImpl();
+  const c10::TensorImpl& g = *grad.tensor->unsafeGetTensorImpl();
+  return same_ints(g.sizes(), p.sizes()) &&
+         (p.numel() <= 1 || same_ints(g.strides(), p.strides())) &&
+         disjoint(param.span, grad.span);
+}
+
 inline TensorFacts facts_of(const at::Tensor& t, const c10::Device& device) {
   TensorFacts f;
   read_facts(t, device, /*with_span=*/false, f);

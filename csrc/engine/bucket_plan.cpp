@@ -10,6 +10,7 @@
 #include "../tensor_facts.h"
 #include "../tensor_prefetch.h"
 #include "device_stats.h"
+#include "grad_lookahead.h"
 #include "param_state_store.h"
 
 namespace fusedamp::optim::detail {
@@ -44,13 +45,6 @@ void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_
   TORCH_CHECK(p.numel() <= 1 || checks::same_ints(g.strides(), p.strides()),
               "fusedamp::optim::", who, ": gradient strides ", g.strides(),
               " differ from the parameter's ", p.strides(), where());
-}
-
-// A parameter's .grad: what Tensor::grad() returns, without its check for non-leaf tensors (an
-// out-of-line autograd call per parameter and step, measurable with thousands of parameters;
-// an optimizer's parameters are leaves).
-const at::Tensor& grad_of(const at::Tensor& p) {
-  return p.unsafeGetTensorImpl()->grad();
 }
 
 // A parameter's stochastic-rounding seed: 64 mixed bits of (the group's seed, the parameter's
@@ -133,11 +127,26 @@ void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Gr
     group_keys.push_back(
         {group.master_weights, group.state_dtype, group.rounding_seed, group.slots});
     const auto& params = *group.params;
+    // Whether the group's weight mode takes each parameter dtype, asked once per group (an
+    // out-of-line call) for the walk on the plan.
+    const DtypeFits dtype_fits{group.master_weights.fits(at::kHalf),
+                               group.master_weights.fits(at::kBFloat16)};
+    GradLookahead grads(params, /*with_storages=*/on_plan && step_op != nullptr);
     for (size_t j = 0; j < params.size(); ++j) {
-      prefetch_grads_ahead(j, params, /*with_storages=*/on_plan && step_op != nullptr);
       const auto& p = params[j];
-      const auto& g = grad_of(p);
+      const auto& g = grads.grad_at(j);
       if (!g.defined()) {
+        continue;
+      }
+      const size_t seen_now = param_keys.size();
+      if (on_plan && seen_now < param_keys_.size() &&
+          place_clean_grad(seen_now, p, g, dtype_fits, devices)) {
+        const ParamKey& key = param_keys_[seen_now];
+        param_keys.push_back(key);
+        grads_seen_.push_back(&g);
+        if (key.device.is_cpu()) {
+          cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
+        }
         continue;
       }
       check_grad(who, p, g, gi, j);
@@ -168,6 +177,29 @@ void BucketPlan::place_grad(const char* step_op, size_t seen, const at::Tensor& 
   if (b.taking_rows) {
     b.taking_rows = checks::take_held_row(step_op, k, p, g, b.grad_dtype, b.step_rows);
   }
+}
+
+bool BucketPlan::place_clean_grad(size_t seen, const at::Tensor& p, const at::Tensor& g,
+                                  DtypeFits dtype_fits, DeviceStats& devices) {
+  const ParamKey& key = param_keys_[seen];
+  if (p.unsafeGetTensorImpl() != key.param) {
+    return false;
+  }
+  checks::TensorFacts param, grad;
+  checks::read_facts(p, key.device, /*with_span=*/true, param);
+  checks::read_facts(g, key.device, /*with_span=*/true, grad);
+  if (!checks::clean_param_and_grad(param, grad) || param.dtype != key.param_dtype ||
+      grad.dtype != key.grad_dtype || !dtype_fits(param.dtype)) {
+    return false;
+  }
+  Bucket& b = buckets_[bucket_of_seen_[seen]];
+  const size_t k = position_of_seen_[seen];
+  devices.set_grad(b.device_slot, b.stats_position + k, g);
+  if (b.taking_rows) {
+    b.taking_rows = b.step_rows.param_device == key.device &&
+                    checks::take_clean_row(k, param, grad, b.step_rows);
+  }
+  return true;
 }
 
 void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,

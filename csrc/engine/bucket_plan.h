@@ -116,6 +116,20 @@ class BucketPlan {
   // `seen`-th parameter with one goes to its place at once (see update()).
   void place_grad(const char* step_op, size_t seen, const at::Tensor& p, const at::Tensor& g,
                   DeviceStats& devices);
+  // Whether a group's weight mode takes FP16 and BF16 parameters (FP32 ones: always).
+  struct DtypeFits {
+    bool half, bfloat16;
+    bool operator()(at::ScalarType t) const {
+      return t == at::kHalf ? half : t == at::kBFloat16 ? bfloat16 : true;
+    }
+  };
+  // place_grad's fast form, for the `seen`-th parameter with a gradient while the walk is on
+  // the plan: where p is the plan's parameter and it and g are clean (one read of each one's
+  // facts tells: tensor_facts.h clean_param_and_grad) with the plan's dtypes, g is placed and
+  // its row taken without the message-raising checks, which pass on such a pair. False, with
+  // nothing changed, where anything differs: the walk's general path then checks and decides.
+  bool place_clean_grad(size_t seen, const at::Tensor& p, const at::Tensor& g,
+                        DtypeFits dtype_fits, DeviceStats& devices);
   // The lists' views of this step's gradients, once `devices` holds them all.
   void finish_collect(DeviceStats& devices);
 

@@ -696,6 +696,41 @@ def test_a_gradient_sharing_its_parameters_memory_is_refused_at_any_step(device,
     assert not torch.equal(params[1].detach(), weights[1])
 
 
+@pytest.mark.parametrize("bad", ["float64", "other strides", "overlapping", "sparse"])
+def test_a_bad_gradient_on_the_plan_gets_the_walks_error(device, bad):
+    """From the second step on, a parameter on the previous step's plan whose gradient reads
+    as clean (one read of each tensor's facts) is placed without the message-raising checks;
+    any other gradient must still get them: the walk's own message, nothing modified, and the
+    next step with a good gradient runs."""
+    params = [torch.nn.Parameter(torch.randn(4, 6, device=device).half()) for _ in range(3)]
+    opt = fusedamp.optim.AdamW(params, lr=1e-2)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(4, 6, device=device).half()
+        opt.step()
+    good = torch.randn(4, 6, device=device).half()
+    if bad == "float64":
+        params[1].grad_dtype = None  # torch refuses another dtype than the parameter's otherwise
+    grad, message = {
+        "float64": (good.double(), "gradient dtype"),
+        "other strides": (torch.randn(6, 4, device=device).half().t(), "gradient strides"),
+        "overlapping": (good.as_strided((4, 6), (0, 1)), "gradient strides"),
+        "sparse": (good.to_sparse(), "sparse gradients"),
+    }[bad]
+    params[1].grad = grad
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        opt.step()
+    for p, weight, state in zip(params, weights, states):
+        assert torch.equal(p.detach(), weight)
+        for name, value in opt.state[p].items():
+            assert torch.equal(value, state[name]), name
+    params[1].grad = good
+    opt.step()
+    assert not torch.equal(params[1].detach(), weights[1])
+
+
 def test_the_state_of_a_small_parameter_is_one_block_of_disjoint_tensors(device):
     """A small parameter's state (step count, master, moments) is created as views of one block
     of memory, a large one's as tensors of their own; either way each state tensor is its own
