@@ -570,7 +570,8 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                   std::optional<double> min_scale, std::optional<double> max_scale,
-                  const OptTensor& amax, std::optional<double> amax_target) {
+                  const OptTensor& amax, std::optional<double> amax_target,
+                  const OptTensor& scale_history, int64_t scale_history_slot) {
   TORCH_CHECK(scale.defined(), op, ": scale is undefined");
   const auto device = scale.device();
   check_scalar(op, "scale", scale, at::kFloat, device);
@@ -589,6 +590,13 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
     TORCH_CHECK(amax_target.has_value(), op,
                 ": amax is given without amax_target (the amax policy needs both)");
     check_scalar(op, "amax", *amax, at::kDouble, device);
+  }
+  if (scale_history.has_value() && scale_history->defined()) {
+    const Tensor& history = *scale_history;
+    check_vector(op, "scale_history", history, at::kFloat, "float32", device, "scale");
+    TORCH_CHECK(scale_history_slot >= 0 && scale_history_slot < history.sym_numel(), op,
+                ": scale_history_slot ", scale_history_slot, " is outside scale_history (",
+                history.sym_numel(), " elements)");
   }
 }
 

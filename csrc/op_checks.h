@@ -38,7 +38,8 @@ void update_scale(const char* op, const Tensor& scale, const Tensor& growth_trac
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                   std::optional<double> min_scale, std::optional<double> max_scale,
-                  const OptTensor& amax, std::optional<double> amax_target);
+                  const OptTensor& amax, std::optional<double> amax_target,
+                  const OptTensor& scale_history, int64_t scale_history_slot);
 
 void record_telemetry(const char* op, const Tensor& ring, int64_t slot, const Tensor& scale,
                       const Tensor& found_inf, const Tensor& measured,

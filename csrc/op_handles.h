@@ -22,7 +22,7 @@ using UnscaleSig = void(TensorList, const Tensor&, const Tensor&, const OptTenso
 using StatsSig = void(TensorList, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&);
 using ScaleSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
                       int64_t, int64_t, std::optional<double>, std::optional<double>,
-                      const OptTensor&, std::optional<double>);
+                      const OptTensor&, std::optional<double>, const OptTensor&, int64_t);
 using TelemetrySig = void(const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&,
                           const OptTensor&);
 using AccountSig = void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,

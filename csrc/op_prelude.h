@@ -68,6 +68,8 @@ struct UpdateScale {
   std::optional<double> max_scale;
   const OptTensor& amax;  // FP64[1]; given (and read) only with amax_target
   std::optional<double> amax_target;
+  const Tensor* scale_history;  // FP32 ring, or nullptr
+  int64_t scale_history_slot;
 
   math::ScaleHyper hyper() const {
     math::ScaleHyper h;
@@ -255,13 +257,16 @@ void update_scale(const Tensor& scale, const Tensor& growth_tracker,
                   const Tensor& hysteresis_tracker, const Tensor& found_inf, double growth_factor,
                   double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                   std::optional<double> min_scale, std::optional<double> max_scale,
-                  const OptTensor& amax, std::optional<double> amax_target) {
+                  const OptTensor& amax, std::optional<double> amax_target,
+                  const OptTensor& scale_history, int64_t scale_history_slot) {
   checks::update_scale(UpdateScale::kOp, scale, growth_tracker, hysteresis_tracker, found_inf,
                        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-                       max_scale, amax, amax_target);
-  Backend::update_scale(UpdateScale{scale, growth_tracker, hysteresis_tracker, found_inf,
-                                    growth_factor, backoff_factor, growth_interval, hysteresis,
-                                    min_scale, max_scale, amax, amax_target});
+                       max_scale, amax, amax_target, scale_history, scale_history_slot);
+  Backend::update_scale(UpdateScale{
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale, amax, amax_target,
+      scale_history.has_value() && scale_history->defined() ? &*scale_history : nullptr,
+      scale_history_slot});
 }
 
 template <typename Backend>

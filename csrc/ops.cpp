@@ -23,10 +23,12 @@ void update_scale_(
     const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
     const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
     int64_t hysteresis, std::optional<double> min_scale, std::optional<double> max_scale,
-    const OptTensor& amax, std::optional<double> amax_target) {
+    const OptTensor& amax, std::optional<double> amax_target, const OptTensor& scale_history,
+    int64_t scale_history_slot) {
   op_handles::update_scale().call(
       scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
+      growth_interval, hysteresis, min_scale, max_scale, amax, amax_target, scale_history,
+      scale_history_slot);
 }
 
 void record_telemetry_(const Tensor& ring, int64_t slot, const Tensor& scale,

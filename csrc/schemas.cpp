@@ -26,12 +26,13 @@ TORCH_LIBRARY(fusedamp, m) {
   // Loss-scale state machine (growth, backoff, hysteresis, bounds) on device tensors.
   // amax_target (with amax, FP64[1]: this step's largest finite |scaled gradient|, as
   // grad_stats_'s telemetry gives it; negative: not measured): the amax policy of
-  // math/scale_math.h.
+  // math/scale_math.h. With scale_history (FP32, 1-D), also scale_history[scale_history_slot]
+  // = the new scale: one slot of a history ring, chosen on the host (no index op).
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
-      "float? amax_target=None) -> ()");
+      "float? amax_target=None, Tensor(d!)? scale_history=None, int scale_history_slot=0) -> ()");
 
   // A loss scaler's telemetry record of one iteration (math/telemetry_math.h's columns): ring
   // (FP64 [capacity, 7]) row `slot` = [scale, found_inf, measured[0..3], measured[4] +

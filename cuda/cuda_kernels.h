@@ -37,7 +37,8 @@ void account_step(const at::Tensor& step_applied, const at::Tensor& skipped_step
 // update_scale.cu
 void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h);
+                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h,
+                  const at::Tensor* scale_history, int64_t scale_history_slot);
 
 // adam_kernel.cu
 // max_exp_avg_sqs: empty without AMSGrad. store: how the weights are kept (master_params and

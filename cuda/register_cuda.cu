@@ -33,7 +33,7 @@ struct CudaOps {
   static void update_scale(const prelude::UpdateScale& op) {
     const c10::cuda::CUDAGuard guard(op.scale.device());
     cuda::update_scale(op.scale, op.growth_tracker, op.hysteresis_tracker, op.found_inf, op.amax,
-                       op.hyper());
+                       op.hyper(), op.scale_history, op.scale_history_slot);
   }
 
   static void record_telemetry(const prelude::RecordTelemetry& op) {

@@ -135,22 +135,26 @@ void scale_autograd(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& g
                     const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
                     double backoff_factor, int64_t interval, int64_t hysteresis_steps,
                     std::optional<double> min_scale, std::optional<double> max_scale,
-                    const OptTensor& amax, std::optional<double> amax_target) {
+                    const OptTensor& amax, std::optional<double> amax_target,
+                    const OptTensor& history, int64_t history_slot) {
   refuse_in_grad_mode(names::kUpdateScale, {scale, growth, hysteresis});
+  refuse_optional_in_grad_mode(names::kUpdateScale, history, std::nullopt);
   scale_op().redispatch(ks & c10::after_autograd_keyset, scale, growth, hysteresis, found_inf,
                         growth_factor, backoff_factor, interval, hysteresis_steps, min_scale,
-                        max_scale, amax, amax_target);
+                        max_scale, amax, amax_target, history, history_slot);
 }
 
 void scale_view(c10::DispatchKeySet ks, const Tensor& scale, const Tensor& growth,
                 const Tensor& hysteresis, const Tensor& found_inf, double growth_factor,
                 double backoff_factor, int64_t interval, int64_t hysteresis_steps,
                 std::optional<double> min_scale, std::optional<double> max_scale,
-                const OptTensor& amax, std::optional<double> amax_target) {
+                const OptTensor& amax, std::optional<double> amax_target,
+                const OptTensor& history, int64_t history_slot) {
   scale_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, scale, growth, hysteresis,
                         found_inf, growth_factor, backoff_factor, interval, hysteresis_steps,
-                        min_scale, max_scale, amax, amax_target);
+                        min_scale, max_scale, amax, amax_target, history, history_slot);
   bump_versions({scale, growth, hysteresis});
+  bump_optional(history, std::nullopt);
 }
 
 // ---- record_telemetry_ ---------------------------------------------------------------------

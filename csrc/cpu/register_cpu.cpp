@@ -187,6 +187,9 @@ struct CpuOps {
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
                        *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper(),
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
+    if (op.scale_history != nullptr) {
+      op.scale_history->data_ptr<float>()[op.scale_history_slot] = *op.scale.const_data_ptr<float>();
+    }
   }
 
   static void record_telemetry(const prelude::RecordTelemetry& op) {

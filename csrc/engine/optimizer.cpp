@@ -88,7 +88,7 @@ bool Optimizer::gather(bool within_step) {
   // phases may run anything in between.
   plan_->update(kind(), within_step ? step_op() : nullptr, groups, *states_, *stats_);
   stats_->invalidate();
-  last_norm_slot_ = -1;
+  norm_this_step_ = false;
   return !plan_->buckets().empty();
 }
 
@@ -176,16 +176,10 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
   // The norm of this step's statistics pass goes into the next slot of the history.
   std::optional<at::Tensor> sum_sq, norms;
   if (stats_->from_pass()) {
-    if (!grad_norms_.defined() || grad_norms_.device() != d) {
-      // Not filled: only written slots are ever read, and on the CPU the pages of a ring
-      // nobody has written yet are not resident (a short run's peak memory stays its own).
-      grad_norms_ = at::empty({kGradNormHistory}, at::TensorOptions().dtype(at::kFloat).device(d));
-      grad_norms_recorded_ = 0;
-    }
     sum_sq = stats_->sum_sq(0);
-    norms = grad_norms_;
+    norms = grad_norms_.ring_on(d);
   }
-  const int64_t slot = grad_norms_recorded_ % kGradNormHistory;
+  const int64_t slot = grad_norms_.next_slot();
   // The loss scaler's flag gets the step's through the op where it lives on the same device.
   const bool flag_here =
       checked && found_inf_out.defined() && found_inf_out.device() == found_inf.device();
@@ -200,8 +194,8 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
     found_inf_out.copy_(found_inf.reshape(found_inf_out.sizes()), /*non_blocking=*/true);
   }
   if (norms) {
-    last_norm_slot_ = slot;
-    ++grad_norms_recorded_;
+    grad_norms_.record();
+    norm_this_step_ = true;
   }
 }
 
@@ -253,34 +247,16 @@ at::Tensor Optimizer::found_inf() const {
 }
 
 at::Tensor Optimizer::grad_norm() const {
-  return last_norm_slot_ < 0 ? at::Tensor() : grad_norms_.narrow(0, last_norm_slot_, 1).clone();
+  return norm_this_step_ ? grad_norms_.last() : at::Tensor();
 }
 
 at::Tensor Optimizer::grad_norm_history() const {
-  if (grad_norms_recorded_ == 0) {
-    return at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-  }
-  if (grad_norms_recorded_ <= kGradNormHistory) {
-    return grad_norms_.narrow(0, 0, grad_norms_recorded_).clone();
-  }
-  const int64_t oldest = grad_norms_recorded_ % kGradNormHistory;
-  return at::cat({grad_norms_.narrow(0, oldest, kGradNormHistory - oldest),
-                  grad_norms_.narrow(0, 0, oldest)});
+  return grad_norms_.values();
 }
 
 void Optimizer::set_grad_norm_history(const at::Tensor& norms) {
-  TORCH_CHECK(norms.dim() == 1 && norms.is_floating_point(), "fusedamp::optim::", kind(),
-              ": set_grad_norm_history takes a 1-D floating-point tensor, got ",
-              norms.scalar_type(), " of shape ", norms.sizes());
-  const int64_t kept = std::min<int64_t>(norms.numel(), kGradNormHistory);
-  at::Tensor ring;  // none until a step records (account) where there is nothing to keep
-  if (kept > 0) {
-    ring = at::empty({kGradNormHistory}, norms.options().dtype(at::kFloat));
-    ring.narrow(0, 0, kept).copy_(norms.narrow(0, norms.numel() - kept, kept));
-  }
-  grad_norms_ = std::move(ring);
-  grad_norms_recorded_ = kept;
-  last_norm_slot_ = -1;
+  grad_norms_.assign(norms, "fusedamp::optim::set_grad_norm_history");
+  norm_this_step_ = false;
 }
 
 at::Tensor Optimizer::grad_sum_sq() const {

@@ -360,9 +360,12 @@ py::object update_scale(const py::args& args, const py::kwargs& kwargs) {
   const auto max_scale = call.optional_real("max_scale");
   const OptTensor& amax = call.optional_tensor("amax");
   const auto amax_target = call.optional_real("amax_target");
+  const OptTensor& scale_history = call.optional_tensor("scale_history");
+  const int64_t scale_history_slot = call.integer("scale_history_slot");
   return finish(call, [&] {
     op.call(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-            growth_interval, hysteresis, min_scale, max_scale, amax, amax_target);
+            growth_interval, hysteresis, min_scale, max_scale, amax, amax_target, scale_history,
+            scale_history_slot);
   });
 }
 

@@ -34,7 +34,6 @@ import warnings
 import torch
 
 from ._library import _C
-from .diagnostics import History
 from .fsdp import check_plain_step, local_grad_views
 
 __all__ = ["GradScaler"]
@@ -65,10 +64,9 @@ class GradScaler:
                              int(hysteresis), None if min_scale is None else float(min_scale),
                              None if max_scale is None else float(max_scale), str(policy),
                              None if amax_target is None else float(amax_target),
-                             bool(telemetry), int(telemetry_capacity))
+                             bool(telemetry), int(telemetry_capacity), bool(history))
         self._engine = _C.GradScaler(*self._engine_args)
         self._records_telemetry = self._engine.has_telemetry()
-        self._history = History() if history else None  # scale after each update()
 
     # ---- the iteration -----------------------------------------------------------------
     def scale(self, outputs):
@@ -156,8 +154,6 @@ class GradScaler:
                     raise ValueError("new_scale should be a 1-element tensor")
                 new_scale = new_scale.item()
             self._engine.update_to(float(new_scale))
-        if self._history is not None:
-            self._history.record(self._engine.scale_tensor())
 
     # ---- reading the state (syncs only where it says so) ----------------------------------
     def get_scale(self):
@@ -170,7 +166,7 @@ class GradScaler:
 
     def scale_history(self):
         """The scale after each update(), oldest first, as floats (one synchronisation)."""
-        return [] if self._history is None else self._history.values()
+        return self._engine.scale_history().tolist()
 
     def telemetry(self, model=None):
         """The recorded iterations (at most ``telemetry_capacity``, oldest first) as a dict of
@@ -231,14 +227,23 @@ class GradScaler:
                                  "an iteration, or at the end after scaler.update().")
         state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
         state["_state_dict"] = self.state_dict()
+        state["_scale_history"] = self._engine.scale_history()
         return state
 
     def __setstate__(self, state):
         state_dict = state.pop("_state_dict")
+        scale_history = state.pop("_scale_history", None)
+        if "_history" in state:  # pickled when the history was a Python History of its own
+            old = state.pop("_history")
+            state["_engine_args"] = tuple(state["_engine_args"][:13]) + (old is not None,)
+            if old is not None:
+                scale_history = torch.tensor(old.values(), dtype=torch.float32)
         self.__dict__.update(state)
         self._engine = _C.GradScaler(*self._engine_args)
         if state_dict:
             self.load_state_dict(state_dict)
+        if scale_history is not None:
+            self._engine.set_scale_history(scale_history)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self):

@@ -118,6 +118,27 @@ TEST_CASE("hysteresis backs off only after that many overflows in a row", "[scal
   CHECK(rig.opt.skipped_steps().item<int64_t>() == 5);
 }
 
+TEST_CASE("scale_history holds the scale after each update, oldest first", "[scaler]") {
+  fusedamp::GradScaler scaler(fusedamp::GradScalerOptions().init_scale(64).growth_interval(2));
+  Rig rig;
+  std::vector<float> scales;
+  for (const bool overflow : {false, false, true, false}) {
+    scales.push_back(static_cast<float>(rig.iterate(scaler, overflow)));
+  }
+  scaler.update(5.0);  // an explicit scale counts too
+  scales.push_back(5.f);
+  const auto history = scaler.scale_history();
+  REQUIRE(history.numel() == static_cast<int64_t>(scales.size()));
+  for (size_t i = 0; i < scales.size(); ++i) {
+    CHECK(history[static_cast<int64_t>(i)].item<float>() == scales[i]);
+  }
+  CHECK(scales[1] == 128.f);
+  CHECK(scales[2] == 64.f);
+  fusedamp::GradScaler quiet(fusedamp::GradScalerOptions().init_scale(64).scale_history(false));
+  rig.iterate(quiet, false);
+  CHECK(quiet.scale_history().numel() == 0);
+}
+
 TEST_CASE("min_scale and max_scale bound the scale", "[scaler]") {
   fusedamp::GradScaler scaler(fusedamp::GradScalerOptions()
                                   .init_scale(8)

@@ -731,6 +731,40 @@ def test_a_bad_gradient_on_the_plan_gets_the_walks_error(device, bad):
     assert not torch.equal(params[1].detach(), weights[1])
 
 
+def test_the_scale_history_is_each_update_s_scale_and_travels_with_a_pickle(device):
+    """scale_history(): the scale after each update(), an explicit update(new_scale) included,
+    written by the update op into the scaler's ring (no op of its own); a pickled and restored
+    scaler keeps it and goes on recording; history=False records nothing."""
+    import pickle
+
+    params = [torch.nn.Parameter(torch.randn(4, device=device).half())]
+    opt = fusedamp.optim.AdamW(params, lr=1e-3)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2)
+    quiet = fusedamp.GradScaler(device, init_scale=2.0 ** 10, history=False)
+    scales = []
+    for step in range(5):
+        for s in (scaler, quiet):
+            s.scale(torch.ones((), device=device))
+            params[0].grad = torch.full((4,), float("inf") if step == 2 else 1.0,
+                                        device=device).half()
+            s.step(opt)
+            if step == 3:
+                s.update(100.0)
+            else:
+                s.update()
+        scales.append(scaler.get_scale())
+    assert scales[3] == 100.0 and scales[2] == scales[1] / 2  # the overflow's backoff
+    assert scaler.scale_history() == scales
+    assert quiet.scale_history() == []
+    restored = pickle.loads(pickle.dumps(scaler))
+    assert restored.scale_history() == scales
+    restored.scale(torch.ones((), device=device))
+    params[0].grad = torch.ones(4, device=device).half()
+    restored.step(opt)
+    restored.update()
+    assert restored.scale_history() == scales + [restored.get_scale()]
+
+
 def test_the_state_of_a_small_parameter_is_one_block_of_disjoint_tensors(device):
     """A small parameter's state (step count, master, moments) is created as views of one block
     of memory, a large one's as tensors of their own; either way each state tensor is its own

@@ -57,6 +57,9 @@ def test_opcheck_telemetry_and_amax_policy(device):
                             telemetry=telemetry.clone())
     torch.library.opcheck(ops.unscale_and_check_.default, args, kwargs)
     inp = op_inputs(device, [(5,)], loss_scale=8.0, scalars=dict(found_inf=0.0))
+    args, kwargs = inp.args("update_scale_", scale_history=torch.zeros(4, device=device),
+                            scale_history_slot=2)
+    torch.library.opcheck(ops.update_scale_.default, args, kwargs)
     amax = torch.tensor([3.0], dtype=torch.float64, device=device)
     args, kwargs = inp.args("update_scale_", amax=amax, amax_target=64.0)
     torch.library.opcheck(ops.update_scale_.default, args, kwargs)

@@ -226,6 +226,43 @@ def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
             assert scale <= max_scale
 
 
+def test_update_scale_writes_the_new_scale_into_the_history_slot(device):
+    """With scale_history, the op writes the scale it computes into scale_history_slot (a
+    ring's slot chosen by the caller) and nothing else of the ring; without it, nothing."""
+    found_seq = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    mine, ref = (op_inputs(device, [], loss_scale=2.0 ** 10) for _ in range(2))
+    history = torch.full((4,), -1.0, device=device)
+    expected = [-1.0] * 4
+    for i, f in enumerate(found_seq):
+        mine.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
+                  backoff_factor=0.5, growth_interval=2, scale_history=history,
+                  scale_history_slot=i % 4)
+        ref.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2)
+        assert_bitwise_equal([mine.scale, mine.growth_tracker], [ref.scale, ref.growth_tracker])
+        expected[i % 4] = ref.scale.item()
+        assert history.tolist() == expected, i
+
+
+@pytest.mark.parametrize("case,kwargs,message", [
+    ("slot past the end", dict(scale_history_slot=3), "scale_history_slot 3 is outside"),
+    ("negative slot", dict(scale_history_slot=-1), "scale_history_slot -1 is outside"),
+    ("float64 ring", dict(scale_history="float64"), "scale_history must be float32"),
+    ("2-D ring", dict(scale_history="2-D"), "scale_history must be a contiguous 1-D"),
+])
+def test_update_scale_refuses_a_bad_history_and_changes_nothing(device, case, kwargs, message):
+    inp = op_inputs(device, [], loss_scale=2.0 ** 10)
+    history = {"float64": torch.zeros(3, dtype=torch.float64, device=device),
+               "2-D": torch.zeros(1, 3, device=device)}.get(kwargs.get("scale_history"),
+                                                          torch.zeros(3, device=device))
+    kwargs = dict(kwargs, scale_history=history)
+    before = [t.clone() for t in (inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history)]
+    with pytest.raises(RuntimeError, match=message):
+        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2, **kwargs)
+    assert_bitwise_equal([inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history], before)
+
+
 def test_hysteresis_tolerates_isolated_overflows(device):
     inp = op_inputs(device, [], loss_scale=1024.0, hysteresis=3)
     for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row

@@ -25,6 +25,7 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/arg.h>
 
+#include <fusedamp/scalar_history.h>
 #include <fusedamp/telemetry.h>
 
 #include <cstdint>
@@ -81,6 +82,9 @@ struct GradScalerOptions {
   // it). unscale_ then reads the gradients once more before unscaling them.
   TORCH_ARG(bool, telemetry) = true;
   TORCH_ARG(int64_t, telemetry_capacity) = 4096;  // iterations kept
+  // Keep the scale after each update() (scale_history(): the last kScaleHistory), written by
+  // the update op itself.
+  TORCH_ARG(bool, scale_history) = true;
 };
 
 class GradScaler {
@@ -142,6 +146,13 @@ class GradScaler {
   const at::Tensor& inv_scale_tensor() const;
   const at::Tensor& growth_tracker() const { return growth_tracker_; }
   const at::Tensor& hysteresis_tracker() const { return hysteresis_tracker_; }
+  // The scale after each update(), the last kScaleHistory, oldest first (FP32, on the scale's
+  // device, a tensor of its own; empty without the scale_history option or before an update).
+  static constexpr int64_t kScaleHistory = 100000;
+  at::Tensor scale_history() const;
+  // Restores it (oldest first; the last kScaleHistory kept), as a front end that rebuilds the
+  // scaler (unpickling) carries it over.
+  void set_scale_history(const at::Tensor& scales);
   // found_inf of the last update() (sum over the optimizers stepped; nonzero: overflow).
   const at::Tensor& found_inf() const { return found_inf_; }
   // Whether any optimizer has been unscaled or stepped since the last update().
@@ -189,6 +200,7 @@ class GradScaler {
   bool bound_ = false;  // state tensors are on their training device
   std::unordered_map<OptimizerKey, PerOptimizer> per_optimizer_;
   std::unique_ptr<detail::ScalerTelemetry> telemetry_;  // null without telemetry
+  ScalarHistory scale_history_{kScaleHistory};
 };
 
 }  // namespace fusedamp

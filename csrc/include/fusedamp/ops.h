@@ -26,7 +26,8 @@ void update_scale_(
     const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
     int64_t hysteresis = 1, std::optional<double> min_scale = std::nullopt,
     std::optional<double> max_scale = std::nullopt, const OptTensor& amax = std::nullopt,
-    std::optional<double> amax_target = std::nullopt);
+    std::optional<double> amax_target = std::nullopt,
+    const OptTensor& scale_history = std::nullopt, int64_t scale_history_slot = 0);
 
 // A loss scaler's telemetry record of one iteration into row `slot` of its ring (schemas.cpp,
 // math/telemetry_math.h's columns), in one kernel.

@@ -17,6 +17,7 @@
 // value on the host, so a step never synchronises.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <fusedamp/scalar_history.h>
 #include <fusedamp/telemetry.h>
 #include <torch/optim/optimizer.h>
 
@@ -206,9 +207,8 @@ class Optimizer : public torch::optim::Optimizer {
   std::unique_ptr<detail::ParamStateStore> states_;
   std::unique_ptr<detail::BucketPlan> plan_;
   std::unique_ptr<detail::DeviceStats> stats_;
-  at::Tensor grad_norms_;  // FP32[kGradNormHistory], a ring; allocated by the first pass
-  int64_t grad_norms_recorded_ = 0;
-  int64_t last_norm_slot_ = -1;  // this step's norm in grad_norms_; -1: none this step
+  ScalarHistory grad_norms_{kGradNormHistory};
+  bool norm_this_step_ = false;  // grad_norms_'s last value is this step's
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
 };
