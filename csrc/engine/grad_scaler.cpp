@@ -65,7 +65,7 @@ void GradScaler::ensure_state(const c10::Device& device) {
     scale_ = at::full({1}, opts_.init_scale(), f32);
     growth_tracker_ = at::zeros({1}, i32);
     hysteresis_tracker_ = at::full({1}, opts_.hysteresis(), i32);
-    found_inf_ = at::zeros({1}, f32);
+    found_inf_ = at::zeros({}, f32);
     inv_scale_ = at::empty({1}, f32);
     bound_ = true;
   } else if (!bound_) {
@@ -242,14 +242,15 @@ void GradScaler::update() {
       continue;
     }
     if (!any) {
-      // The flags are the scaler's own, made for this iteration: the first becomes found_inf_
-      // without a copy (a kernel launch on a GPU) where it can; the others are added into it.
+      // The flags are the scaler's own, made for this iteration (0-dim, as torch.amp's): the
+      // first becomes found_inf_ without a copy (a kernel launch on a GPU) or a reshape where
+      // it can; the others are added into it.
       const auto& first = r.found_inf;
       if (first.device() == scale_.device() && first.scalar_type() == at::kFloat &&
-          first.numel() == 1) {
-        found_inf_ = first.reshape({1});
+          first.dim() == 0) {
+        found_inf_ = first;
       } else {
-        found_inf_ = first.to(scale_.device(), at::kFloat).reshape({1}).clone();
+        found_inf_ = first.to(scale_.device(), at::kFloat).reshape({}).clone();
       }
       any = true;
     } else {

@@ -153,7 +153,8 @@ class GradScaler {
   // Restores it (oldest first; the last kScaleHistory kept), as a front end that rebuilds the
   // scaler (unpickling) carries it over.
   void set_scale_history(const at::Tensor& scales);
-  // found_inf of the last update() (sum over the optimizers stepped; nonzero: overflow).
+  // found_inf of the last update() (FP32, 0-dim: the sum over the optimizers stepped;
+  // nonzero: overflow).
   const at::Tensor& found_inf() const { return found_inf_; }
   // Whether any optimizer has been unscaled or stepped since the last update().
   bool in_iteration() const { return !per_optimizer_.empty(); }
