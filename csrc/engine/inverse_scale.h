@@ -30,4 +30,24 @@ inline at::Tensor inverse_scale(const at::Tensor& scale) {
   return scale.to(at::kDouble).reciprocal().to(at::kFloat);
 }
 
+// The same number, where the scale is a plain FP32 CPU tensor, computed on the host into
+// `kept` (the caller's, reused from one step to the next; made here in the scale's shape when
+// it has none or another): a CPU scale is host memory, so a step needs no ATen call (an
+// allocation and a TensorIterator) for it. Elsewhere (a device, another dtype, a tensor that
+// answers through Python such as a FakeTensor) inverse_scale's op. The result is only read.
+inline at::Tensor inverse_scale_reusing(const at::Tensor& scale, at::Tensor& kept) {
+  const c10::TensorImpl& impl = *scale.unsafeGetTensorImpl();
+  if (impl.device_type() != c10::DeviceType::CPU || impl.is_python_dispatch() ||
+      impl.has_symbolic_sizes_strides() || scale.scalar_type() != at::kFloat ||
+      impl.numel() != 1 || !impl.has_storage() || impl.storage().data() == nullptr) {
+    return inverse_scale(scale);
+  }
+  if (!kept.defined() || !kept.sizes().equals(impl.sizes())) {
+    kept = at::empty(impl.sizes(), at::TensorOptions().dtype(at::kFloat));
+  }
+  *kept.mutable_data_ptr<float>() =
+      static_cast<float>(1.0 / static_cast<double>(*scale.const_data_ptr<float>()));
+  return kept;
+}
+
 }  // namespace fusedamp::detail

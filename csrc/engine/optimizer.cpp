@@ -115,7 +115,7 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
   // The inverse scale per device, as torch computes it.
   std::vector<at::Tensor> inv_scale;
   if (grad_scale.defined()) {
-    const auto inv = fusedamp::detail::inverse_scale(grad_scale);
+    const auto inv = fusedamp::detail::inverse_scale_reusing(grad_scale, inv_scale_);
     for (const auto& b : buckets) {
       if (inv_scale.size() <= b.device_slot) {
         inv_scale.resize(b.device_slot + 1);

@@ -572,8 +572,9 @@ def test_the_profiler_sees_the_step_scope_around_the_engine_ops(device, kind):
 
 
 def test_the_inverse_scale_is_torchs(device):
-    """The engine takes 1 / scale in FP32 (one op) where torch rounds the double reciprocal
-    to FP32: the same number for every FP32 scale. Checked through the optimizer (a scale
+    """The engine takes 1 / scale in FP32 (one op; on the CPU the double reciprocal on the
+    host, into a tensor it keeps) where torch rounds the double reciprocal to FP32: the same
+    number for every FP32 scale. Checked through the optimizer (a scale
     handed over by torch's protocol: SGD, lr 1, gradient 1 leaves -1/scale in the weight and
     1/scale in .grad) and through the scaler's unscale_, over random scales of every
     magnitude, against torch's formula."""

@@ -209,6 +209,7 @@ class Optimizer : public torch::optim::Optimizer {
   std::unique_ptr<detail::DeviceStats> stats_;
   ScalarHistory grad_norms_{kGradNormHistory};
   bool norm_this_step_ = false;  // grad_norms_'s last value is this step's
+  at::Tensor inv_scale_;  // a CPU step's inverse scale (detail::inverse_scale_reusing)
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
 };
