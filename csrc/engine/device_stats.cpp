@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <fusedamp/ops.h>
 
+#include "small_writes.h"
+
 namespace fusedamp::optim::detail {
 
 size_t DeviceStats::slot_of(const c10::Device& device) {
@@ -51,11 +53,11 @@ void DeviceStats::seed(const at::Tensor& seed_found_inf) {
                               ? seed_found_inf
                               : seed_found_inf.reshape({1});
   for (size_t i = 0; i < devices_.size(); ++i) {
-    sum_sq(i).zero_();
+    fusedamp::detail::zero_small(sum_sq(i));
     if (seed.defined()) {
-      found_inf(i).copy_(seed, /*non_blocking=*/true);
+      fusedamp::detail::copy_small(found_inf(i), seed);
     } else {
-      found_inf(i).zero_();
+      fusedamp::detail::zero_small(found_inf(i));
     }
   }
   valid_ = true;

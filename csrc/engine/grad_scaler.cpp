@@ -14,6 +14,7 @@
 #include "inverse_scale.h"
 #include "scaler_grads.h"
 #include "scaler_telemetry.h"
+#include "small_writes.h"
 
 
 namespace fusedamp {
@@ -122,7 +123,9 @@ void GradScaler::end_iteration() {
 }
 
 at::Tensor GradScaler::zero_flag() const {
-  return at::zeros({}, scale_.options());
+  at::Tensor flag = at::empty({}, scale_.options());
+  detail::zero_small(flag);
+  return flag;
 }
 
 GradScaler::PerOptimizer& GradScaler::record_unscale(OptimizerKey key) {

@@ -6,6 +6,8 @@
 #include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/ops.h>
 
+#include "small_writes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -39,7 +41,7 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
     ring_ = at::zeros({capacity_, math::kTelemetryColumns}, f64);
     recorded_ = 0;
   }
-  current_.copy_(fresh_);
+  copy_small(current_, fresh_);
   layouts_.clear();
   elements_ = 0.0;
   walked_ = 0;
@@ -124,7 +126,7 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   const at::Tensor sum_sq_here =
       here ? sum_sq_one : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
   if (layouts_.empty()) {
-    pass_sum_sq_.copy_(sum_sq_here);  // the iteration's first pass: the record op adds it
+    copy_small(pass_sum_sq_, sum_sq_here);  // the iteration's first pass: the record op adds it
   } else {
     current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
   }
