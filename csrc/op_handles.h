@@ -48,45 +48,21 @@ inline constexpr char kAdamStep[] = "fusedamp::adam_step_";
 inline constexpr char kSgdStep[] = "fusedamp::sgd_step_";
 }  // namespace names
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
-}
-
-// Looked up once per library that calls them (the first call), after the schemas are loaded.
-inline const c10::TypedOperatorHandle<UnscaleSig>& unscale_and_check() {
-  static const auto op = find<UnscaleSig>(names::kUnscaleAndCheck);
+// The handle of the operator named `Name`, looked up once per library that calls it (the first
+// call), after the schemas are loaded.
+template <typename Signature, const char* Name>
+const c10::TypedOperatorHandle<Signature>& handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Name, "").template typed<Signature>();
   return op;
 }
 
-inline const c10::TypedOperatorHandle<StatsSig>& grad_stats() {
-  static const auto op = find<StatsSig>(names::kGradStats);
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<ScaleSig>& update_scale() {
-  static const auto op = find<ScaleSig>(names::kUpdateScale);
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<TelemetrySig>& record_telemetry() {
-  static const auto op = find<TelemetrySig>(names::kRecordTelemetry);
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<AccountSig>& account_step() {
-  static const auto op = find<AccountSig>(names::kAccountStep);
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<AdamSig>& adam_step() {
-  static const auto op = find<AdamSig>(names::kAdamStep);
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<SgdSig>& sgd_step() {
-  static const auto op = find<SgdSig>(names::kSgdStep);
-  return op;
-}
+inline const auto& unscale_and_check() { return handle<UnscaleSig, names::kUnscaleAndCheck>(); }
+inline const auto& grad_stats() { return handle<StatsSig, names::kGradStats>(); }
+inline const auto& update_scale() { return handle<ScaleSig, names::kUpdateScale>(); }
+inline const auto& record_telemetry() { return handle<TelemetrySig, names::kRecordTelemetry>(); }
+inline const auto& account_step() { return handle<AccountSig, names::kAccountStep>(); }
+inline const auto& adam_step() { return handle<AdamSig, names::kAdamStep>(); }
+inline const auto& sgd_step() { return handle<SgdSig, names::kSgdStep>(); }
 
 }  // namespace fusedamp::op_handles
