@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "small_writes.h"
+
 namespace fusedamp::detail {
 
 // For an FP32 scale this is one ATen call (one kernel launch on a GPU, paid every step) instead
@@ -36,14 +38,11 @@ inline at::Tensor inverse_scale(const at::Tensor& scale) {
 // allocation and a TensorIterator) for it. Elsewhere (a device, another dtype, a tensor that
 // answers through Python such as a FakeTensor) inverse_scale's op. The result is only read.
 inline at::Tensor inverse_scale_reusing(const at::Tensor& scale, at::Tensor& kept) {
-  const c10::TensorImpl& impl = *scale.unsafeGetTensorImpl();
-  if (impl.device_type() != c10::DeviceType::CPU || impl.is_python_dispatch() ||
-      impl.has_symbolic_sizes_strides() || scale.scalar_type() != at::kFloat ||
-      impl.numel() != 1 || !impl.has_storage() || impl.storage().data() == nullptr) {
+  if (!plain_cpu(scale) || scale.scalar_type() != at::kFloat || scale.numel() != 1) {
     return inverse_scale(scale);
   }
-  if (!kept.defined() || !kept.sizes().equals(impl.sizes())) {
-    kept = at::empty(impl.sizes(), at::TensorOptions().dtype(at::kFloat));
+  if (!kept.defined() || !kept.sizes().equals(scale.sizes())) {
+    kept = at::empty(scale.sizes(), at::TensorOptions().dtype(at::kFloat));
   }
   *kept.mutable_data_ptr<float>() =
       static_cast<float>(1.0 / static_cast<double>(*scale.const_data_ptr<float>()));
