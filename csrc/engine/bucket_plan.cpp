@@ -138,68 +138,58 @@ void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Gr
       if (!g.defined()) {
         continue;
       }
-      const size_t seen_now = param_keys.size();
-      if (on_plan && seen_now < param_keys_.size() &&
-          place_clean_grad(seen_now, p, g, dtype_fits, devices)) {
-        const ParamKey& key = param_keys_[seen_now];
-        param_keys.push_back(key);
-        grads_seen_.push_back(&g);
-        if (key.device.is_cpu()) {
-          cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
-        }
-        continue;
-      }
-      check_grad(who, p, g, gi, j);
-      TORCH_CHECK_VALUE(group.master_weights.fits(p.scalar_type()), "fusedamp::optim::", who,
-                        ": master_weights=\"", group.master_weights.name(),
-                        "\" keeps bfloat16 weights, but parameter ", j, " of param group ", gi,
-                        " is ", p.scalar_type(), "; use master_weights=True or \"kahan\"");
       const size_t seen = param_keys.size();
-      param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
-                            p.device()});
+      PairFacts facts;
+      const bool clean = on_plan && seen < param_keys_.size() &&
+                         reads_clean(param_keys_[seen], p, g, dtype_fits, facts);
+      if (clean) {
+        param_keys.push_back(param_keys_[seen]);
+      } else {
+        check_grad(who, p, g, gi, j);
+        TORCH_CHECK_VALUE(group.master_weights.fits(p.scalar_type()), "fusedamp::optim::", who,
+                          ": master_weights=\"", group.master_weights.name(),
+                          "\" keeps bfloat16 weights, but parameter ", j, " of param group ",
+                          gi, " is ", p.scalar_type(),
+                          "; use master_weights=True or \"kahan\"");
+        param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
+                              p.device()});
+      }
       grads_seen_.push_back(&g);
-      if (p.is_cpu()) {
+      if (param_keys.back().device.is_cpu()) {
         cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
       }
       on_plan = on_plan && seen < param_keys_.size() && param_keys.back() == param_keys_[seen];
       if (on_plan) {
-        place_grad(step_op, seen, p, g, devices);
+        place_grad(step_op, seen, p, g, devices, clean ? &facts : nullptr);
       }
     }
   }
 }
 
-void BucketPlan::place_grad(const char* step_op, size_t seen, const at::Tensor& p,
-                            const at::Tensor& g, DeviceStats& devices) {
-  Bucket& b = buckets_[bucket_of_seen_[seen]];
-  const size_t k = position_of_seen_[seen];
-  devices.set_grad(b.device_slot, b.stats_position + k, g);
-  if (b.taking_rows) {
-    b.taking_rows = checks::take_held_row(step_op, k, p, g, b.grad_dtype, b.step_rows);
-  }
-}
-
-bool BucketPlan::place_clean_grad(size_t seen, const at::Tensor& p, const at::Tensor& g,
-                                  DtypeFits dtype_fits, DeviceStats& devices) {
-  const ParamKey& key = param_keys_[seen];
+bool BucketPlan::reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
+                             DtypeFits dtype_fits, PairFacts& facts) {
   if (p.unsafeGetTensorImpl() != key.param) {
     return false;
   }
-  checks::TensorFacts param, grad;
-  checks::read_facts(p, key.device, /*with_span=*/true, param);
-  checks::read_facts(g, key.device, /*with_span=*/true, grad);
-  if (!checks::clean_param_and_grad(param, grad) || param.dtype != key.param_dtype ||
-      grad.dtype != key.grad_dtype || !dtype_fits(param.dtype)) {
-    return false;
-  }
+  checks::read_facts(p, key.device, /*with_span=*/true, facts.param);
+  checks::read_facts(g, key.device, /*with_span=*/true, facts.grad);
+  return checks::clean_param_and_grad(facts.param, facts.grad) &&
+         facts.param.dtype == key.param_dtype && facts.grad.dtype == key.grad_dtype &&
+         dtype_fits(facts.param.dtype);
+}
+
+void BucketPlan::place_grad(const char* step_op, size_t seen, const at::Tensor& p,
+                            const at::Tensor& g, DeviceStats& devices, const PairFacts* clean) {
   Bucket& b = buckets_[bucket_of_seen_[seen]];
   const size_t k = position_of_seen_[seen];
   devices.set_grad(b.device_slot, b.stats_position + k, g);
   if (b.taking_rows) {
-    b.taking_rows = b.step_rows.param_device == key.device &&
-                    checks::take_clean_row(k, param, grad, b.step_rows);
+    b.taking_rows =
+        clean != nullptr
+            ? b.step_rows.param_device == b.device &&
+                  checks::take_clean_row(k, clean->param, clean->grad, b.step_rows)
+            : checks::take_held_row(step_op, k, p, g, b.grad_dtype, b.step_rows);
   }
-  return true;
 }
 
 void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../step_addresses.h"
+#include "../tensor_facts.h"
 
 namespace fusedamp::optim::detail {
 
@@ -112,10 +113,6 @@ class BucketPlan {
             bool& on_plan, DeviceStats& devices);
   void rebuild(const std::vector<Group>& groups, ParamStateStore& states, DeviceStats& devices);
   void collect_grads(DeviceStats& devices);
-  // update()'s walk, while the parameters match the previous step's plan: the gradient of the
-  // `seen`-th parameter with one goes to its place at once (see update()).
-  void place_grad(const char* step_op, size_t seen, const at::Tensor& p, const at::Tensor& g,
-                  DeviceStats& devices);
   // Whether a group's weight mode takes FP16 and BF16 parameters (FP32 ones: always).
   struct DtypeFits {
     bool half, bfloat16;
@@ -123,13 +120,21 @@ class BucketPlan {
       return t == at::kHalf ? half : t == at::kBFloat16 ? bfloat16 : true;
     }
   };
-  // place_grad's fast form, for the `seen`-th parameter with a gradient while the walk is on
-  // the plan: where p is the plan's parameter and it and g are clean (one read of each one's
-  // facts tells: tensor_facts.h clean_param_and_grad) with the plan's dtypes, g is placed and
-  // its row taken without the message-raising checks, which pass on such a pair. False, with
-  // nothing changed, where anything differs: the walk's general path then checks and decides.
-  bool place_clean_grad(size_t seen, const at::Tensor& p, const at::Tensor& g,
-                        DtypeFits dtype_fits, DeviceStats& devices);
+  // A parameter's and its gradient's facts, read on the plan's device.
+  struct PairFacts {
+    checks::TensorFacts param, grad;
+  };
+  // Whether p, the parameter `key` names, and its gradient g read as clean (one read of each
+  // one's facts: tensor_facts.h clean_param_and_grad) with key's dtypes, in a weight mode that
+  // takes them: every check of the walk and of the step op passes on such a pair, so the walk
+  // skips the message-raising ones. Where not, those checks decide.
+  static bool reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
+                          DtypeFits dtype_fits, PairFacts& facts);
+  // update()'s walk, while the parameters match the previous step's plan: the gradient of the
+  // `seen`-th parameter with one goes to its place at once (see update()), and its row is taken
+  // from `clean`'s facts where the pair read as clean, else with the step op's checks.
+  void place_grad(const char* step_op, size_t seen, const at::Tensor& p, const at::Tensor& g,
+                  DeviceStats& devices, const PairFacts* clean);
   // The lists' views of this step's gradients, once `devices` holds them all.
   void finish_collect(DeviceStats& devices);
 
