@@ -235,7 +235,7 @@ class GradScaler:
         scale_history = state.pop("_scale_history", None)
         if "_history" in state:  # pickled when the history was a Python History of its own
             old = state.pop("_history")
-            state["_engine_args"] = tuple(state["_engine_args"][:13]) + (old is not None,)
+            state["_engine_args"] = tuple(state["_engine_args"]) + (old is not None,)
             if old is not None:
                 scale_history = torch.tensor(old.values(), dtype=torch.float32)
         self.__dict__.update(state)

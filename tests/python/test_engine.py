@@ -766,6 +766,28 @@ def test_the_scale_history_is_each_update_s_scale_and_travels_with_a_pickle(devi
     assert restored.scale_history() == scales + [restored.get_scale()]
 
 
+def test_a_scaler_pickled_with_a_python_history_keeps_it(device):
+    """Pickles made while the scale history was a Python History on the scaler (13 engine
+    arguments, a `_history` entry): unpickled, the engine takes the history over, and
+    history=None there (history=False then) stays off."""
+    for recorded in ([1024.0, 512.0, 1024.0], None):
+        scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
+        state = scaler.__getstate__()
+        del state["_scale_history"]
+        state["_engine_args"] = state["_engine_args"][:-1]
+        old = None
+        if recorded is not None:
+            old = fusedamp.History()
+            for value in recorded:
+                old.record(torch.tensor([value], device=device))
+        state["_history"] = old
+        restored = fusedamp.GradScaler.__new__(fusedamp.GradScaler)
+        restored.__setstate__(state)
+        assert restored.scale_history() == (recorded or [])
+        restored.update(8.0)
+        assert restored.scale_history() == ((recorded + [8.0]) if recorded else [])
+
+
 def test_the_state_of_a_small_parameter_is_one_block_of_disjoint_tensors(device):
     """A small parameter's state (step count, master, moments) is created as views of one block
     of memory, a large one's as tensors of their own; either way each state tensor is its own
