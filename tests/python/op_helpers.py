@@ -1,9 +1,13 @@
-"""Values, reference implementations and comparisons shared by the op tests (op_inputs.py builds
-the ops' inputs from these values)."""
+"""Values, reference implementations and comparisons shared by the tests (op_inputs.py builds
+the ops' inputs from these values), and the parameters and optimizers several test files start
+from."""
 import math
 import struct
 
+import pytest
 import torch
+
+import fusedamp
 
 ops = torch.ops.fusedamp
 
@@ -114,7 +118,6 @@ def sgd_reference_fp64(p, buf, g, first, lr, momentum, dampening, wd, nesterov, 
     p.add_(g, alpha=-lr)
 
 
-
 def max_rel_error(xs, refs):
     """Largest ||x - ref|| / ||ref|| over the tensors of a list (norms in float64)."""
     worst = 0.0
@@ -123,3 +126,44 @@ def max_rel_error(xs, refs):
             r = r.double().cpu()
             worst = max(worst, ((x.double().cpu() - r).norm() / r.norm()).item())
     return worst
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-only: torch.cuda.is_available() is False (no GPU or no CUDA torch)")
+
+
+def sum_sq_fp64(tensors, piece=1 << 26):
+    """Sum of squares of every element, in float64, a piece at a time (bounded memory)."""
+    total = 0.0
+    for t in tensors:
+        flat = t.reshape(-1)
+        for k in range(0, flat.numel(), piece):
+            total += flat[k:k + piece].double().square().sum().item()
+    return total
+
+
+def assert_rel_close(value, ref, rtol):
+    rel = abs(value - ref) / abs(ref)
+    assert rel < rtol, (value, ref, rel)
+
+
+# ---- parameters and optimizers of the fusedamp.optim / GradScaler tests ---------------------
+def _model_params(device, dtype=torch.float32, seed=0):
+    """Three parameters of `dtype` (33, 7x5 and 129 elements), seeded."""
+    return [torch.nn.Parameter(t) for t in randn_list(device, dtype, sizes=[(33,), (7, 5), (129,)],
+                                                      seed=seed)]
+
+
+def _grads(device, dtype, step, scale=1.0, sizes=((33,), (7, 5), (129,))):
+    """FP32 gradients of _model_params' shapes for step `step` (seeded by it); the caller casts
+    them, `dtype` is not used."""
+    return randn_list(device, torch.float32, sizes=list(sizes), seed=1000 + step, scale=scale)
+
+
+def three_fp16_params_and(kind, device, numel):
+    """Three FP16 parameters of `numel` elements and a fusedamp optimizer of `kind` over them."""
+    params = [torch.nn.Parameter(torch.randn(numel, device=device).half()) for _ in range(3)]
+    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    return params, opt

@@ -16,13 +16,11 @@ import math
 import pytest
 import torch
 
-from op_helpers import assert_bitwise_equal, f32, ops, randn_list, scalar, snapshot
+from op_helpers import (assert_bitwise_equal, assert_rel_close, f32, needs_cuda, ops, randn_list,
+                        scalar, snapshot, sum_sq_fp64)
 from op_inputs import op_inputs
 from test_cuda import assert_same, capture, on_both, state_tol, sync_forbidden
 
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only: torch.cuda.is_available() is False (no GPU or no CUDA torch)")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -32,25 +30,10 @@ CHUNK = 32768
 STATS_TENSORS_PER_LAUNCH = 1101
 
 
-def sum_sq_fp64(tensors, piece=1 << 26):
-    """Sum of squares of every element, in float64, a piece at a time (bounded memory)."""
-    total = 0.0
-    for t in tensors:
-        flat = t.reshape(-1)
-        for k in range(0, flat.numel(), piece):
-            total += flat[k:k + piece].double().square().sum().item()
-    return total
-
-
 def assert_all_tensors_equal(a, b):
     """Every tensor of OpInputs a bit-identical to the same tensor of b."""
     for (name, x), (_, y) in zip(a.named_tensors(), b.named_tensors()):
         assert torch.equal(x, y), name
-
-
-def assert_rel_close(value, ref, rtol):
-    rel = abs(value - ref) / abs(ref)
-    assert rel < rtol, (value, ref, rel)
 
 
 # ------------------------------------------------------------ more than 2^31 elements

@@ -5,16 +5,7 @@ import pytest
 import torch
 
 import fusedamp
-from op_helpers import max_abs_diff, randn_list, scale_model
-
-
-def _model_params(device, dtype=torch.float32, seed=0):
-    return [torch.nn.Parameter(t) for t in randn_list(device, dtype, sizes=[(33,), (7, 5), (129,)],
-                                                      seed=seed)]
-
-
-def _grads(device, dtype, step, scale=1.0, sizes=((33,), (7, 5), (129,))):
-    return randn_list(device, torch.float32, sizes=list(sizes), seed=1000 + step, scale=scale)
+from op_helpers import _grads, _model_params, max_abs_diff, scale_model, three_fp16_params_and
 
 
 def _overflow_pattern(n, seed):
@@ -437,14 +428,6 @@ def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_sha
     assert torch.equal(p.detach(), weight)
     for name, value in opt.state[p].items():
         assert torch.equal(value, state[name]), name
-
-
-def three_fp16_params_and(kind, device, numel):
-    """Three FP16 parameters of `numel` elements and a fusedamp optimizer of `kind` over them."""
-    params = [torch.nn.Parameter(torch.randn(numel, device=device).half()) for _ in range(3)]
-    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
-           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
-    return params, opt
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
