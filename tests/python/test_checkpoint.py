@@ -1,0 +1,101 @@
+"""Checkpoints: an optimizer's and a scaler's state_dict saved, loaded into fresh objects and
+trained on gives the uninterrupted run bit for bit; loaded state is laid out as a first step
+lays it out."""
+import io
+
+import pytest
+import torch
+
+import fusedamp
+from op_helpers import _grads, _model_params
+
+
+def _train(params, opt, scaler, steps, start, dtype):
+    one = torch.ones((), device=params[0].device)
+    for step in range(start, start + steps):
+        scale = scaler.scale(one)  # what scaling a unit loss gives: the current scale
+        for p, g in zip(params, _grads(params[0].device, dtype, step, scale=8.0)):
+            p.grad = (g * scale).to(dtype)
+        if step % 7 == 3:
+            params[0].grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_save_load_continue_is_bit_exact(device, cls):
+    dtype = torch.float16
+    kw = dict(momentum=0.9) if cls == "SGD" else {}
+
+    def make(seed):
+        ps = _model_params(device, dtype, seed=seed)
+        opt = getattr(fusedamp.optim, cls)(ps, lr=1e-2, max_grad_norm=2.0, **kw)
+        return ps, opt, fusedamp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=4)
+
+    p1, o1, s1 = make(6)
+    _train(p1, o1, s1, 20, 0, dtype)
+    p2, o2, s2 = make(6)
+    _train(p2, o2, s2, 10, 0, dtype)
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach() for p in p2], "opt": o2.state_dict(),
+                "scaler": s2.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    p3, o3, s3 = make(123)  # different initial values: everything must come from the checkpoint
+    with torch.no_grad():
+        for p, q in zip(p3, ck["model"]):
+            p.copy_(q)
+    o3.load_state_dict(ck["opt"])
+    s3.load_state_dict(ck["scaler"])
+    _train(p3, o3, s3, 10, 10, dtype)
+    for a, b in zip(p1, p3):
+        assert torch.equal(a, b)
+    for a, b in zip(p1, p3):
+        sa, sb = o1._engine.param_state(a), o3._engine.param_state(b)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+    assert s1.get_scale() == s3.get_scale()
+    assert s1.state_dict() == s3.state_dict()
+
+
+def test_a_resumed_run_packs_small_state_and_continues_bit_exactly(device):
+    """State loaded from a state dict (copied into the store) is packed as a first step's is: a
+    resumed run walks the layout an uninterrupted one does, its state tensors each their own
+    memory, and its steps are the uninterrupted run's, bit for bit."""
+    def run(params, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device, torch.float16)
+            opt.step()
+
+    torch.manual_seed(3)
+    first = [torch.nn.Parameter(torch.randn(n, device=device).half()) for n in (3, 5000)]
+    opt = fusedamp.optim.AdamW(first, lr=1e-2)
+    run(first, opt, 2, seed=1)
+    saved = opt.state_dict()
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    opt2 = fusedamp.optim.AdamW(resumed, lr=1e-2)
+    opt2.load_state_dict(saved)
+    small, large = resumed
+
+    def storages(p):
+        return {t.untyped_storage().data_ptr() for t in opt2.state[p].values()}
+    assert len(storages(small)) == 1 and len(storages(large)) == 4
+    # Each loaded tensor is its own memory: an edit of one moment changes no other state (on a
+    # third optimizer loaded from the same dict, so that the runs below stay equal).
+    spare = torch.nn.Parameter(first[0].detach().clone())
+    opt3 = fusedamp.optim.AdamW([spare, torch.nn.Parameter(first[1].detach().clone())], lr=1e-2)
+    opt3.load_state_dict(saved)
+    before = {k: v.clone() for k, v in opt3.state[spare].items()}
+    opt3.state[spare]["exp_avg"].fill_(7.0)
+    for name in ("step", "master_param", "exp_avg_sq"):
+        assert torch.equal(opt3.state[spare][name], before[name]), name
+    run(first, opt, 3, seed=2)
+    run(resumed, opt2, 3, seed=2)
+    for a, b in zip(first, resumed):
+        assert torch.equal(a, b)
+    for a, b in zip(first, resumed):
+        for name, t in opt.state[a].items():
+            assert torch.equal(t, opt2.state[b][name]), name
