@@ -1,0 +1,134 @@
+"""What a user changes between steps reaches the next step as torch.optim would take it: a
+parameter given new memory or edited in place, a state tensor edited or replaced through
+load_state_dict, every kind of change of a param group; a parameter given another shape is
+refused. A step bumps the version counters torch's in-place step would."""
+import pytest
+import torch
+
+import fusedamp
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_step_bumps_the_version_counters_torch_would(device, kind):
+    """The engine calls its kernels below autograd; what a user can see keeps torch's in-place
+    semantics: a step bumps the params' version counters (skipped or not, as torch's fused
+    ops), and the grads' when it writes them back (a scaled step)."""
+    params = [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(3)]
+    opt = getattr(fusedamp.optim, kind)(params, lr=1e-2)
+    scaler = fusedamp.GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [(p._version, p.grad._version) for p in params]
+    scaler.step(opt)
+    for p, (pv, gv) in zip(params, before):
+        assert p._version > pv and p.grad._version > gv
+    scaler.update()
+    params[0].grad.fill_(float("inf"))
+    before = [p._version for p in params]
+    scaler.step(opt)  # skipped
+    assert all(p._version > v for p, v in zip(params, before))
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
+    """After a bucket's first step the engine keeps the addresses of its own tensors (master
+    weights, moments, step counts; on the CPU) and checks only params and grads again. What a
+    user does between steps must still reach the step exactly: a parameter given new memory of
+    its shape (`.data =`), in-place edits of a parameter and of a state tensor, a state replaced
+    through load_state_dict. Reference: a twin whose state is reloaded before every step, so
+    that every tensor of it is checked and taken afresh each time; bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device=device).half())
+              for s in [(5,), (3, 4), (7,)]]
+        opt = (fusedamp.optim.AdamW(ps, lr=1e-2) if kind == "AdamW"
+               else fusedamp.optim.SGD(ps, lr=1e-2, momentum=0.9))
+        return ps, opt
+
+    (kept, opt), (fresh, twin) = make(), make()
+    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    gen = torch.Generator().manual_seed(2)
+    for step in range(7):
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in kept]
+        for params, o in ((kept, opt), (fresh, twin)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            with torch.no_grad():
+                if step == 2:  # new memory for param 0, its shape, other values
+                    params[0].data = (params[0].detach() * 0.5).clone()
+                if step == 3:  # in place: a parameter and a state tensor
+                    params[1].mul_(0.25)
+                    o.state[params[2]][moment].mul_(-1.0)
+            if step == 5:  # a state replaced through load_state_dict
+                sd = o.state_dict()
+                sd["state"][0][moment] = sd["state"][0][moment] + 1.0
+                o.load_state_dict(sd)
+        twin.load_state_dict(twin.state_dict())
+        opt.step()
+        twin.step()
+        for i, (a, b) in enumerate(zip(kept, fresh)):
+            assert torch.equal(a, b), (step, i)
+            for name, value in opt.state[a].items():
+                assert torch.equal(value, twin.state[b][name]), (step, i, name)
+    assert not torch.equal(kept[2].detach(), make()[0][2].detach())  # the steps moved it
+
+
+@pytest.mark.parametrize("new_shape", [(2, 3), (8,)])
+def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_shape):
+    """A parameter given memory of another shape after the engine has stepped it (its state was
+    taken for the old shape): a clear error, nothing modified; never a step over the state of
+    the old shape."""
+    p = torch.nn.Parameter(torch.randn(6, device=device).half())
+    opt = fusedamp.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(6, device=device).half()
+    opt.step()
+    with torch.no_grad():
+        p.data = torch.randn(new_shape, device=device).half()
+    p.grad = torch.randn(new_shape, device=device).half()
+    weight = p.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match=r"has shape \[6\] but params\[0\] has shape"):
+        opt.step()
+    assert torch.equal(p.detach(), weight)
+    for name, value in opt.state[p].items():
+        assert torch.equal(value, state[name]), name
+
+
+@pytest.mark.parametrize("how", ["new value", "list edited in place", "lr tensor edited in place",
+                                 "group dict replaced"])
+def test_every_change_of_a_param_group_reaches_the_next_step(device, how):
+    """The step pushes a param group's options to the engine only when the group's dict holds
+    other objects than at the last step; a value that can change under the same identity (a
+    list, a tensor) is pushed every time. Each kind of change must reach the next step exactly
+    as torch.optim.AdamW (which reads the dicts every step) sees it."""
+    def run(make):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(8, device=device))]
+        # float64: the engine takes a converted copy, seen again only when pushed again
+        lr = (torch.tensor(0.01, dtype=torch.float64) if how == "lr tensor edited in place"
+              else 0.01)
+        opt = make(params, lr=lr)
+        if how == "list edited in place":
+            opt.param_groups[0]["betas"] = [0.9, 0.999]  # torch.optim reads it at every step
+        trajectory = []
+        for step in range(4):
+            params[0].grad = torch.randn(8, device=device)
+            if step == 2:
+                group = opt.param_groups[0]
+                if how == "new value":
+                    group["lr"] = 0.05
+                elif how == "list edited in place":
+                    group["betas"][0] = 0.5
+                elif how == "lr tensor edited in place":
+                    group["lr"].fill_(0.05)
+                else:
+                    opt.param_groups[0] = dict(group, weight_decay=0.3)
+            opt.step()
+            trajectory.append(params[0].detach().cpu().clone())
+        return trajectory
+
+    ours = run(fusedamp.optim.AdamW)
+    ref = run(lambda params, **kw: torch.optim.AdamW(params, foreach=False, **kw))
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
