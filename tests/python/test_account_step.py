@@ -1,6 +1,7 @@
 """account_step_: what a master-weight optimizer records after a step (whether it was applied,
 the skipped-step count, the loss scaler's flag, the gradient norm into a history ring), in one
-op; and the optimizer's gradient-norm history that it writes."""
+op; and the optimizer's gradient-norm history that it writes, next to fusedamp.nonfinite_grads
+(the parameters whose gradients are not finite) and the scaler's scale history."""
 import math
 
 import pytest
@@ -172,6 +173,42 @@ def test_a_step_without_a_norm_pass_records_nothing(device):
     opt.step()
     assert opt.last_step_applied.item() == 0.0 and opt.skipped_steps.item() == 1
     assert opt.grad_norm_history() == [float("inf")]
+
+
+def test_diagnostics_grad_norm_history_and_nonfinite_names(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to(device)
+    model, opt, scaler = fusedamp.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.float16, max_grad_norm=1.0)
+    if not scaler.is_enabled():  # CUDA scaler asked for on a CPU-only machine: use the CPU one
+        scaler = fusedamp.GradScaler(device)
+    expected_norms, scales = [], []
+    for step in range(6):
+        x = torch.randn(32, 8, device=device)
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        s = scaler.get_scale()
+        grads = [p.grad.float() / s for p in model.parameters()]
+        expected_norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads])).item())
+        if step == 4:
+            model[2].weight.grad[1, 3] = float("nan")
+            assert fusedamp.nonfinite_grads(model) == ["2.weight"]
+        else:
+            assert fusedamp.nonfinite_grads(model) == []
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    history = opt.grad_norm_history()
+    assert len(history) == 6
+    for i, (got, want) in enumerate(zip(history, expected_norms)):
+        if i != 4:
+            assert abs(got - want) <= 1e-3 * want, (i, got, want)
+    assert history[4] != history[4]  # the NaN step's norm is NaN: visible in the history
+    assert scaler.scale_history() == scales
+    assert opt.skipped_steps.item() == 1
 
 
 def test_a_history_records_values_not_their_autograd_graphs(device):

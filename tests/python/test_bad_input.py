@@ -1,10 +1,12 @@
-"""Bad input: every case raises a clear RuntimeError and leaves every tensor unchanged."""
+"""Bad input to the ops, the optimizers and the scaler: every case raises a clear error (a
+RuntimeError from an op) and leaves every tensor unchanged."""
 import re
 
 import pytest
 import torch
 
-from op_helpers import assert_bitwise_equal, ops, randn_list, scalar, snapshot
+import fusedamp
+from op_helpers import _model_params, assert_bitwise_equal, ops, randn_list, scalar, snapshot
 from op_inputs import op_inputs
 
 
@@ -163,3 +165,22 @@ def test_master_weights_refuses_what_is_not_a_mode(value):
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
     with pytest.raises(ValueError, match='True, False, "split", "kahan"|True \\(an FP32'):
         fusedamp.optim.Adam([p], master_weights=value)
+
+
+def test_bad_arguments_raise_clear_errors(device):
+    ps = _model_params(device)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        fusedamp.optim.AdamW(ps, lr=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        fusedamp.optim.Adam(ps, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="Nesterov"):
+        fusedamp.optim.SGD(ps, nesterov=True)
+    with pytest.raises(RuntimeError, match="growth_factor"):
+        fusedamp.GradScaler(device, growth_factor=1.0)
+    # Not an error: scale() multiplies any tensor of outputs, with torch.amp's type promotion.
+    ours, theirs = fusedamp.GradScaler(device), torch.amp.GradScaler(device)
+    for t in (torch.ones(3, device=device, dtype=torch.float16), torch.ones((), device=device,
+                                                                          dtype=torch.float16)):
+        if theirs.is_enabled():
+            a, b = ours.scale(t), theirs.scale(t)
+            assert a.dtype == b.dtype and torch.equal(a, b)

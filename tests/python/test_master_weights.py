@@ -1,6 +1,7 @@
-"""Master weights that never lie (issue 12): initialize keeps the user's algorithm, norm layers
-are found by what they are, nothing changes when a call fails, and there is a way back to a
-plain FP32 model. Every test runs on every device present."""
+"""Master weights that never lie: initialize keeps the user's algorithm, norm layers are found
+by what they are and convert_module gives each layer the dtype it computes in, nothing changes
+when a call fails, and there is a way back to a plain FP32 model. Every test runs on every
+device present."""
 import copy
 import math
 
@@ -194,6 +195,29 @@ def test_layer_norm_weight_gradients_keep_fp32_precision(device, dtype):
     reference(hidden).mul(upstream.to(dtype).double()).sum().backward()
     got, want = model[1].weight.grad.double(), reference.weight.grad
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_convert_module_dtypes_at_each_layer(device, dtype):
+    """Norm parameters stay FP32; batch norm runs on the low-precision activations natively,
+    the other norms get FP32 input; the model takes FP32 input and returns FP32."""
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                            torch.nn.Linear(4 * 4 * 4, 8), torch.nn.LayerNorm(8),
+                            torch.nn.Linear(8, 2)).to(device)
+    fusedamp.convert_module(m, dtype)
+    seen = {}
+    for name, mod in m.named_children():
+        mod.register_forward_hook(
+            lambda mod, inp, out, name=name: seen.__setitem__(name, (inp[0].dtype, out.dtype)))
+    out = m(torch.randn(2, 3, 6, 6, device=device))
+    assert out.dtype == torch.float32
+    assert m[1].weight.dtype == m[1].running_mean.dtype == m[4].weight.dtype == torch.float32
+    assert m[0].weight.dtype == m[3].weight.dtype == m[5].weight.dtype == dtype
+    assert seen["1"] == (dtype, dtype)            # batch norm: native mixed precision
+    assert seen["4"][0] == torch.float32          # layer norm computes in FP32 ...
+    assert seen["5"][0] == dtype                  # ... and hands the model's dtype on
+    out.sum().backward()
+    assert m[0].weight.grad.dtype == dtype and m[1].weight.grad.dtype == torch.float32
 
 
 # ---- nothing changes when a call fails ------------------------------------------------------

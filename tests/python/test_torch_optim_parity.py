@@ -1,5 +1,5 @@
 """torch.optim's optim_db configurations of Adam, AdamW and SGD, run as trajectories against
-fusedamp.optim (issue 11).
+fusedamp.optim.
 
 The configurations are PyTorch's (BSD-3-Clause, Copyright (c) PyTorch contributors): the
 ``optim_db`` entries of torch/testing/_internal/common_optimizers.py in the installed torch
@@ -27,6 +27,8 @@ Two tests per (kind, configuration, device):
     state_dict (through torch.save/torch.load) is loaded into a fresh fusedamp optimizer, which
     trains 7 steps; fusedamp's state_dict is loaded into a fresh torch optimizer, which trains
     the last 6. The trajectory must be torch-alone's for 20 steps.
+And test_optimizer_parity_with_torch_groups_and_scheduler: two param groups (the second with
+its own lr and no weight decay) under a OneCycleLR schedule, 40 steps against torch.optim.
 
 Tolerance (FP32 rounding): fusedamp computes in FP32 with torch's order of operations, so each
 step may differ from torch's only by the rounding of a few FP32 operations per element (a fused
@@ -49,6 +51,7 @@ from torch.testing._internal.common_optimizers import (
 from torch.testing._internal.common_utils import TestCase
 
 import fusedamp
+from op_helpers import _grads, _model_params, max_abs_diff
 
 STEPS = 20
 SAVE_AT = 10                 # trajectory: state_dict round trip after this many steps
@@ -231,3 +234,27 @@ def test_differentiable_refused(device, kind, kwargs):
     model, _ = _problem(device)
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
         _KINDS[kind](model.parameters(), **_on(kwargs, device))
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adam", "SGD"])
+def test_optimizer_parity_with_torch_groups_and_scheduler(device, cls, record_diff):
+    ours = _model_params(device, seed=3)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(momentum=0.9, nesterov=True, weight_decay=1e-3) if cls == "SGD" else dict(
+        betas=(0.8, 0.95), weight_decay=0.02)
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "weight_decay": 0.0}]
+    opt = getattr(fusedamp.optim, cls)(groups(ours), lr=0.01, **kw)
+    ref_opt = getattr(torch.optim, cls)(groups(ref), lr=0.01, foreach=False, **kw)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.005], total_steps=40)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=[0.02, 0.005], total_steps=40)
+    for step in range(40):
+        for p, r, g in zip(ours, ref, _grads(device, torch.float32, step)):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    diff = max_abs_diff([p.detach() for p in ours], [r.detach() for r in ref])
+    record_diff(f"fusedamp.optim.{cls} fp32 (groups + OneCycleLR) vs torch.optim", diff)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
