@@ -135,13 +135,13 @@ EOF
 }
 
 # ---- quick: every CUDA test -------------------------------------------------------------------
-# Every test parametrised on "cuda", test_cuda.py, and the CUDA-only tests of
-# test_coverage_gaps.py (their names do not say cuda; its device tests have a "cpu" twin).
+# Every test parametrised on "cuda", and every test of test_cuda*.py (the CUDA-only files, whose
+# test names need not say cuda).
 # Without a GPU they are all skipped, so the CPU variants of the op tests run instead: what the
 # no-GPU mode can check.
 cuda_tests() {
   if (( ! BUILD_OK )); then row "pytest (CUDA tests)" "skipped (no build)"; return; fi
-  local files=(tests/python) sel="cuda or (coverage_gaps and not cpu)" name="pytest (CUDA tests)"
+  local files=(tests/python) sel="cuda" name="pytest (CUDA tests)"
   if (( ! GPU )); then  # the script's own check: collection, and the bad-input cases on the CPU
     files=(tests/python/test_cuda.py tests/python/test_bad_input.py); sel="cpu or cuda"
     name="pytest (no GPU: bad input, CPU)"

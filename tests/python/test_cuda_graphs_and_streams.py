@@ -1,0 +1,109 @@
+"""On CUDA: unscale_and_check_ -> sgd_step_ -> update_scale_ captured in a CUDA graph and
+replayed equals the same steps run eagerly (test_cuda.py does the same for the Adam step); every
+op runs on the current stream when that is not the default one."""
+import pytest
+import torch
+
+from op_helpers import assert_bitwise_equal, needs_cuda, randn_list
+from op_inputs import op_inputs
+from test_cuda import capture, sync_forbidden
+
+
+def assert_all_tensors_equal(a, b):
+    """Every tensor of OpInputs a bit-identical to the same tensor of b."""
+    for (name, x), (_, y) in zip(a.named_tensors(), b.named_tensors()):
+        assert torch.equal(x, y), name
+
+
+def sgd_graph_state(pdtype, master):
+    sizes = [(1000,), (33, 17), (32769,), (5,)]
+    return op_inputs("cuda", param_dtype=pdtype, master_weights=master, moments=False,
+                     momentum=True, weights=randn_list("cpu", sizes=sizes, seed=52),
+                     grads=[torch.zeros(s, dtype=pdtype) for s in sizes], loss_scale=2.0 ** 10,
+                     scalars=dict(found_inf=0.0, inv_scale=1.0, lr_tensor=1e-2))
+
+
+def sgd_graph_step(s):
+    """One step after backward, all on the device: unscale the grads in place, SGD with
+    momentum on the unscaled grads (skipped on overflow), update the loss scale."""
+    s.found_inf.zero_()
+    torch.reciprocal(s.scale, out=s.inv_scale)
+    s.call("unscale_and_check_")
+    s.call("sgd_step_", inv_scale=None, lr=0.0, momentum=0.9, dampening=0.0, weight_decay=1e-4,
+           nesterov=False)
+    s.call("update_scale_", growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("pdtype,master", [(torch.float16, True), (torch.bfloat16, True),
+                                           (torch.float32, False)],
+                         ids=["fp16-master", "bf16-master", "fp32"])
+def test_sgd_and_unscale_in_a_cuda_graph_equal_eager(pdtype, master):
+    """unscale_and_check_ -> sgd_step_ -> update_scale_ captured once and replayed ten times
+    with new grads, a new lr and two overflowing steps: every tensor bit-identical to the same
+    steps run eagerly (the ops read their scalars on the device, so the replay sees them)."""
+    eager = sgd_graph_state(pdtype, master)
+    graphed = eager.map(lambda _, t: t.clone())
+    graph = capture(sgd_graph_step, eager.map(lambda _, t: t.clone()), graphed)
+
+    gen = torch.Generator().manual_seed(53)
+    for it in range(10):
+        grads = [(torch.randn(g.shape, generator=gen) * 2.0 ** 10).to(pdtype)
+                 for g in eager.grads]
+        if it in (3, 4):
+            grads[2].view(-1)[7] = float("inf")
+        for s in (eager, graphed):
+            for dst, src in zip(s.grads, grads):
+                dst.copy_(src)
+            s.lr_tensor.fill_(1e-2 * 0.9 ** it)
+        with sync_forbidden():
+            sgd_graph_step(eager)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_all_tensors_equal(eager, graphed)
+    assert all(s.item() == 8.0 for s in eager.steps)  # 10 steps, 2 skipped
+
+
+STREAM_CALLS = {
+    "unscale_and_check_": {},
+    "grad_stats_": {},
+    "update_scale_": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+    "adam_step_": dict(max_grad_norm=1.0),
+    "sgd_step_": dict(momentum=0.9, max_grad_norm=1.0),
+}
+SLEEP_CYCLES = 1 << 30  # ~0.5 s on a ~2 GHz GPU: far longer than the host needs below
+
+
+@needs_cuda
+@pytest.mark.parametrize("op", list(STREAM_CALLS))
+def test_op_runs_on_the_current_side_stream_and_matches_the_default_stream(op):
+    """Called under torch.cuda.stream(side), every kernel of the op (follow-up kernels and
+    workspaces included) must be enqueued on `side`: with `side` held busy by a sleep, nothing
+    has changed once the default stream has drained. After `side` runs, every tensor equals
+    the same call made on the default stream, bit for bit."""
+    inp = op_inputs("cuda", [(1 << 20,), (33, 3), (5,)], param_dtype=torch.float16,
+                    master_weights=True, momentum=True, loss_scale=2.0 ** 10,
+                    scalars=dict(found_inf=0.0, grad_sum_sq=100.0, inv_scale=1 / 1024.0,
+                                 lr_tensor=1e-3, tensor_flags=0.0))
+    default_run = inp.map(lambda _, t: t.clone())
+    default_run.call(op, **STREAM_CALLS[op])  # also loads the kernels before the timed part
+    torch.cuda._sleep(1)
+    before = [t.clone() for _, t in inp.named_tensors()]
+    torch.cuda.synchronize()
+
+    side, slept = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        slept.record()
+        with sync_forbidden():  # a host sync here would wait out the sleep
+            inp.call(op, **STREAM_CALLS[op])
+    torch.cuda.current_stream().synchronize()
+    early = [t.clone() for _, t in inp.named_tensors()]  # on the default stream
+    torch.cuda.current_stream().synchronize()
+    assert not slept.query(), "the side stream's sleep ended before the check: inconclusive"
+    assert_bitwise_equal(before, early)
+
+    side.synchronize()
+    changed = [not torch.equal(a, b) for a, (_, b) in zip(before, inp.named_tensors())]
+    assert any(changed), "the op changed nothing: the comparison below would prove nothing"
+    assert_all_tensors_equal(inp, default_run)
