@@ -427,9 +427,10 @@ def test_whole_step_in_a_cuda_graph_equals_eager(pdtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("algorithm", ["adam", "sgd"])
 def test_weight_stores_match_cpu(store, state_dtype, algorithm):
-    """The 16-bit weight stores (issue 16) on CUDA against the CPU kernels, several tensors,
-    one misaligned by an element: FP32 results may differ by FMA contraction, so weights
-    within one BF16 ulp, remainders rebuilding masters within FP32 rounding, state close."""
+    """The 16-bit weight stores (master_weights "split", "kahan", "stochastic") on CUDA against
+    the CPU kernels, several tensors, one misaligned by an element: FP32 results may differ by
+    FMA contraction, so weights within one BF16 ulp, remainders rebuilding masters within FP32
+    rounding, state close."""
     gen = torch.Generator().manual_seed(41)
     shapes = [(1000,), (37, 5), (1,), (70_003,)]
 

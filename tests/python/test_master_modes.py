@@ -1,6 +1,6 @@
-"""Master weights for less (issue 16): "split" (BF16 weight + int16 remainder = the FP32
-master), "kahan" (16-bit compensation), "stochastic" (stochastic rounding, counter-based) and
-BF16 optimizer state, in the fused Adam/AdamW and SGD steps. Every test runs on every device.
+"""Master weights for less: "split" (BF16 weight + int16 remainder = the FP32 master), "kahan"
+(16-bit compensation), "stochastic" (stochastic rounding, counter-based) and BF16 optimizer
+state, in the fused Adam/AdamW and SGD steps. Every test runs on every device.
 
 References are independent of the kernels: the split pair is rebuilt here from bit patterns
 with torch integer ops, and the FP32 master run is fusedamp's master_weights=True (itself

@@ -1,4 +1,4 @@
-"""PyTorch's own GradScaler tests, run against fusedamp (issue 11).
+"""PyTorch's own GradScaler tests, run against fusedamp.
 
 Ported from PyTorch (BSD-3-Clause, Copyright (c) PyTorch contributors); the test bodies and
 their assertions are torch's, adapted only where stated below.
