@@ -12,7 +12,7 @@ namespace fusedamp::detail {
 // of three (to double, reciprocal, back to float), and the same number: an IEEE division of
 // floats rounded through a double intermediate equals the directly rounded one, because 53 bits
 // hold at least 2 * 24 + 2 (double rounding is harmless for +, -, *, / and sqrt then).
-// tests/python/test_engine.py compares both with torch's formula over random scales.
+// tests/python/test_loss_scale.py compares both with torch's formula over random scales.
 // `out` is a handle: its memory is written.
 inline void inverse_scale_into(at::Tensor out, const at::Tensor& scale) {
   if (scale.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat) {
