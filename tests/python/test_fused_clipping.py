@@ -1,13 +1,13 @@
 """The step ops' fused clipping (grad_stats_'s sum of squares handed to sgd_step_ / adam_step_)
-against torch's clip_grad_norm_ and torch.optim: SGD with its learning rate read from a device
-tensor that changes every step, a step skipped through found_inf and the step after it, and a
-NaN gradient norm with no found_inf."""
+against torch's clip_grad_norm_ and torch.optim: AdamW with loss-scaled gradients, SGD with its
+learning rate read from a device tensor that changes every step, a step skipped through
+found_inf and the step after it, and a NaN gradient norm with no found_inf."""
 import math
 
 import pytest
 import torch
 
-from op_helpers import assert_bitwise_equal, f32, randn_list, snapshot
+from op_helpers import assert_bitwise_equal, f32, max_abs_diff, randn_list, snapshot
 from op_inputs import op_inputs
 
 
@@ -111,3 +111,28 @@ def test_nan_grad_norm_with_clipping_and_no_found_inf_gives_nan_like_torch(devic
     for i, (p, r) in enumerate(zip(inp.params, ref)):
         assert torch.equal(p.isnan(), r.detach().isnan()), i
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+@pytest.mark.parametrize("loss_scale", [1.0, 2.0 ** 10])
+def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_diff):
+    inp = op_inputs(device, seed=9,
+                    scalars=dict(inv_scale=1 / loss_scale, found_inf=0.0, grad_sum_sq=0.0))
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
+    opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    for step in range(20):
+        grads = randn_list(device, seed=600 + step)
+        inp.grads = [g * loss_scale for g in grads]
+        for r, g in zip(ref, inp.grads):
+            r.grad = g.clone() / loss_scale
+        torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
+        opt.step()
+        inp.found_inf.zero_()
+        inp.grad_sum_sq.zero_()
+        inp.call("grad_stats_")
+        inp.call("adam_step_", lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 decoupled_weight_decay=True, max_grad_norm=max_norm)
+    diff = max_abs_diff(inp.params, [r.detach() for r in ref])
+    record_diff("adam_step_ + fused clipping vs clip_grad_norm_ + AdamW (fp32)", diff)
+    for p, r in zip(inp.params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=2e-5, atol=2e-6)

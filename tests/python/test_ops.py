@@ -1,11 +1,12 @@
-"""Operator parity with torch references (CPU always, CUDA when present)."""
+"""Operator parity with torch references (CPU always, CUDA when present). The loss-scale update
+is in test_loss_scale.py, the fused clipping in test_fused_clipping.py."""
 import math
 
 import pytest
 import torch
 
 from op_helpers import (LOW, adam_reference_fp64, assert_bitwise_equal, max_abs_diff,
-                        max_rel_error, ops, randn_list, scale_model, scalar, sgd_reference_fp64,
+                        max_rel_error, ops, randn_list, scalar, sgd_reference_fp64,
                         snapshot)
 from op_inputs import op_inputs
 
@@ -155,126 +156,6 @@ def test_grad_stats_flags_which_tensor(device, poison):
     assert inp.tensor_flags.tolist() == [0, 0, 1, 0, 0, 0, 1]
 
 
-# ---------------------------------------------------------------- update_scale_
-@pytest.mark.parametrize("interval", [1, 3, 50])
-@pytest.mark.parametrize("factors", [(2.0, 0.5), (1.7, 0.3)])
-def test_update_scale_matches_torch(device, interval, factors):
-    growth, backoff = factors
-    gen = torch.Generator().manual_seed(interval)
-    found_seq = (torch.rand(3000, generator=gen) < 0.15).tolist()
-    found_seq[100:140] = [True] * 40  # a long overflow burst drives the scale down hard
-    mine, ref = (op_inputs(device, [], loss_scale=2.0 ** 16) for _ in range(2))
-    for i, f in enumerate(found_seq):
-        fi = scalar(float(f), device)
-        mine.call("update_scale_", found_inf=fi, growth_factor=growth, backoff_factor=backoff,
-                  growth_interval=interval)
-        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, growth, backoff, interval)
-        assert mine.scale.item() == ref.scale.item(), (i, mine.scale.item(), ref.scale.item())
-        assert mine.growth_tracker.item() == ref.growth_tracker.item()
-
-
-@pytest.mark.parametrize("start,growth,backoff", [
-    (2.0 ** 127, 2.0, 0.5),         # growth overflows to inf: the scale must stay finite
-    (3.0e38, 1.0001, 0.9999),       # factors that are not powers of two, near FLT_MAX
-    (1.5e-45, 1.9, 0.3),            # subnormal scale backing off to 0
-])
-def test_update_scale_at_float_limits_matches_torch(device, start, growth, backoff):
-    """The factors are doubles and the product is rounded to float once, as in torch."""
-    found_seq = [False, False, True, False, False, True, True, False, False, False]
-    mine, ref = (op_inputs(device, [], loss_scale=start) for _ in range(2))
-    for i, f in enumerate(found_seq):
-        fi = scalar(float(f), device)
-        mine.call("update_scale_", found_inf=fi, growth_factor=growth, backoff_factor=backoff,
-                  growth_interval=2)
-        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, growth, backoff, 2)
-        assert_bitwise_equal([mine.scale, mine.growth_tracker], [ref.scale, ref.growth_tracker])
-
-
-@pytest.mark.parametrize("min_scale,max_scale", [(1e-50, None), (None, 1e300), (1e-50, 1e300)])
-def test_update_scale_bounds_beyond_float_range_are_no_bounds(device, min_scale, max_scale):
-    """A bound that rounds to 0 or inf in float clamps nothing, as if it were not given."""
-    gen = torch.Generator().manual_seed(11)
-    found_seq = (torch.rand(400, generator=gen) < 0.4).tolist()
-    bounded, ref = (op_inputs(device, [], loss_scale=2.0 ** 16) for _ in range(2))
-    for f in found_seq:
-        fi = scalar(float(f), device)
-        bounded.call("update_scale_", found_inf=fi, growth_factor=2.0, backoff_factor=0.5,
-                     growth_interval=3, min_scale=min_scale, max_scale=max_scale)
-        torch._amp_update_scale_(ref.scale, ref.growth_tracker, fi, 2.0, 0.5, 3)
-        assert_bitwise_equal([bounded.scale], [ref.scale])
-
-
-@pytest.mark.parametrize("hysteresis", [1, 2, 4])
-@pytest.mark.parametrize("bounds", [(None, None), (1.0, 2.0 ** 18), (2.0 ** 10, None)])
-def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
-    min_scale, max_scale = bounds
-    gen = torch.Generator().manual_seed(hysteresis)
-    found_seq = (torch.rand(2000, generator=gen) < 0.3).tolist()
-    found_seq[500:560] = [True] * 60
-    found_seq[800:900] = [False] * 100
-    inp = op_inputs(device, [], loss_scale=2.0 ** 16, hysteresis=hysteresis)
-    model = scale_model(found_seq, 2.0 ** 16, 2.0, 0.5, 5, hysteresis, min_scale, max_scale)
-    for i, (f, (s, g, h)) in enumerate(zip(found_seq, model)):
-        inp.call("update_scale_", found_inf=scalar(float(f), device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=5, hysteresis=hysteresis,
-                 min_scale=min_scale, max_scale=max_scale)
-        scale = inp.scale.item()
-        assert (scale, inp.growth_tracker.item(), inp.hysteresis_tracker.item()) == (s, g, h), i
-        if min_scale is not None:
-            assert scale >= min_scale
-        if max_scale is not None:
-            assert scale <= max_scale
-
-
-def test_update_scale_writes_the_new_scale_into_the_history_slot(device):
-    """With scale_history, the op writes the scale it computes into scale_history_slot (a
-    ring's slot chosen by the caller) and nothing else of the ring; without it, nothing."""
-    found_seq = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    mine, ref = (op_inputs(device, [], loss_scale=2.0 ** 10) for _ in range(2))
-    history = torch.full((4,), -1.0, device=device)
-    expected = [-1.0] * 4
-    for i, f in enumerate(found_seq):
-        mine.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
-                  backoff_factor=0.5, growth_interval=2, scale_history=history,
-                  scale_history_slot=i % 4)
-        ref.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2)
-        assert_bitwise_equal([mine.scale, mine.growth_tracker], [ref.scale, ref.growth_tracker])
-        expected[i % 4] = ref.scale.item()
-        assert history.tolist() == expected, i
-
-
-@pytest.mark.parametrize("case,kwargs,message", [
-    ("slot past the end", dict(scale_history_slot=3), "scale_history_slot 3 is outside"),
-    ("negative slot", dict(scale_history_slot=-1), "scale_history_slot -1 is outside"),
-    ("float64 ring", dict(scale_history="float64"), "scale_history must be float32"),
-    ("2-D ring", dict(scale_history="2-D"), "scale_history must be a contiguous 1-D"),
-])
-def test_update_scale_refuses_a_bad_history_and_changes_nothing(device, case, kwargs, message):
-    inp = op_inputs(device, [], loss_scale=2.0 ** 10)
-    history = {"float64": torch.zeros(3, dtype=torch.float64, device=device),
-               "2-D": torch.zeros(1, 3, device=device)}.get(kwargs.get("scale_history"),
-                                                          torch.zeros(3, device=device))
-    kwargs = dict(kwargs, scale_history=history)
-    before = [t.clone() for t in (inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history)]
-    with pytest.raises(RuntimeError, match=message):
-        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2, **kwargs)
-    assert_bitwise_equal([inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history], before)
-
-
-def test_hysteresis_tolerates_isolated_overflows(device):
-    inp = op_inputs(device, [], loss_scale=1024.0, hysteresis=3)
-    for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row
-        inp.call("update_scale_", found_inf=scalar(float(f), device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
-    assert inp.scale.item() == 1024.0
-    for _ in range(3):
-        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
-    assert inp.scale.item() == 512.0
-
-
 # ---------------------------------------------------------------- adam_step_ (FP32 vs torch)
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("wd,maximize", [(0.0, False), (0.05, False), (0.01, True)])
@@ -345,6 +226,27 @@ def test_adam_lr_tensor_follows_schedule(device):
                  decoupled_weight_decay=True)
     for p, r in zip(inp.params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.9999])
+def test_adam_bias_corrections_use_double_betas(device, beta2, record_diff):
+    """From zero weights the first update is exactly lr * m_hat / (sqrt(v_hat) + eps), where a
+    bias correction from the FP32-rounded beta2 is off by up to 1.7e-4 relative."""
+    inp = op_inputs(device, seed=13)
+    for p in inp.params:
+        p.zero_()
+    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
+    opt = torch.optim.Adam(ref, lr=1e-3, betas=(0.9, beta2), eps=1e-8, foreach=False)
+    for step in range(3):
+        inp.grads = randn_list(device, seed=700 + step)
+        for r, g in zip(ref, inp.grads):
+            r.grad = g.clone()
+        opt.step()
+        inp.call("adam_step_", lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, maximize=False)
+        err = max_rel_error(inp.params, [r.detach() for r in ref])
+        assert err < 2e-6, (step, err)
+    record_diff(f"adam_step_ from zero weights vs torch.optim.Adam, beta2={beta2} [rel]", err)
 
 
 # ---------------------------------------------------------------- sgd_step_ (FP32 vs torch)
@@ -441,53 +343,6 @@ def test_sgd_master_weights_track_fp64(device, low, record_diff):
     assert rel <= 2 * torch_rel + 1e-7, (rel, torch_rel)
     for p, mp in zip(inp.params, inp.master_params):
         assert torch.equal(p, mp.to(dtype))
-
-
-# ---------------------------------------------------------------- fused clipping
-@pytest.mark.parametrize("max_norm", [0.5, 1e6])
-@pytest.mark.parametrize("loss_scale", [1.0, 2.0 ** 10])
-def test_clipping_matches_clip_grad_norm(device, max_norm, loss_scale, record_diff):
-    inp = op_inputs(device, seed=9,
-                    scalars=dict(inv_scale=1 / loss_scale, found_inf=0.0, grad_sum_sq=0.0))
-    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
-    opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
-    for step in range(20):
-        grads = randn_list(device, seed=600 + step)
-        inp.grads = [g * loss_scale for g in grads]
-        for r, g in zip(ref, inp.grads):
-            r.grad = g.clone() / loss_scale
-        torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
-        opt.step()
-        inp.found_inf.zero_()
-        inp.grad_sum_sq.zero_()
-        inp.call("grad_stats_")
-        inp.call("adam_step_", lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                 decoupled_weight_decay=True, max_grad_norm=max_norm)
-    diff = max_abs_diff(inp.params, [r.detach() for r in ref])
-    record_diff("adam_step_ + fused clipping vs clip_grad_norm_ + AdamW (fp32)", diff)
-    for p, r in zip(inp.params, ref):
-        torch.testing.assert_close(p, r.detach(), rtol=2e-5, atol=2e-6)
-
-
-@pytest.mark.parametrize("beta2", [0.999, 0.9999])
-def test_adam_bias_corrections_use_double_betas(device, beta2, record_diff):
-    """From zero weights the first update is exactly lr * m_hat / (sqrt(v_hat) + eps), where a
-    bias correction from the FP32-rounded beta2 is off by up to 1.7e-4 relative."""
-    inp = op_inputs(device, seed=13)
-    for p in inp.params:
-        p.zero_()
-    ref = [torch.nn.Parameter(p.clone()) for p in inp.params]
-    opt = torch.optim.Adam(ref, lr=1e-3, betas=(0.9, beta2), eps=1e-8, foreach=False)
-    for step in range(3):
-        inp.grads = randn_list(device, seed=700 + step)
-        for r, g in zip(ref, inp.grads):
-            r.grad = g.clone()
-        opt.step()
-        inp.call("adam_step_", lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0,
-                 decoupled_weight_decay=False, maximize=False)
-        err = max_rel_error(inp.params, [r.detach() for r in ref])
-        assert err < 2e-6, (step, err)
-    record_diff(f"adam_step_ from zero weights vs torch.optim.Adam, beta2={beta2} [rel]", err)
 
 
 # ---------------------------------------------------------------- skipped steps
