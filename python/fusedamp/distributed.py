@@ -19,19 +19,13 @@ import torch
 import torch.distributed as dist
 
 from ._library import _C
-from .flat_shard import FlatShard, weight_store
+from .flat_shard import converted_state, flat_shards
 from .optim import StepResults, amp_handover, closure_loss, pack_param_groups
 
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
 
 _FORMAT = "fusedamp.sharded/1"
 _ENGINES = {"adamw": _C.AdamW, "adam": _C.Adam, "sgd": _C.SGD}
-
-
-def _on_the_wire(t):
-    """`t` as a collective carries it: Gloo and NCCL have no int16, so the split remainders
-    travel as their bits in float16 (a gather copies, it computes nothing)."""
-    return t.view(torch.float16) if t.dtype == torch.int16 else t
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -92,18 +86,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                              f"one device, got {sorted(map(str, devices))}")
         self._device = devices.pop()
         index, _ = pack_param_groups(self.param_groups)
-        layout = []  # every bucket's weight store is checked before the model is repacked
-        for gi, g in enumerate(self.param_groups):
-            names = (("momentum_buffer",) if g["momentum"] != 0 else ()) if kind == "sgd" else (
-                ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()))
-            by_dtype = {}
-            for p in g["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            layout += [(gi, ps, weight_store(g["master_weights"], ps[0].dtype, g["state_dtype"],
-                                             index[id(ps[0])]), g["state_dtype"], names)
-                       for ps in by_dtype.values()]
-        self._buckets = [FlatShard(gi, ps, self._rank, self._world, store, state_dtype, names)
-                         for gi, ps, store, state_dtype, names in layout]
+        self._buckets = flat_shards(self.param_groups, kind, index, self._rank, self._world)
         self._layout_values = [tuple(g[k] for k in self._LAYOUT_KEYS) for g in self.param_groups]
         self._engine = _ENGINES[kind]([[s for b in self._buckets if b.group == gi
                                         for s in b.seg_params]
@@ -142,7 +125,10 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         loss = closure_loss(closure)
         self._check_layout()
         grad_scale, found_inf = amp_handover(self)
-        self._reduce_scatter_grads()
+        for w in [b.reduce_scatter_grad(self._group, self._world, self._grads_averaged)
+                  for b in self._buckets]:
+            if w is not None:
+                w.wait()
         engine = self._engine
         engine.sync_options(self.param_groups)
         has_grads = engine.gather_grads()
@@ -177,28 +163,10 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                         f"fixed at construction ({value!r}), got {g[key]!r}; build a new "
                         "optimizer and load consolidated_state_dict() to change it")
 
-    def _reduce_scatter_grads(self):
-        works = []
-        for b in self._buckets:
-            b.pack_grads()
-            if self._world == 1 or self._grads_averaged:
-                b.grad_shard.copy_(b.flat_grad[b.lo:b.hi])
-            else:
-                b.flat_grad.mul_(1.0 / self._world)
-                works.append(dist.reduce_scatter_tensor(b.grad_shard, b.flat_grad,
-                                                        group=self._group, async_op=True))
-        for w in works:
-            w.wait()
-
     # ---- checkpoints -----------------------------------------------------------------
     def _segment_entries(self):
-        """(param group, parameter index, start, end within the parameter, the parameter, state
-        views) of every segment."""
         index, _ = pack_param_groups(self.param_groups)
-        for b in self._buckets:
-            for (i, a, e), (_, state) in zip(b.segments, b.segment_states()):
-                yield (b.group, index[id(b.params[i])], a - b.offsets[i], e - b.offsets[i],
-                       b.params[i], state)
+        return (entry for b in self._buckets for entry in b.segment_entries(index))
 
     def state_dict(self):
         """This rank's shard of the state (load it on the same rank of the same world size):
@@ -219,13 +187,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         receiving = to is None or self._rank == to
         state = {}
         for b in self._buckets:
-            full = {}
-            for name, t in b.state_buffers().items():
-                full[name] = torch.empty(b.shard * self._world, dtype=t.dtype, device=t.device)
-                dist.all_gather_into_tensor(_on_the_wire(full[name]), _on_the_wire(t),
-                                            group=self._group)
-            steps = b.first_element_steps()
-            dist.all_reduce(steps, group=self._group)
+            full, steps = b.gathered_state(self._group)
             for i, (p, off) in enumerate(zip(b.params, b.offsets)) if receiving else ():
                 state[index[id(p)]] = dict({n: t[off:off + p.numel()].view(p.shape).cpu().clone()
                                             for n, t in full.items()}, step=steps[i].cpu().clone())
@@ -262,7 +224,9 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                 writes += [(t, source[n]) for n, t in state.items()]
                 continue
             if i not in converted:
-                converted[i] = self._converted_state(gi, i, p, state_dict["state"].get(i))
+                g = self.param_groups[gi]
+                converted[i] = converted_state(p.detach(), state_dict["state"].get(i),
+                                               g["master_weights"], g["state_dtype"], i)
             _, full = converted[i]
             for name, t in state.items():
                 if name in full:
@@ -282,11 +246,3 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         for mine, theirs in zip(self.param_groups, groups):
             mine.update({k: v for k, v in theirs.items()
                          if k != "params" and k not in self._LAYOUT_KEYS})
-
-    def _converted_state(self, gi, i, p, full):
-        """(weight, state) of parameter i as group gi keeps it, from a full state's entry; for
-        a parameter never stepped (no entry), the engine's fresh state (its master is the
-        weight; a remainder or compensation is zero)."""
-        g = self.param_groups[gi]  # the engine checks the entry (names, shapes, dtypes)
-        return _C.convert_param_state(p.detach(), full or {"step": torch.zeros(())},
-                                      g["master_weights"], g["state_dtype"], i)

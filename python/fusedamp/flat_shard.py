@@ -9,15 +9,27 @@ the reduced gradient shard and whose state (step count, weight store, moments) a
 flat buffers of the shard's size — flat, so that gathering the full state is one all-gather
 per state buffer. The weight store is what the group's master_weights mode keeps (the FP32
 master, the int16 remainder of "split", the 16-bit Kahan compensation, or nothing); the
-moments are of the group's state_dtype (FP32 or BF16).
+moments are of the group's state_dtype (FP32 or BF16). A FlatShard runs the collectives of its
+own buffers (the gradients' reduce-scatter, the state's all-gather); ShardedOptimizer decides
+when.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ._library import _C
 
-__all__ = ["FlatShard"]
+__all__ = ["FlatShard", "flat_shards", "converted_state"]
+
+
+def converted_state(weight, full, master_weights, state_dtype, index):
+    """(weight, state) of parameter ``index`` as a group of ``master_weights`` and
+    ``state_dtype`` keeps it, from a full state's entry (the engine checks its names, shapes and
+    dtypes); for a parameter never stepped (no entry), the engine's fresh state: its master is
+    the weight, a remainder or compensation is zero."""
+    return _C.convert_param_state(weight, full or {"step": torch.zeros(())}, master_weights,
+                                  state_dtype, index)
 
 
 def weight_store(master_weights, dtype, state_dtype, index=0):
@@ -25,10 +37,38 @@ def weight_store(master_weights, dtype, state_dtype, index=0):
     ``master_weights``, or None (FP32 weights, False, "stochastic"). ValueError (naming
     parameter ``index``) for a mode that does not fit the dtype ("split" and "stochastic" keep
     BF16 weights)."""
-    _, fresh = _C.convert_param_state(torch.empty(0, dtype=dtype), {"step": torch.zeros(())},
-                                      master_weights, state_dtype, index)
+    _, fresh = converted_state(torch.empty(0, dtype=dtype), None, master_weights, state_dtype,
+                               index)
     stores = [(name, t.dtype) for name, t in fresh.items() if name != "step"]
     return stores[0] if stores else None
+
+
+def slot_names(kind, group):
+    """The moments a param group of optimizer ``kind`` keeps."""
+    if kind == "sgd":
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+
+
+def flat_shards(param_groups, kind, index, rank, world):
+    """One FlatShard per (param group, dtype). Every bucket's weight store is checked first: a
+    mode that does not fit raises before any parameter is repacked into a flat buffer."""
+    layout = []
+    for gi, g in enumerate(param_groups):
+        by_dtype = {}
+        for p in g["params"]:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        layout += [(gi, ps, weight_store(g["master_weights"], ps[0].dtype, g["state_dtype"],
+                                         index[id(ps[0])]), g["state_dtype"], slot_names(kind, g))
+                   for ps in by_dtype.values()]
+    return [FlatShard(gi, ps, rank, world, store, state_dtype, names)
+            for gi, ps, store, state_dtype, names in layout]
+
+
+def _on_the_wire(t):
+    """`t` as a collective carries it: Gloo and NCCL have no int16, so the split remainders
+    travel as their bits in float16 (a gather copies, it computes nothing)."""
+    return t.view(torch.float16) if t.dtype == torch.int16 else t
 
 
 class FlatShard:
@@ -102,6 +142,37 @@ class FlatShard:
                                  [p.grad for p in self.params if p.grad is not None])
         for (i, _, _), seg, grad in zip(self.segments, self.seg_params, self.seg_grads):
             seg.grad = grad if present[i] else None
+
+    def reduce_scatter_grad(self, group, world, averaged):
+        """Packs the gradients and reduces them to this rank's shard. Pre-divided by N, as DDP
+        does, so that an FP16 sum cannot overflow where the mean would not. Returns the
+        collective's work; None where there is no collective (one rank, or ``averaged``: the
+        gradients are already the same on every rank)."""
+        self.pack_grads()
+        if world == 1 or averaged:
+            self.grad_shard.copy_(self.flat_grad[self.lo:self.hi])
+            return None
+        self.flat_grad.mul_(1.0 / world)
+        return dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=group,
+                                          async_op=True)
+
+    def segment_entries(self, index):
+        """(param group, parameter index in ``index``, start, end within the parameter, the
+        parameter, state views) of every segment."""
+        for (i, a, e), (_, state) in zip(self.segments, self.segment_states()):
+            p, off = self.params[i], self.offsets[i]
+            yield self.group, index[id(p)], a - off, e - off, p, state
+
+    def gathered_state(self, group):
+        """Every rank's shard of the flat state buffers, whole, and each parameter's step count.
+        Collectives: every rank of ``group`` calls it."""
+        full = {}
+        for name, t in self.state_buffers().items():
+            full[name] = torch.empty(self.flat.numel(), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(_on_the_wire(full[name]), _on_the_wire(t), group=group)
+        steps = self.first_element_steps()
+        dist.all_reduce(steps, group=group)
+        return full, steps
 
     def reset_store(self):
         """The weight store of a weights-only start (after the weights were broadcast)."""
