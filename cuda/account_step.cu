@@ -32,28 +32,16 @@ __global__ void account_step_kernel(float* step_applied, int64_t* skipped_steps,
   }
 }
 
-template <typename T>
-T* mutable_data(const at::Tensor* t) {
-  return t != nullptr ? t->data_ptr<T>() : nullptr;
-}
-
-template <typename T>
-const T* data(const at::Tensor* t) {
-  return t != nullptr ? t->const_data_ptr<T>() : nullptr;
-}
-
 }  // namespace
 
-void account_step(const at::Tensor& step_applied, const at::Tensor& skipped_steps,
-                  const at::Tensor* found_inf, const at::Tensor* found_inf_out,
-                  const at::Tensor* grad_sum_sq, const at::Tensor* inv_scale,
-                  const at::Tensor* grad_norms, int64_t grad_norm_slot) {
-  float* const norm_out =
-      grad_norms != nullptr ? grad_norms->data_ptr<float>() + grad_norm_slot : nullptr;
+void account_step(const ops::AccountStep& op) {
+  float* const norm_out = op.grad_norms && op.grad_norms->defined()
+                              ? op.grad_norms->data_ptr<float>() + op.grad_norm_slot
+                              : nullptr;
   account_step_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
-      step_applied.data_ptr<float>(), skipped_steps.data_ptr<int64_t>(), data<float>(found_inf),
-      mutable_data<float>(found_inf_out), data<float>(grad_sum_sq), data<float>(inv_scale),
-      norm_out);
+      op.step_applied.data_ptr<float>(), op.skipped_steps.data_ptr<int64_t>(),
+      input_or_null<float>(op.found_inf), output_or_null<float>(op.found_inf_out),
+      input_or_null<float>(op.grad_sum_sq), input_or_null<float>(op.inv_scale), norm_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -15,7 +15,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/adam_math.h>
 
-#include "../csrc/static_switch.h"
+#include "../csrc/ops/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 #include "step_weights.cuh"
@@ -127,22 +127,22 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
           typename TS>
-void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-            at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
-            const StepScalarPointers& s) {
+void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   std::array<at::TensorList, Pos::kCount> lists;
-  lists[Pos::kP] = params;
-  lists[Pos::kG] = grads;
-  lists[Pos::kM] = exp_avgs;
-  lists[Pos::kV] = exp_avg_sqs;
+  lists[Pos::kP] = step.params;
+  lists[Pos::kG] = step.grads;
+  lists[Pos::kM] = step.state.lists[0];
+  lists[Pos::kV] = step.state.lists[1];
   if constexpr (has_store_list(kStore)) {
-    lists[Pos::kStore] = master_params;
+    lists[Pos::kStore] = step.master_params;
   }
   if constexpr (kAmsgrad) {
-    lists[Pos::kVMax] = max_exp_avg_sqs;
+    lists[Pos::kVMax] = step.state.lists[2];
   }
+  const at::TensorList steps = step.steps;
+  const c10::IntArrayRef rounding_seeds = step.rounding_seeds;
+  const math::AdamHyper& h = step.hyper;
   const auto stream = at::cuda::getCurrentCUDAStream();
   constexpr int W = vec_width_of<TP, TG, TS>();
   multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
@@ -162,20 +162,17 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 }  // namespace
 
-void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-          at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
-          const StepScalarPointers& s, WeightStore store, bool write_back_grads) {
+// The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima.
+void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   step_switch(
-      params, grads, store, write_back_grads,
+      step.params, step.grads, step.weight_store(), step.write_back_grads,
       [&](auto param, auto grad, auto kept, auto write_grads, auto amsgrad, auto state) {
         launch<decltype(param), decltype(grad), kept, write_grads, amsgrad, decltype(state)>(
-            params, master_params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            rounding_seeds, h, s);
+            step, s);
       },
-      BoolSwitch{!max_exp_avg_sqs.empty()},
-      DtypeSwitch<float, c10::BFloat16>{exp_avgs[0].scalar_type()});
-  advance_steps(steps, s.found_inf);
+      BoolSwitch{step.state.count == 3},
+      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
+  advance_steps(step.steps, s.found_inf);
 }
 
 }  // namespace fusedamp::cuda

@@ -1,19 +1,32 @@
 #pragma once
 // Host-side entry points of the CUDA kernels (one .cu file per kernel concept). Arguments have
-// been validated (op_checks.h) and the device guard set by register_cuda.cu before any of these
+// been validated (ops/checks.h) and the device guard set by register_cuda.cu before any of these
 // is called. Everything is enqueued on the current stream; nothing waits for the device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <fusedamp/math/adam_math.h>
 #include <fusedamp/math/scale_math.h>
 #include <fusedamp/math/sgd_math.h>
+#include <fusedamp/ops.h>
 
 #include <optional>
 
-#include "../csrc/static_switch.h"
-#include "../csrc/step_scalars.h"
+#include "../csrc/ops/static_switch.h"
+#include "../csrc/ops/step_lists.h"
 
 namespace fusedamp::cuda {
+
+// The elements of an optional tensor argument a kernel reads, or nullptr where it is absent.
+template <typename T>
+const T* input_or_null(const std::optional<at::Tensor>& t) {
+  return t && t->defined() ? t->const_data_ptr<T>() : nullptr;
+}
+
+// The same for an argument a kernel writes.
+template <typename T>
+T* output_or_null(const std::optional<at::Tensor>& t) {
+  return t && t->defined() ? t->data_ptr<T>() : nullptr;
+}
 
 // unscale_kernels.cu
 void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
@@ -23,36 +36,18 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
                 const std::optional<at::Tensor>& tensor_flags,
                 const std::optional<at::Tensor>& telemetry);
 
-// record_telemetry.cu (pass_sum_sq: nullptr where absent)
-void record_telemetry(const at::Tensor& ring, int64_t slot, const at::Tensor& scale,
-                      const at::Tensor& found_inf, const at::Tensor& measured,
-                      const at::Tensor* pass_sum_sq);
+// record_telemetry.cu
+void record_telemetry(const ops::RecordTelemetry& op);
 
-// account_step.cu (the optional tensors: nullptr where absent)
-void account_step(const at::Tensor& step_applied, const at::Tensor& skipped_steps,
-                  const at::Tensor* found_inf, const at::Tensor* found_inf_out,
-                  const at::Tensor* grad_sum_sq, const at::Tensor* inv_scale,
-                  const at::Tensor* grad_norms, int64_t grad_norm_slot);
+// account_step.cu
+void account_step(const ops::AccountStep& op);
 
 // update_scale.cu
-void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                  const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h,
-                  const at::Tensor* scale_history, int64_t scale_history_slot);
+void update_scale(const ops::UpdateScale& op, const math::ScaleHyper& h);
 
-// adam_kernel.cu
-// max_exp_avg_sqs: empty without AMSGrad. store: how the weights are kept (master_params and
-// rounding_seeds as that store needs them).
-void adam(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-          at::TensorList steps, c10::IntArrayRef rounding_seeds, const math::AdamHyper& h,
-          const StepScalarPointers& s, WeightStore store, bool write_back_grads);
-
-// sgd_kernel.cu
-void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-         at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         c10::IntArrayRef rounding_seeds, const StepScalarPointers& s, WeightStore store,
-         bool write_back_grads);
+// adam_kernel.cu, sgd_kernel.cu: a step (ops/step_lists.h) with its scalars' device pointers.
+void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
+void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
 
 // step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
 void advance_steps(at::TensorList steps, const float* found_inf);

@@ -24,15 +24,8 @@
 // kElems elements (ILP = kElems / W vectors) of every list in flight per iteration: 16 by
 // default, 8 for Adam, whose five lists would not fit the registers at 16.
 //
-// Memory traffic per element of the kernels built on this (bytes; P/G = param/grad bytes,
-// FP16 example in brackets; each kernel's file says the same):
-//   unscale_and_check_   read G, write G                                  [2 + 2]
-//   grad_stats_          read G (+ one FP32 partial per block)            [2]
-//   adam_step_ master    read G + 12, write P + 12  (master, m, v)        [14 + 14]
-//   adam_step_ no master read G + P + 8, write P + 8                      [FP32: 16 + 12]
-//   sgd_step_ master     read G + 4 (+4 momentum), write P + 4 (+4)       [10 + 10]
-//   sgd_step_ no master  read G + P (+4), write P (+4)
-// The scalars (found_inf, inv_scale, lr, sum_sq, a step count) are read once per block.
+// Each kernel's file states its memory traffic per element; the scalars (found_inf, inv_scale,
+// lr, sum_sq, a step count) are read once per block.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -269,65 +262,6 @@ __device__ __forceinline__ void chunk_loop(Op& op, int n, bool aligned) {
       }
     }
   }
-}
-
-// ---- block reductions --------------------------------------------------------------------
-
-// Combine = Plus or Max. Max is for non-negative values (amax): 0 is its identity.
-struct Plus {
-  template <typename T>
-  __device__ __forceinline__ T operator()(T x, T y) const {
-    return x + y;
-  }
-};
-struct Max {
-  template <typename T>
-  __device__ __forceinline__ T operator()(T x, T y) const {
-    return x > y ? x : y;
-  }
-};
-
-template <typename T, typename Combine>
-__device__ __forceinline__ T warp_reduce(T x, Combine combine) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    x = combine(x, __shfl_xor_sync(0xffffffffu, x, o));
-  }
-  return x;
-}
-
-// x combined over the block (blockDim.x == kThreads); the result is valid in thread 0. The
-// combination order is fixed, so the result is deterministic.
-template <typename T, typename Combine>
-__device__ __forceinline__ T block_reduce(T x, Combine combine) {
-  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size");
-  __shared__ T warp_part[kThreads / 32];
-  x = warp_reduce(x, combine);
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  if (lane == 0) {
-    warp_part[warp] = x;
-  }
-  __syncthreads();
-  T s = T(0);
-  if (warp == 0) {
-    s = lane < kThreads / 32 ? warp_part[lane] : T(0);
-    s = warp_reduce(s, combine);
-  }
-  // warp_part is reused by the next call in the same kernel: no thread may overwrite it
-  // before warp 0 has read it.
-  __syncthreads();
-  return s;
-}
-
-template <typename T>
-__device__ __forceinline__ T block_sum(T x) {
-  return block_reduce(x, Plus{});
-}
-
-template <typename T>
-__device__ __forceinline__ T block_max(T x) {
-  return block_reduce(x, Max{});
 }
 
 // ---- host side ---------------------------------------------------------------------------

@@ -17,13 +17,11 @@ __global__ void record_telemetry_kernel(double* row, const float* scale, const f
 
 }  // namespace
 
-void record_telemetry(const at::Tensor& ring, int64_t slot, const at::Tensor& scale,
-                      const at::Tensor& found_inf, const at::Tensor& measured,
-                      const at::Tensor* pass_sum_sq) {
+void record_telemetry(const ops::RecordTelemetry& op) {
   record_telemetry_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
-      ring.data_ptr<double>() + slot * math::kTelemetryColumns, scale.const_data_ptr<float>(),
-      found_inf.const_data_ptr<float>(), measured.const_data_ptr<double>(),
-      pass_sum_sq != nullptr ? pass_sum_sq->const_data_ptr<float>() : nullptr);
+      op.ring.data_ptr<double>() + op.slot * math::kTelemetryColumns,
+      op.scale.const_data_ptr<float>(), op.found_inf.const_data_ptr<float>(),
+      op.measured.const_data_ptr<double>(), input_or_null<float>(op.pass_sum_sq));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

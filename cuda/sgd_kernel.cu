@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/sgd_math.h>
 
-#include "../csrc/static_switch.h"
+#include "../csrc/ops/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 #include "step_weights.cuh"
@@ -113,19 +113,20 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
           typename TS>
-void launch(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-            at::TensorList bufs, at::TensorList steps, c10::IntArrayRef rounding_seeds,
-            const math::SgdHyper& h, const StepScalarPointers& s) {
+void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   using Pos = SgdPositions<kStore, kMomentum>;
   std::array<at::TensorList, Pos::kCount> lists;
-  lists[Pos::kP] = params;
-  lists[Pos::kG] = grads;
+  lists[Pos::kP] = step.params;
+  lists[Pos::kG] = step.grads;
   if constexpr (kMomentum) {
-    lists[Pos::kBuf] = bufs;
+    lists[Pos::kBuf] = step.state.lists[0];
   }
   if constexpr (has_store_list(kStore)) {
-    lists[Pos::kStore] = master_params;
+    lists[Pos::kStore] = step.master_params;
   }
+  const at::TensorList steps = step.steps;
+  const c10::IntArrayRef rounding_seeds = step.rounding_seeds;
+  const math::SgdHyper& h = step.hyper;
   const auto stream = at::cuda::getCurrentCUDAStream();
   constexpr int W = vec_width_of<TP, TG, TS>();
   multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
@@ -145,21 +146,18 @@ void launch(at::TensorList params, at::TensorList master_params, at::TensorList 
 
 }  // namespace
 
-void sgd(at::TensorList params, at::TensorList master_params, at::TensorList grads,
-         at::TensorList momentum_buffers, at::TensorList steps, const math::SgdHyper& h,
-         c10::IntArrayRef rounding_seeds, const StepScalarPointers& s, WeightStore store,
-         bool write_back_grads) {
-  const bool momentum = h.momentum != 0.f;
-  const auto state_dtype = momentum ? momentum_buffers[0].scalar_type() : at::kFloat;
+// The state list: the momentum buffers, where there is momentum.
+void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
+  const bool momentum = step.state.count != 0;
+  const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
   step_switch(
-      params, grads, store, write_back_grads,
+      step.params, step.grads, step.weight_store(), step.write_back_grads,
       [&](auto param, auto grad, auto kept, auto write_grads, auto has_momentum, auto state) {
         launch<decltype(param), decltype(grad), kept, write_grads, has_momentum,
-               decltype(state)>(params, master_params, grads, momentum_buffers, steps,
-                                rounding_seeds, h, s);
+               decltype(state)>(step, s);
       },
       BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
-  advance_steps(steps, s.found_inf);
+  advance_steps(step.steps, s.found_inf);
 }
 
 }  // namespace fusedamp::cuda

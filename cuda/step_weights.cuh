@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../csrc/static_switch.h"
+#include "../csrc/ops/static_switch.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusedamp::cuda {

@@ -29,8 +29,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "../csrc/dispatch_float_types.h"
-#include "../csrc/static_switch.h"
+#include "../csrc/ops/dispatch_float_types.h"
+#include "../csrc/ops/static_switch.h"
+#include "block_reduce.cuh"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 

@@ -31,15 +31,12 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
 
 }  // namespace
 
-void update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                  const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                  const std::optional<at::Tensor>& amax, const math::ScaleHyper& h,
-                  const at::Tensor* scale_history, int64_t scale_history_slot) {
+void update_scale(const ops::UpdateScale& op, const math::ScaleHyper& h) {
   update_scale_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-      hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(),
-      amax && amax->defined() ? amax->const_data_ptr<double>() : nullptr, h,
-      scale_history != nullptr ? scale_history->data_ptr<float>() : nullptr, scale_history_slot);
+      op.scale.data_ptr<float>(), op.growth_tracker.data_ptr<int32_t>(),
+      op.hysteresis_tracker.data_ptr<int32_t>(), op.found_inf.const_data_ptr<float>(),
+      input_or_null<double>(op.amax), h, output_or_null<float>(op.scale_history),
+      op.scale_history_slot);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,7 +1,7 @@
 // CPU: fused Adam/AdamW step. Per element: read grad, param (or FP32 master), m, v; write
 // param (and master), m, v. The formula is fusedamp::math::adam_update, shared with CUDA.
 // Compiled once per instruction set; see cpu_kernels.h.
-#include "../static_switch.h"
+#include "../ops/static_switch.h"
 #include <fusedamp/math/adam_math.h>
 
 #include "chunked_for_each.h"

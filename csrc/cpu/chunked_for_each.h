@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "scratch_vector.h"
+#include "../ops/scratch_vector.h"
 
 namespace fusedamp::cpu {
 

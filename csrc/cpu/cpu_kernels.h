@@ -2,7 +2,7 @@
 // The CPU hot loops. Each kernel file is compiled once per instruction set (DEFAULT, AVX2,
 // AVX512; see CMakeLists.txt) into its own namespace; kernels() picks the best one the
 // running CPU supports, honouring ATEN_CPU_CAPABILITY like torch does. Arguments have been
-// validated (op_checks.h) before any of these is called.
+// validated (ops/checks.h) before any of these is called.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <fusedamp/math/adam_math.h>
@@ -11,9 +11,9 @@
 #include <utility>
 #include <vector>
 
-#include "../static_switch.h"
-#include "../step_addresses.h"
-#include "../tensor_prefetch.h"
+#include "../ops/static_switch.h"
+#include "../ops/step_lists.h"
+#include "../ops/tensor_prefetch.h"
 
 namespace fusedamp::cpu {
 
@@ -26,7 +26,7 @@ C10_ALWAYS_INLINE T* elements_of(const at::Tensor& t) {
 }
 
 // What every CPU step kernel is given, whatever its algorithm: the lists (whose first tensors
-// name the dtypes) and each position's element addresses (step_addresses.h; the master
+// name the dtypes) and each position's element addresses (ops/step_lists.h; the master
 // addresses are masters, remainders or compensations, as `store` says), the per-tensor step
 // counts read before the update (the kernels never write them), the learning rate and the
 // gradient multiplier (inverse scale times clip coefficient) read from the device scalars, and

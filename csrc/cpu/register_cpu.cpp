@@ -1,4 +1,4 @@
-// CPU implementations of the fusedamp operators: after the checks (op_prelude.h), read the
+// CPU implementations of the fusedamp operators: after the checks (kernel_entry.h), read the
 // device scalars (on the CPU they are plain memory), run the vectorised kernel for this CPU,
 // then update the step counts.
 #include <ATen/Version.h>
@@ -16,10 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "../op_prelude.h"
-#include "../step_scalars.h"
+#include "../ops/kernel_entry.h"
+#include "../ops/scratch_vector.h"
 #include "cpu_kernels.h"
-#include "scratch_vector.h"
 
 namespace fusedamp::cpu {
 
@@ -49,33 +48,32 @@ namespace {
 using at::TensorList;
 
 // The rows again through the tensors' mutable accessors, where the checks could not take an
-// address without them (StepAddresses::needs_mutable_access): those give copy-on-write storage
-// its own copy first, or raise torch's error. `states` are the op's state lists, in order.
-void take_mutable_addresses(TensorList params, TensorList master_params, TensorList grads,
-                            TensorList steps, std::initializer_list<TensorList> states,
-                            StepAddresses& addresses) {
+// address without them (StepRows::needs_mutable_access): those give copy-on-write storage its
+// own copy first, or raise torch's error.
+template <typename Hyper>
+void take_mutable_addresses(const Step<Hyper>& step) {
   const auto address = [](const at::Tensor& t) { return t.mutable_data_ptr(); };
-  for (size_t i = 0; i < params.size(); ++i) {
-    StepRow& row = addresses.rows[i];
-    row.numel = params[i].numel();
-    row.param = address(params[i]);
-    row.grad = address(grads[i]);
-    row.master = master_params.empty() ? nullptr : address(master_params[i]);
-    size_t k = 0;
-    for (const TensorList& list : states) {
-      row.state[k++] = list.empty() ? nullptr : address(list[i]);
+  StepRows& rows = *step.rows;
+  for (size_t i = 0; i < step.params.size(); ++i) {
+    StepRow& row = rows.rows[i];
+    row.numel = step.params[i].numel();
+    row.param = address(step.params[i]);
+    row.grad = address(step.grads[i]);
+    row.master = step.master_params.empty() ? nullptr : address(step.master_params[i]);
+    for (size_t k = 0; k < step.state.count; ++k) {
+      row.state[k] = address(step.state.lists[k][i]);
     }
-    row.step = steps[i].mutable_data_ptr<float>();
+    row.step = step.steps[i].template mutable_data_ptr<float>();
   }
-  addresses.needs_mutable_access = false;
+  rows.needs_mutable_access = false;
 }
 
 // The step counts: read before the kernel, advanced after it. The kernel itself only reads
 // the "before" values, so an exception in between leaves them untouched. Each count is a
 // one-element tensor of its own, so each is a cache miss of its own in both walks (after the
 // kernel's walk over thousands of tensors they are out of cache again): the walks ask for the
-// count kCountsAhead rows later, so that the misses overlap instead of queueing (perf, issue 13:
-// the walk before the kernel was 5% of a whole AMP step over 10,000 one-element tensors).
+// count kCountsAhead rows later, so that the misses overlap instead of queueing (perf: the walk
+// before the kernel was 5% of a whole AMP step over 10,000 one-element tensors).
 constexpr size_t kCountsAhead = 16;
 
 struct StepCounts {
@@ -105,21 +103,20 @@ struct StepCounts {
 
 // A step's device scalars are plain memory here: read once, for all tensors. A skipped step
 // returns before anything is read or written.
-template <typename Step, typename Kernel>
-void run_step(const Step& step, std::initializer_list<TensorList> states, const Kernel& kernel) {
+template <typename Hyper, typename Kernel>
+void run_step(const Step<Hyper>& step, const Kernel& kernel) {
   const StepScalarPointers scalars = step.scalars.pointers();
   if (scalars.skipped()) {
     return;
   }
   const float lr = scalars.learning_rate();
-  TORCH_CHECK(lr >= 0.f && lr - lr == 0.f, Step::kOp, ": lr_tensor holds an invalid lr ", lr);
-  StepAddresses& addresses = *step.addresses;
-  if (C10_UNLIKELY(addresses.needs_mutable_access)) {
-    take_mutable_addresses(step.params, step.master_params, step.grads, step.steps,
-                           states, addresses);
+  TORCH_CHECK(lr >= 0.f && lr - lr == 0.f, step.op, ": lr_tensor holds an invalid lr ", lr);
+  if (C10_UNLIKELY(step.rows->needs_mutable_access)) {
+    take_mutable_addresses(step);
   }
-  const StepCounts counts(addresses.rows);
-  kernel(CpuStep{step.params, step.grads, addresses.rows.data(), (*counts.before).data(), lr,
+  const std::vector<StepRow>& rows = *step.rows->rows;
+  const StepCounts counts(rows);
+  kernel(CpuStep{step.params, step.grads, rows.data(), (*counts.before).data(), lr,
                  scalars.grad_multiplier(), step.weight_store(),
                  step.rounding_seeds.empty() ? nullptr : step.rounding_seeds.data(),
                  step.write_back_grads});
@@ -143,9 +140,9 @@ void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telem
   }
 }
 
-// What the CPU does once op_prelude.h has checked the arguments.
+// What the CPU does once kernel_entry.h has checked the arguments.
 struct CpuOps {
-  static void unscale_and_check(const prelude::UnscaleAndCheck& op) {
+  static void unscale_and_check(const ops::UnscaleAndCheck& op) {
     const bool want_stats = op.sum_sq && op.sum_sq->defined();
     const bool want_telemetry = op.telemetry && op.telemetry->defined();
     double sq = 0.0;
@@ -160,7 +157,7 @@ struct CpuOps {
     }
   }
 
-  static void grad_stats(const prelude::GradStats& op) {
+  static void grad_stats(const ops::GradStats& op) {
     const bool want_flags = op.tensor_flags && op.tensor_flags->defined();
     std::vector<char> flags(want_flags ? op.grads.size() : 0, 0);
     double sq = 0.0;
@@ -182,60 +179,63 @@ struct CpuOps {
     }
   }
 
-  static void update_scale(const prelude::UpdateScale& op) {
+  static void update_scale(const ops::UpdateScale& op) {
     math::update_scale(*op.scale.data_ptr<float>(), *op.growth_tracker.data_ptr<int32_t>(),
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
-                       *op.found_inf.const_data_ptr<float>() != 0.f, op.hyper(),
+                       *op.found_inf.const_data_ptr<float>() != 0.f, kernels::scale_hyper(op),
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
-    if (op.scale_history != nullptr) {
-      op.scale_history->data_ptr<float>()[op.scale_history_slot] = *op.scale.const_data_ptr<float>();
+    if (op.scale_history && op.scale_history->defined()) {
+      op.scale_history->data_ptr<float>()[op.scale_history_slot] =
+          *op.scale.const_data_ptr<float>();
     }
   }
 
-  static void record_telemetry(const prelude::RecordTelemetry& op) {
+  static void record_telemetry(const ops::RecordTelemetry& op) {
     math::write_telemetry_row(
         op.ring.data_ptr<double>() + op.slot * math::kTelemetryColumns,
         *op.scale.const_data_ptr<float>(), *op.found_inf.const_data_ptr<float>(),
         op.measured.const_data_ptr<double>(),
-        op.pass_sum_sq != nullptr ? op.pass_sum_sq->const_data_ptr<float>() : nullptr);
+        op.pass_sum_sq && op.pass_sum_sq->defined() ? op.pass_sum_sq->const_data_ptr<float>()
+                                                     : nullptr);
   }
 
-  static void account_step(const prelude::AccountStep& op) {
+  static void account_step(const ops::AccountStep& op) {
+    const auto given = [](const std::optional<at::Tensor>& t) { return t && t->defined(); };
     // Every input is read before anything is written: found_inf_out may be found_inf itself.
-    const float found = op.found_inf != nullptr ? *op.found_inf->const_data_ptr<float>() : 0.f;
+    const float found = given(op.found_inf) ? *op.found_inf->const_data_ptr<float>() : 0.f;
     const float norm =
-        op.grad_norms != nullptr
+        given(op.grad_norms)
             ? math::unscaled_grad_norm(
                   *op.grad_sum_sq->const_data_ptr<float>(),
-                  op.inv_scale != nullptr ? *op.inv_scale->const_data_ptr<float>() : 1.f)
+                  given(op.inv_scale) ? *op.inv_scale->const_data_ptr<float>() : 1.f)
             : 0.f;
     *op.step_applied.data_ptr<float>() = math::step_applied(found);
     *op.skipped_steps.data_ptr<int64_t>() += math::steps_skipped(found);
-    if (op.found_inf_out != nullptr) {
+    if (given(op.found_inf_out)) {
       *op.found_inf_out->data_ptr<float>() = found;
     }
-    if (op.grad_norms != nullptr) {
+    if (given(op.grad_norms)) {
       op.grad_norms->data_ptr<float>()[op.grad_norm_slot] = norm;
     }
   }
 
-  // The step kernels walk the element addresses the checks read (step_addresses.h).
-  static constexpr bool kTakesStepAddresses = true;
+  // The step kernels walk the element addresses the checks take (step_lists.h).
+  static constexpr bool kTakesRows = true;
 
-  static void adam_step(const prelude::AdamStep& step) {
-    run_step(step, {step.exp_avgs, step.exp_avg_sqs, step.max_exp_avg_sqs},
-             [&](const CpuStep& cpu_step) {
-               kernels().adam(cpu_step, step.exp_avgs[0].scalar_type(),
-                              !step.max_exp_avg_sqs.empty(), step.hyper);
-             });
+  static void adam_step(const Step<math::AdamHyper>& step) {
+    // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima.
+    const bool amsgrad = step.state.count == 3;
+    run_step(step, [&](const CpuStep& cpu_step) {
+      kernels().adam(cpu_step, step.state.lists[0][0].scalar_type(), amsgrad, step.hyper);
+    });
   }
 
-  static void sgd_step(const prelude::SgdStep& step) {
-    run_step(step, {step.momentum_buffers}, [&](const CpuStep& cpu_step) {
-      kernels().sgd(cpu_step,
-                    step.momentum_buffers.empty() ? at::kFloat
-                                                  : step.momentum_buffers[0].scalar_type(),
-                    step.hyper);
+  static void sgd_step(const Step<math::SgdHyper>& step) {
+    // The state list: the momentum buffers, where there is momentum.
+    const at::ScalarType state_dtype =
+        step.state.count == 0 ? at::kFloat : step.state.lists[0][0].scalar_type();
+    run_step(step, [&](const CpuStep& cpu_step) {
+      kernels().sgd(cpu_step, state_dtype, step.hyper);
     });
   }
 };
@@ -244,5 +244,5 @@ struct CpuOps {
 }  // namespace fusedamp::cpu
 
 TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {
-  fusedamp::prelude::implement_ops<fusedamp::cpu::CpuOps>(m);
+  fusedamp::kernels::implement_ops<fusedamp::cpu::CpuOps>(m);
 }

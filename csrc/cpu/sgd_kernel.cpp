@@ -2,7 +2,7 @@
 // param (or FP32 master) and the momentum buffer; write param (and master) and the buffer.
 // The formula is fusedamp::math::sgd_update, shared with CUDA.
 // Compiled once per instruction set; see cpu_kernels.h.
-#include "../static_switch.h"
+#include "../ops/static_switch.h"
 #include <fusedamp/math/sgd_math.h>
 
 #include "chunked_for_each.h"

@@ -1,8 +1,8 @@
 // CPU: unscale_and_check_ (read 1, write 1 element) and grad_stats_ (read 1), vectorised;
 // unscale_and_check_ with statistics is grad_stats_'s pass writing the unscaled values back.
 // Compiled once per instruction set; see cpu_kernels.h.
-#include "../dispatch_float_types.h"
-#include "../static_switch.h"
+#include "../ops/dispatch_float_types.h"
+#include "../ops/static_switch.h"
 #include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/math/unscale_math.h>
 

@@ -10,7 +10,7 @@
 #include <fusedamp/math/split_math.h>
 #include <fusedamp/math/stochastic_rounding_math.h>
 
-#include "../static_switch.h"
+#include "../ops/static_switch.h"
 #include "cpu_kernels.h"
 
 #include <algorithm>

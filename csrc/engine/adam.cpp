@@ -3,12 +3,13 @@
 
 #include <torch/serialize/archive.h>
 
-#include "../op_calls.h"
-#include "../op_handles.h"
+#include <fusedamp/ops.h>
+
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
 #include "options_io.h"
+#include "step_call.h"
 
 namespace fusedamp::optim {
 
@@ -45,7 +46,6 @@ void AdamOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
-  static constexpr const char* kStepOp = op_handles::names::kAdamStep;
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,
@@ -88,19 +88,22 @@ struct AlgorithmOf<AdamOptions> {
                                group);
   }
 
-  static void run(const detail::Bucket& b, const AdamOptions& o, const ops::StepScalars& s,
-                  const ops::StepModes& modes, std::optional<c10::DispatchKeySet> keys) {
-    ops::AdamArgs args;
-    args.lr = o.lr();
-    args.beta1 = std::get<0>(o.betas());
-    args.beta2 = std::get<1>(o.betas());
-    args.eps = o.eps();
-    args.weight_decay = o.weight_decay();
-    args.decoupled_weight_decay = o.decoupled_weight_decay();
-    args.maximize = o.maximize();
-    ops::detail::adam_step_to(keys, b.params, b.master_params, b.grads, b.exp_avgs,
-                              b.exp_avg_sqs, b.steps, args, s, modes,
-                              b.max_exp_avg_sqs);  // filled only with amsgrad
+  static void run(const detail::Bucket& b, const AdamOptions& o, const detail::StepInputs& in) {
+    ops::AdamStep a;
+    detail::fill_step(a, b, in);
+    a.exp_avgs = b.state(StateSlot::kExpAvg);
+    a.exp_avg_sqs = b.state(StateSlot::kExpAvgSq);
+    if (o.amsgrad()) {
+      a.max_exp_avg_sqs = b.state(StateSlot::kMaxExpAvgSq);
+    }
+    a.lr = o.lr();
+    a.beta1 = std::get<0>(o.betas());
+    a.beta2 = std::get<1>(o.betas());
+    a.eps = o.eps();
+    a.weight_decay = o.weight_decay();
+    a.decoupled_weight_decay = o.decoupled_weight_decay();
+    a.maximize = o.maximize();
+    ops::adam_step_(a);
   }
 };
 

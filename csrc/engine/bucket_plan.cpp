@@ -6,9 +6,7 @@
 
 #include <string>
 
-#include "../op_checks.h"
-#include "../tensor_facts.h"
-#include "../tensor_prefetch.h"
+#include "../ops/tensor_facts.h"
 #include "device_stats.h"
 #include "grad_lookahead.h"
 #include "param_state_store.h"
@@ -57,28 +55,9 @@ int64_t rounding_seed_of(int64_t group_seed, int64_t param_index) {
   return static_cast<int64_t>((high << 32) | low);
 }
 
-// The bucket list of each state slot, beside the member of ParamState it holds.
-std::vector<at::Tensor> Bucket::*bucket_list(StateSlot slot) {
-  switch (slot) {
-    case StateSlot::kMasterParam:
-    case StateSlot::kParamRemainder:
-    case StateSlot::kKahanCompensation:
-      return &Bucket::master_params;
-    case StateSlot::kExpAvg:
-      return &Bucket::exp_avgs;
-    case StateSlot::kExpAvgSq:
-      return &Bucket::exp_avg_sqs;
-    case StateSlot::kMomentumBuffer:
-      return &Bucket::momentum_buffers;
-    case StateSlot::kMaxExpAvgSq:
-      return &Bucket::max_exp_avg_sqs;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown state slot");
-}
-
 }  // namespace
 
-void BucketPlan::update(const char* who, const char* step_op, const std::vector<Group>& groups,
+void BucketPlan::update(const char* who, const std::vector<Group>& groups,
                         ParamStateStore& states, DeviceStats& devices) {
   std::vector<GroupKey> group_keys;
   std::vector<ParamKey>& param_keys = walked_param_keys_;
@@ -86,21 +65,12 @@ void BucketPlan::update(const char* who, const char* step_op, const std::vector<
   param_keys.clear();
   param_keys.reserve(param_keys_.size());
   grads_seen_.clear();
-  cpu_param_grad_keys_ = c10::DispatchKeySet();
   // While this step's parameters are the previous plan's, in its order, each gradient goes to
   // its place in this walk (place_grad), while its metadata is in cache, instead of in a
-  // walk of its own after it (collect_grads) and again in the step op's checks.
+  // walk of its own after it (collect_grads).
   bool on_plan = valid_;
-  for (auto& b : buckets_) {
-    b.taking_rows = on_plan && step_op != nullptr && b.step_rows.state_taken;
-    if (b.taking_rows) {
-      b.step_rows.begin_taking_rows();
-    } else {
-      b.step_rows.rows_taken = false;
-    }
-  }
   try {
-    walk(who, step_op, groups, group_keys, param_keys, on_plan, devices);
+    walk(who, groups, group_keys, param_keys, on_plan, devices);
     on_plan = on_plan && param_keys.size() == param_keys_.size() && group_keys == group_keys_;
     if (on_plan) {
       finish_collect(devices);
@@ -119,7 +89,7 @@ void BucketPlan::update(const char* who, const char* step_op, const std::vector<
   }
 }
 
-void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Group>& groups,
+void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
                       std::vector<GroupKey>& group_keys, std::vector<ParamKey>& param_keys,
                       bool& on_plan, DeviceStats& devices) {
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -131,7 +101,7 @@ void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Gr
     // out-of-line call) for the walk on the plan.
     const DtypeFits dtype_fits{group.master_weights.fits(at::kHalf),
                                group.master_weights.fits(at::kBFloat16)};
-    GradLookahead grads(params, /*with_storages=*/on_plan && step_op != nullptr);
+    GradLookahead grads(params, /*with_storages=*/on_plan);
     for (size_t j = 0; j < params.size(); ++j) {
       const auto& p = params[j];
       const auto& g = grads.grad_at(j);
@@ -139,9 +109,8 @@ void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Gr
         continue;
       }
       const size_t seen = param_keys.size();
-      PairFacts facts;
       const bool clean = on_plan && seen < param_keys_.size() &&
-                         reads_clean(param_keys_[seen], p, g, dtype_fits, facts);
+                         reads_clean(param_keys_[seen], p, g, dtype_fits);
       if (clean) {
         param_keys.push_back(param_keys_[seen]);
       } else {
@@ -155,41 +124,29 @@ void BucketPlan::walk(const char* who, const char* step_op, const std::vector<Gr
                               p.device()});
       }
       grads_seen_.push_back(&g);
-      if (param_keys.back().device.is_cpu()) {
-        cpu_param_grad_keys_ = cpu_param_grad_keys_ | p.key_set() | g.key_set();
-      }
       on_plan = on_plan && seen < param_keys_.size() && param_keys.back() == param_keys_[seen];
       if (on_plan) {
-        place_grad(step_op, seen, p, g, devices, clean ? &facts : nullptr);
+        place_grad(seen, g, devices);
       }
     }
   }
 }
 
 bool BucketPlan::reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
-                             DtypeFits dtype_fits, PairFacts& facts) {
+                             DtypeFits dtype_fits) {
   if (p.unsafeGetTensorImpl() != key.param) {
     return false;
   }
-  checks::read_facts(p, key.device, /*with_span=*/true, facts.param);
-  checks::read_facts(g, key.device, /*with_span=*/true, facts.grad);
-  return checks::clean_param_and_grad(facts.param, facts.grad) &&
-         facts.param.dtype == key.param_dtype && facts.grad.dtype == key.grad_dtype &&
-         dtype_fits(facts.param.dtype);
+  checks::TensorFacts param, grad;
+  checks::read_facts(p, key.device, /*with_span=*/true, param);
+  checks::read_facts(g, key.device, /*with_span=*/true, grad);
+  return checks::clean_param_and_grad(param, grad) && param.dtype == key.param_dtype &&
+         grad.dtype == key.grad_dtype && dtype_fits(param.dtype);
 }
 
-void BucketPlan::place_grad(const char* step_op, size_t seen, const at::Tensor& p,
-                            const at::Tensor& g, DeviceStats& devices, const PairFacts* clean) {
-  Bucket& b = buckets_[bucket_of_seen_[seen]];
-  const size_t k = position_of_seen_[seen];
-  devices.set_grad(b.device_slot, b.stats_position + k, g);
-  if (b.taking_rows) {
-    b.taking_rows =
-        clean != nullptr
-            ? b.step_rows.param_device == b.device &&
-                  checks::take_clean_row(k, clean->param, clean->grad, b.step_rows)
-            : checks::take_held_row(step_op, k, p, g, b.grad_dtype, b.step_rows);
-  }
+void BucketPlan::place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices) {
+  const Bucket& b = buckets_[bucket_of_seen_[seen]];
+  devices.set_grad(b.device_slot, b.stats_position + position_of_seen_[seen], g);
 }
 
 void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,
@@ -240,7 +197,7 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
         const bool kept = is_weight_store_slot(info.slot) ? (s.*info.member).defined()
                                                           : group.slots.has(info.slot);
         if (kept) {
-          ((*b).*bucket_list(info.slot)).push_back(s.*info.member);
+          b->state(info.slot).push_back(s.*info.member);
         }
       }
       if (mode == MasterWeights::kStochastic) {
@@ -267,20 +224,12 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
 void BucketPlan::finish_collect(DeviceStats& devices) {
   for (auto& b : buckets_) {
     b.grads = devices.grads(b.device_slot, b.stats_position, b.params.size());
-    b.cpu_param_grad_keys = b.device.is_cpu() ? cpu_param_grad_keys_ : c10::DispatchKeySet();
-    // Every row was taken in the walk (on the plan, every position was placed).
-    b.step_rows.rows_taken = b.taking_rows;
-    b.taking_rows = false;
   }
 }
 
 void BucketPlan::release_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     b.grads = at::TensorList();
-    // Rows taken for a step op that was not called (a failure in between) are not lent to
-    // a later call.
-    b.step_rows.rows_taken = false;
-    b.taking_rows = false;
   }
   devices.release_grads();
 }

@@ -4,13 +4,12 @@
 // the same order. The plan is rebuilt only when what it depends on changes — the set of
 // parameters with gradients, their dtypes and devices, or the state a group needs — so a
 // steady training loop only collects this step's gradient handles.
-#include <c10/core/DispatchKeySet.h>
 #include <fusedamp/optim/optimizer.h>
 
+#include <array>
 #include <vector>
 
-#include "../step_addresses.h"
-#include "../tensor_facts.h"
+#include "../ops/tensor_facts.h"
 
 namespace fusedamp::optim::detail {
 
@@ -29,28 +28,21 @@ struct Bucket {
   // (one handle per gradient, not two); set by collect_grads, emptied by release_grads.
   at::TensorList grads;
   std::vector<size_t> seen_index;  // of each param's gradient in update()'s walk
-  // One entry per parameter where the group needs the slot (empty list otherwise).
-  // master_params holds what the group's master_weights keeps: FP32 masters, int16
-  // remainders or Kahan compensations.
-  std::vector<at::Tensor> master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-      momentum_buffers;
   // master_weights "stochastic": each parameter's rounding seed (from the group's seed and
   // the parameter's index in the optimizer); empty otherwise.
   std::vector<int64_t> rounding_seeds;
-  // The step op's element rows for these lists, kept from one step to the next (lent to the
-  // op for each call: step_addresses.h, StepRowsLoan): after the first step only params and
-  // grads are checked again. The state tensors are the engine's own; one given other memory
-  // by a user (`set_`, `.data =`) is not seen until the bucket is rebuilt (set_param_state
-  // and load_state_dict rebuild it); in-place edits are seen at once. A cache, so mutable in
-  // a const bucket; only backends that walk host memory (the CPU) use it.
-  mutable StepAddresses step_rows;
-  // During update()'s walk: the rows are being taken for this step (checks::take_held_row),
-  // none has failed so far.
-  bool taking_rows = false;
-  // This step's: the union of the dispatch keys of the CPU params and grads of the whole plan,
-  // read by update()'s walk (which reads each param and grad anyway) for a CPU bucket, so that
-  // step_dispatch.h needs no walk of its own. Empty for other devices.
-  c10::DispatchKeySet cpu_param_grad_keys;
+
+  // The state list of `slot`, one entry per parameter where the group needs the slot (empty
+  // otherwise). The weight store's slots share one list: what the group's master_weights
+  // keeps (FP32 masters, int16 remainders or Kahan compensations).
+  const std::vector<at::Tensor>& state(StateSlot slot) const { return state_[index_of(slot)]; }
+  std::vector<at::Tensor>& state(StateSlot slot) { return state_[index_of(slot)]; }
+
+ private:
+  static size_t index_of(StateSlot slot) {
+    return static_cast<size_t>(is_weight_store_slot(slot) ? StateSlot::kMasterParam : slot);
+  }
+  std::array<std::vector<at::Tensor>, kStateSlots.size()> state_;
 };
 
 class BucketPlan {
@@ -67,12 +59,9 @@ class BucketPlan {
   // Checks every gradient (`who` names the optimizer in messages), rebuilds the buckets if the
   // key changed (creating missing state in `states`), and collects this step's gradients into
   // the buckets and `devices`. Nothing is modified when a check fails (but this step's
-  // gradient handles, dropped again). With `step_op` (the fused op the step will call next,
-  // with nothing run in between that could change a param or grad), a CPU bucket whose rows
-  // are kept also gets its rows' param and grad addresses, taken in this walk with that op's
-  // checks (StepAddresses::rows_taken), while the plan stays the previous step's.
-  void update(const char* who, const char* step_op, const std::vector<Group>& groups,
-              ParamStateStore& states, DeviceStats& devices);
+  // gradient handles, dropped again).
+  void update(const char* who, const std::vector<Group>& groups, ParamStateStore& states,
+              DeviceStats& devices);
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t builds() const { return builds_; }
   // Forces a rebuild at the next update() (state was replaced from outside).
@@ -108,7 +97,7 @@ class BucketPlan {
 
   // update()'s walk over every parameter: the checks, this step's keys, and (while on_plan)
   // each gradient placed; on_plan turns false at the first parameter off the plan.
-  void walk(const char* who, const char* step_op, const std::vector<Group>& groups,
+  void walk(const char* who, const std::vector<Group>& groups,
             std::vector<GroupKey>& group_keys, std::vector<ParamKey>& param_keys,
             bool& on_plan, DeviceStats& devices);
   void rebuild(const std::vector<Group>& groups, ParamStateStore& states, DeviceStats& devices);
@@ -120,21 +109,15 @@ class BucketPlan {
       return t == at::kHalf ? half : t == at::kBFloat16 ? bfloat16 : true;
     }
   };
-  // A parameter's and its gradient's facts, read on the plan's device.
-  struct PairFacts {
-    checks::TensorFacts param, grad;
-  };
   // Whether p, the parameter `key` names, and its gradient g read as clean (one read of each
   // one's facts: tensor_facts.h clean_param_and_grad) with key's dtypes, in a weight mode that
-  // takes them: every check of the walk and of the step op passes on such a pair, so the walk
-  // skips the message-raising ones. Where not, those checks decide.
+  // takes them: every check of the walk passes on such a pair, so the walk skips the
+  // message-raising ones. Where not, those checks decide.
   static bool reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
-                          DtypeFits dtype_fits, PairFacts& facts);
+                          DtypeFits dtype_fits);
   // update()'s walk, while the parameters match the previous step's plan: the gradient of the
-  // `seen`-th parameter with one goes to its place at once (see update()), and its row is taken
-  // from `clean`'s facts where the pair read as clean, else with the step op's checks.
-  void place_grad(const char* step_op, size_t seen, const at::Tensor& p, const at::Tensor& g,
-                  DeviceStats& devices, const PairFacts* clean);
+  // `seen`-th parameter with one goes to its place at once (see update()).
+  void place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices);
   // The lists' views of this step's gradients, once `devices` holds them all.
   void finish_collect(DeviceStats& devices);
 
@@ -150,7 +133,6 @@ class BucketPlan {
   // Where the plan puts the seen-th parameter with a gradient: its bucket and its position
   // there (set by rebuild()).
   std::vector<uint32_t> bucket_of_seen_, position_of_seen_;
-  c10::DispatchKeySet cpu_param_grad_keys_;  // of the params and grads update() walked
   bool valid_ = false;
   int64_t builds_ = 0;
 };

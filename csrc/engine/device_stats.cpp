@@ -77,7 +77,7 @@ void DeviceStats::run_pass(const at::Tensor& seed_found_inf, GradTelemetrySink* 
     if (sink != nullptr) {
       sink->grad_stats(d.params, d.grads, found_inf(i), sum_sq(i));
     } else {
-      ops::grad_stats_(d.grads, found_inf(i), sum_sq(i));
+      ops::grad_stats_({d.grads, found_inf(i), sum_sq(i)});
     }
   }
   combine();

@@ -12,7 +12,7 @@
 
 #include <array>
 
-#include "../tensor_prefetch.h"
+#include "../ops/tensor_prefetch.h"
 
 namespace fusedamp::optim::detail {
 

@@ -276,10 +276,10 @@ void GradScaler::update() {
   if (opts_.scale_history()) {
     history = scale_history_.ring_on(scale_.device());
   }
-  ops::update_scale_(scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
-                     opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
-                     opts_.hysteresis(), opts_.min_scale(), opts_.max_scale(), amax,
-                     amax_target, history, scale_history_.next_slot());
+  ops::update_scale_({scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
+                      opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
+                      opts_.hysteresis(), opts_.min_scale(), opts_.max_scale(), amax,
+                      amax_target, history, scale_history_.next_slot()});
   if (history) {
     scale_history_.record();
   }

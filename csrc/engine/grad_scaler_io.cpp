@@ -9,7 +9,7 @@
 #include <cmath>
 #include <limits>
 
-#include "../hyper_params.h"
+#include "../ops/hyper_params.h"
 
 namespace fusedamp {
 

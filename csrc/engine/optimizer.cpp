@@ -5,14 +5,16 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <fusedamp/ops.h>
 
 #include <algorithm>
 
-#include "../tensor_prefetch.h"
+#include "../ops/tensor_prefetch.h"
 #include "bucket_plan.h"
 #include "device_stats.h"
 #include "inverse_scale.h"
 #include "param_state_store.h"
+#include "step_call.h"
 
 namespace fusedamp::optim {
 namespace {
@@ -26,8 +28,8 @@ namespace {
 // Each bump is TensorImpl's inline bump_version (what torch::autograd::impl::bump_version calls;
 // it raises torch's error for an inference tensor outside InferenceMode), with each counter read
 // kImplAhead positions ahead: with thousands of parameters the counters, an allocation each,
-// are so many cache misses one after another otherwise (perf, issue 13: 6% of a whole AMP step
-// over 10,000 one-element tensors).
+// are so many cache misses one after another otherwise (perf: 6% of a whole AMP step over
+// 10,000 one-element tensors).
 void bump_versions(at::TensorList tensors) {
   const size_t n = tensors.size();
   for (size_t i = 0; i < n; ++i) {
@@ -38,9 +40,9 @@ void bump_versions(at::TensorList tensors) {
   }
 }
 
-void bump_observable(const detail::Bucket& b, const ops::StepModes& modes) {
+void bump_observable(const detail::Bucket& b, const detail::StepInputs& in) {
   bump_versions(b.params);
-  if (modes.write_back_grads) {
+  if (in.write_back_grads) {
     bump_versions(b.grads);
   }
 }
@@ -71,10 +73,6 @@ Optimizer::~Optimizer() = default;
 // ---- phases ---------------------------------------------------------------------------------
 
 bool Optimizer::gather_grads() {
-  return gather(/*within_step=*/false);
-}
-
-bool Optimizer::gather(bool within_step) {
   check_options();
   std::vector<detail::BucketPlan::Group> groups;
   groups.reserve(param_groups_.size());
@@ -83,10 +81,7 @@ bool Optimizer::gather(bool within_step) {
     groups.push_back({&g.params(), e.master_weights, e.state_dtype, e.rounding_seed,
                       slots_needed(g.options())});
   }
-  // Within a whole step nothing runs between this walk and the step op that could change a
-  // param or grad, so the walk may take the op's rows (BucketPlan::update); a caller of the
-  // phases may run anything in between.
-  plan_->update(kind(), within_step ? step_op() : nullptr, groups, *states_, *stats_);
+  plan_->update(kind(), groups, *states_, *stats_);
   stats_->invalidate();
   norm_this_step_ = false;
   return !plan_->buckets().empty();
@@ -129,33 +124,31 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
   for (const auto& b : buckets) {
     const auto& o = param_groups_[b.group].options();
     const auto e = engine_options(o);
-    ops::StepScalars s;
+    detail::StepInputs in;
     if (grad_scale.defined()) {
-      s.inv_scale = inv_scale[b.device_slot];
+      in.inv_scale = inv_scale[b.device_slot];
     }
     if (have_stats && (scaled || e.skip_nonfinite)) {
-      s.found_inf = stats_->found_inf(b.device_slot);
+      in.found_inf = stats_->found_inf(b.device_slot);
       checked = true;
     }
     if (e.max_grad_norm) {
       TORCH_CHECK(stats_->from_pass(), "fusedamp::optim::", kind(),
                   ": clipping needs the statistics pass (compute_grad_stats) before the update");
-      s.grad_sum_sq = stats_->sum_sq(b.device_slot);
-      s.max_grad_norm = e.max_grad_norm;
+      in.grad_sum_sq = stats_->sum_sq(b.device_slot);
+      in.max_grad_norm = e.max_grad_norm;
     }
     if (e.lr_tensor.defined()) {
-      s.lr_tensor = on_device(e.lr_tensor, b.device);
+      in.lr_tensor = on_device(e.lr_tensor, b.device);
     }
-    ops::StepModes modes;
-    modes.adopt_param_edits = e.adopt_param_edits;
-    modes.rounding_seeds = b.rounding_seeds;
+    in.adopt_param_edits = e.adopt_param_edits;
     // Unscaled and unclipped, the multiplier is 1: the grads already hold what the update used.
-    modes.write_back_grads = e.write_back_grads && (s.inv_scale || s.max_grad_norm);
+    in.write_back_grads = e.write_back_grads && (in.inv_scale || in.max_grad_norm);
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      run_bucket(b, o, s, modes);
+      run_bucket(b, o, in);
     }
-    bump_observable(b, modes);
+    bump_observable(b, in);
   }
   account(have_stats ? stats_->found_inf(0) : at::Tensor(), checked, found_inf_out,
           grad_scale.defined() ? inv_scale[0] : at::Tensor());
@@ -184,12 +177,22 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
   const bool flag_here =
       checked && found_inf_out.defined() && found_inf_out.device() == found_inf.device();
   // One op (one kernel launch on a GPU) for what the step records.
-  ops::account_step_(last_step_applied_, skipped_steps_,
-                     checked ? std::optional<at::Tensor>(found_inf) : std::nullopt,
-                     flag_here ? std::optional<at::Tensor>(found_inf_out) : std::nullopt, sum_sq,
-                     norms && inv_scale.defined() ? std::optional<at::Tensor>(inv_scale)
-                                                  : std::nullopt,
-                     norms, slot);
+  ops::AccountStep a;
+  a.step_applied = last_step_applied_;
+  a.skipped_steps = skipped_steps_;
+  if (checked) {
+    a.found_inf = found_inf;
+  }
+  if (flag_here) {
+    a.found_inf_out = found_inf_out;
+  }
+  a.grad_sum_sq = sum_sq;
+  if (norms && inv_scale.defined()) {
+    a.inv_scale = inv_scale;
+  }
+  a.grad_norms = norms;
+  a.grad_norm_slot = slot;
+  ops::account_step_(a);
   if (found_inf.defined() && found_inf_out.defined() && !flag_here) {
     found_inf_out.copy_(found_inf.reshape(found_inf_out.sizes()), /*non_blocking=*/true);
   }
@@ -217,7 +220,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  if (!gather(/*within_step=*/true)) {
+  if (!gather_grads()) {
     return loss;
   }
   if (any_group(needs_stats)) {
@@ -230,7 +233,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
 void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
                          GradTelemetrySink* telemetry) {
   at::NoGradGuard no_grad;
-  if (!gather(/*within_step=*/true)) {
+  if (!gather_grads()) {
     return;
   }
   if (grad_scale.defined() || !found_inf.defined() || any_group(clips)) {

@@ -3,15 +3,12 @@
 // .cpp file specialises AlgorithmOf<Options> and then instantiates OptimizerOf<Options> once:
 //   template <> struct AlgorithmOf<MyOptions> {
 //     static constexpr const char* kName = "My";               // messages, checkpoints
-//     static constexpr const char* kStepOp = op_handles::names::kMyStep;  // the op run calls
 //     static StateSlots known_slots();                         // what its state dicts hold
 //     static StateSlots slots_for(const MyOptions&);           // what a step needs
 //     static bool set_option(MyOptions&, const std::string&, double);   // its own names
 //     static std::optional<double> option(const MyOptions&, const std::string&);
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
-//     static void run(const Bucket&, const MyOptions&, const ops::StepScalars&,
-//                     const ops::StepModes&,    // the fused op, through
-//                     std::optional<c10::DispatchKeySet>);  // ops::detail::*_step_to
+//     static void run(const Bucket&, const MyOptions&, const StepInputs&);  // its fused op
 //   };
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
@@ -24,7 +21,7 @@
 
 #include "bucket_plan.h"
 #include "option_checks.h"
-#include "step_dispatch.h"
+#include "step_call.h"
 
 namespace fusedamp::optim {
 
@@ -55,11 +52,6 @@ const Options& OptimizerOf<Options>::group_options(size_t group) const {
 template <typename Options>
 const char* OptimizerOf<Options>::kind() const {
   return AlgorithmOf<Options>::kName;
-}
-
-template <typename Options>
-const char* OptimizerOf<Options>::step_op() const {
-  return AlgorithmOf<Options>::kStepOp;
 }
 
 template <typename Options>
@@ -165,10 +157,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> OptimizerOf<Options>::make_optio
 template <typename Options>
 void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const torch::optim::OptimizerOptions& o,
-                                      const ops::StepScalars& s,
-                                      const ops::StepModes& modes) const {
-  const StepRowsLoan loan(b.step_rows, b.params, b.master_params, b.steps);
-  AlgorithmOf<Options>::run(b, detail::as<Options>(o), s, modes, detail::direct_step_keys(b));
+                                      const detail::StepInputs& in) const {
+  AlgorithmOf<Options>::run(b, detail::as<Options>(o), in);
 }
 
 }  // namespace fusedamp::optim

@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "../hyper_params.h"
+#include "../ops/hyper_params.h"
 
 namespace fusedamp::optim::detail {
 

@@ -87,7 +87,7 @@ at::Tensor unscale_grads(at::TensorList params, const at::Tensor& inv_scale,
     if (!grads.fused.empty() && telemetry != nullptr) {
       telemetry->unscale_and_check(grads.fused_params, grads.fused, flag, inv.reshape({1}));
     } else if (!grads.fused.empty()) {
-      ops::unscale_and_check_(grads.fused, flag, inv.reshape({1}));
+      ops::unscale_and_check_({grads.fused, flag, inv.reshape({1})});
     }
     for (auto& g : grads.other) {
       flag_nonfinite(g, flag);
@@ -103,7 +103,7 @@ at::Tensor check_grads(at::TensorList params, const c10::Device& target,
       // The norm goes to the record only.
       telemetry->grad_stats(grads.fused_params, grads.fused, flag, at::zeros({1}, flag.options()));
     } else if (!grads.fused.empty()) {
-      ops::grad_stats_(grads.fused, flag, at::zeros_like(flag));
+      ops::grad_stats_({grads.fused, flag, at::zeros_like(flag)});
     }
     for (const auto& g : grads.other) {
       flag_nonfinite(g, flag);

@@ -51,11 +51,11 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
 void ScalerTelemetry::grad_stats(at::TensorList params, at::TensorList grads,
                                  const at::Tensor& found_inf, const at::Tensor& sum_sq) {
   if (!open_ || grads.empty()) {
-    ops::grad_stats_(grads, found_inf, sum_sq);
+    ops::grad_stats_({grads, found_inf, sum_sq});
     return;
   }
   record_pass(params, grads, found_inf, sum_sq, [&](const at::Tensor& telemetry) {
-    ops::grad_stats_(grads, found_inf, sum_sq, std::nullopt, telemetry);
+    ops::grad_stats_({grads, found_inf, sum_sq, std::nullopt, telemetry});
   });
 }
 
@@ -63,12 +63,12 @@ void ScalerTelemetry::unscale_and_check(at::TensorList params, at::TensorList gr
                                         const at::Tensor& found_inf,
                                         const at::Tensor& inv_scale) {
   if (!open_ || grads.empty()) {
-    ops::unscale_and_check_(grads, found_inf, inv_scale);
+    ops::unscale_and_check_({grads, found_inf, inv_scale});
     return;
   }
   const at::Tensor sum_sq = at::zeros({1}, found_inf.options());
   record_pass(params, grads, found_inf, sum_sq, [&](const at::Tensor& telemetry) {
-    ops::unscale_and_check_(grads, found_inf, inv_scale, sum_sq, telemetry);
+    ops::unscale_and_check_({grads, found_inf, inv_scale, sum_sq, telemetry});
   });
 }
 
@@ -156,9 +156,9 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
     return;
   }
   const int64_t slot = recorded_ % capacity_;
-  ops::record_telemetry_(ring_, slot, scale, found_inf, current_,
-                         !layouts_.empty() ? std::optional<at::Tensor>(pass_sum_sq_)
-                                           : std::nullopt);
+  ops::record_telemetry_({ring_, slot, scale, found_inf, current_,
+                          !layouts_.empty() ? std::optional<at::Tensor>(pass_sum_sq_)
+                                            : std::nullopt});
   ring_elements_[static_cast<size_t>(slot)] = elements_;
   last_layouts_ = std::move(layouts_);
   layouts_.clear();

@@ -3,12 +3,13 @@
 
 #include <torch/serialize/archive.h>
 
-#include "../op_calls.h"
-#include "../op_handles.h"
+#include <fusedamp/ops.h>
+
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
 #include "options_io.h"
+#include "step_call.h"
 
 namespace fusedamp::optim {
 
@@ -35,7 +36,6 @@ void SGDOptions::serialize(torch::serialize::InputArchive& a) {
 template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
-  static constexpr const char* kStepOp = op_handles::names::kSgdStep;
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
@@ -69,17 +69,17 @@ struct AlgorithmOf<SGDOptions> {
     detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
   }
 
-  static void run(const detail::Bucket& b, const SGDOptions& o, const ops::StepScalars& s,
-                  const ops::StepModes& modes, std::optional<c10::DispatchKeySet> keys) {
-    ops::SgdArgs args;
-    args.lr = o.lr();
-    args.momentum = o.momentum();
-    args.dampening = o.dampening();
-    args.weight_decay = o.weight_decay();
-    args.nesterov = o.nesterov();
-    args.maximize = o.maximize();
-    ops::detail::sgd_step_to(keys, b.params, b.master_params, b.grads, b.momentum_buffers,
-                             b.steps, args, s, modes);
+  static void run(const detail::Bucket& b, const SGDOptions& o, const detail::StepInputs& in) {
+    ops::SgdStep a;
+    detail::fill_step(a, b, in);
+    a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);
+    a.lr = o.lr();
+    a.momentum = o.momentum();
+    a.dampening = o.dampening();
+    a.weight_decay = o.weight_decay();
+    a.nesterov = o.nesterov();
+    a.maximize = o.maximize();
+    ops::sgd_step_(a);
   }
 };
 

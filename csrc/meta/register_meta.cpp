@@ -12,14 +12,14 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "../op_prelude.h"
+#include "../ops/kernel_entry.h"
 
 namespace fusedamp::meta {
 namespace {
 
 enum class Mode { kMeta, kFallback };
 
-// What is left to do once op_prelude.h has checked the arguments: nothing for Meta; for the
+// What is left to do once kernel_entry.h has checked the arguments: nothing for Meta; for the
 // fallback, refuse any real work (the step ops come here only with non-empty lists).
 template <Mode mode>
 struct CheckOnlyOps {
@@ -30,37 +30,37 @@ struct CheckOnlyOps {
     }
   }
 
-  static void unscale_and_check(const prelude::UnscaleAndCheck& op) {
-    refuse_work(op.kOp, op.grads);
+  static void unscale_and_check(const ops::UnscaleAndCheck& op) {
+    refuse_work(op.kName, op.grads);
   }
-  static void grad_stats(const prelude::GradStats& op) {
-    refuse_work(op.kOp, op.grads);
+  static void grad_stats(const ops::GradStats& op) {
+    refuse_work(op.kName, op.grads);
   }
-  static void update_scale(const prelude::UpdateScale& op) {
-    refuse_work(op.kOp, op.scale);
+  static void update_scale(const ops::UpdateScale& op) {
+    refuse_work(op.kName, op.scale);
   }
-  static void record_telemetry(const prelude::RecordTelemetry& op) {
-    refuse_work(op.kOp, op.ring);
+  static void record_telemetry(const ops::RecordTelemetry& op) {
+    refuse_work(op.kName, op.ring);
   }
-  static void account_step(const prelude::AccountStep& op) {
-    refuse_work(op.kOp, op.step_applied);
+  static void account_step(const ops::AccountStep& op) {
+    refuse_work(op.kName, op.step_applied);
   }
-  static void adam_step(const prelude::AdamStep& step) {
-    refuse_work(step.kOp, step.params);
+  template <typename Hyper>
+  static void step(const Step<Hyper>& step) {
+    refuse_work(step.op, step.params);
   }
-  static void sgd_step(const prelude::SgdStep& step) {
-    refuse_work(step.kOp, step.params);
-  }
+  static void adam_step(const Step<math::AdamHyper>& s) { step(s); }
+  static void sgd_step(const Step<math::SgdHyper>& s) { step(s); }
 };
 
 }  // namespace
 }  // namespace fusedamp::meta
 
 TORCH_LIBRARY_IMPL(fusedamp, Meta, m) {
-  fusedamp::prelude::implement_ops<fusedamp::meta::CheckOnlyOps<fusedamp::meta::Mode::kMeta>>(m);
+  fusedamp::kernels::implement_ops<fusedamp::meta::CheckOnlyOps<fusedamp::meta::Mode::kMeta>>(m);
 }
 
 TORCH_LIBRARY_IMPL(fusedamp, CompositeExplicitAutograd, m) {
-  fusedamp::prelude::implement_ops<
+  fusedamp::kernels::implement_ops<
       fusedamp::meta::CheckOnlyOps<fusedamp::meta::Mode::kFallback>>(m);
 }

@@ -1,7 +1,7 @@
 """What a user changes between steps reaches the next step as torch.optim would take it: a
-parameter given new memory or edited in place, a state tensor edited or replaced through
-load_state_dict, every kind of change of a param group; a parameter given another shape is
-refused. A step bumps the version counters torch's in-place step would."""
+parameter given new memory or edited in place, a state tensor edited, given new memory or
+replaced through load_state_dict, every kind of change of a param group; a parameter given
+another shape is refused. A step bumps the version counters torch's in-place step would."""
 import pytest
 import torch
 
@@ -32,12 +32,12 @@ def test_step_bumps_the_version_counters_torch_would(device, kind):
 
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
-    """After a bucket's first step the engine keeps the addresses of its own tensors (master
-    weights, moments, step counts; on the CPU) and checks only params and grads again. What a
-    user does between steps must still reach the step exactly: a parameter given new memory of
-    its shape (`.data =`), in-place edits of a parameter and of a state tensor, a state replaced
-    through load_state_dict. Reference: a twin whose state is reloaded before every step, so
-    that every tensor of it is checked and taken afresh each time; bit for bit."""
+    """The engine keeps its buckets (parameters, master weights, moments, step counts) from one
+    step to the next. What a user does between steps must still reach the step exactly: a
+    parameter given new memory of its shape (`.data =`), in-place edits of a parameter and of a
+    state tensor, a state replaced through load_state_dict. Reference: a twin whose state is
+    reloaded before every step, so that every tensor of it is taken afresh each time; bit for
+    bit."""
     def make():
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s, device=device).half())
@@ -72,6 +72,52 @@ def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
             for name, value in opt.state[a].items():
                 assert torch.equal(value, twin.state[b][name]), (step, i, name)
     assert not torch.equal(kept[2].detach(), make()[0][2].detach())  # the steps moved it
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_state_tensor_given_new_memory_is_what_the_next_step_uses(device, kind, how):
+    """A state tensor given other memory between steps (`state.data = t`, `state.set_(t)`), as
+    torch.optim allows: the next step reads and writes that memory, the moment and the FP32
+    master weight alike. Reference: a twin given the same values through load_state_dict before
+    every step; bit for bit, and `t` itself holds what the step wrote."""
+    def make():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device=device).half()) for s in [(5,), (3, 4)]]
+        opt = (fusedamp.optim.AdamW(ps, lr=1e-2) if kind == "AdamW"
+               else fusedamp.optim.SGD(ps, lr=1e-2, momentum=0.9))
+        return ps, opt
+
+    (kept, opt), (fresh, twin) = make(), make()
+    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    gen = torch.Generator().manual_seed(3)
+    given = {}
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in kept]
+        for params, o in ((kept, opt), (fresh, twin)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        if step in (2, 3):  # after a step: new memory, other values, for one state tensor each
+            name, index = (moment, 0) if step == 2 else ("master_param", 1)
+            old = opt.state[kept[index]][name]
+            t = (old.detach() * 0.5 + 0.25).clone()
+            with torch.no_grad():
+                if how == "data":
+                    old.data = t
+                else:
+                    old.set_(t)
+            given[name] = (index, t)
+            sd = twin.state_dict()
+            sd["state"][index][name] = t.clone()
+            twin.load_state_dict(sd)
+        opt.step()
+        twin.step()
+        for i, (a, b) in enumerate(zip(kept, fresh)):
+            assert torch.equal(a, b), (step, i)
+            for name, value in opt.state[a].items():
+                assert torch.equal(value, twin.state[b][name]), (step, i, name)
+        for name, (index, t) in given.items():  # the step wrote into the memory given
+            assert torch.equal(t, twin.state[fresh[index]][name]), (step, name)
 
 
 @pytest.mark.parametrize("new_shape", [(2, 3), (8,)])

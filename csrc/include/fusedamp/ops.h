@@ -1,105 +1,134 @@
 #pragma once
-// Typed C++ entry points for the fusedamp operators. Each call goes through the dispatcher,
-// so CPU, CUDA and Meta tensors reach their own kernel, exactly as from Python
-// (torch.ops.fusedamp.*). Semantics are documented with the schemas (csrc/schemas.cpp) and
-// in README.md.
-#include <ATen/core/Tensor.h>
-#include <c10/util/ArrayRef.h>
-#include <optional>
+// fusedamp's operators for C++: each one's arguments, declared once (op_declaration.h), and the
+// call that runs it through the dispatcher, so that CPU, CUDA and Meta tensors reach their own
+// kernel exactly as torch.ops.fusedamp.<op> does from Python. What each operator does is written
+// beside its schema, in csrc/schemas.cpp; the arguments below are the schema's, in its order.
+//
+//   fusedamp::ops::AdamStep a;          // every field starts at the schema's default
+//   a.params = params; a.master_params = masters; a.grads = grads;
+//   a.exp_avgs = m; a.exp_avg_sqs = v; a.steps = steps;
+//   a.lr = 1e-3; a.beta1 = 0.9; a.beta2 = 0.999; a.eps = 1e-8; a.weight_decay = 0.01;
+//   a.decoupled_weight_decay = true;
+//   fusedamp::ops::adam_step_(a);
+//
+// or, with the arguments in schema order: fusedamp::ops::unscale_and_check_({grads, found_inf,
+// inv_scale}). The lists are views: the tensors they name must outlive the call.
+#include <fusedamp/op_declaration.h>
 
 namespace fusedamp::ops {
 
-using at::Tensor;
-using at::TensorList;
-using OptTensor = std::optional<Tensor>;
+#define FUSEDAMP_UNSCALE_AND_CHECK_ARGS(X) \
+  X(Tensors, grads)                        \
+  X(Tensor, found_inf)                     \
+  X(Tensor, inv_scale)                     \
+  X(OptTensor, sum_sq)                     \
+  X(OptTensor, telemetry)
+FUSEDAMP_DECLARE_OP(UnscaleAndCheck, unscale_and_check_, FUSEDAMP_UNSCALE_AND_CHECK_ARGS);
 
-void unscale_and_check_(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
-                        const OptTensor& sum_sq = std::nullopt,
-                        const OptTensor& telemetry = std::nullopt);
+#define FUSEDAMP_GRAD_STATS_ARGS(X) \
+  X(Tensors, grads)                 \
+  X(Tensor, found_inf)              \
+  X(Tensor, sum_sq)                 \
+  X(OptTensor, tensor_flags)        \
+  X(OptTensor, telemetry)
+FUSEDAMP_DECLARE_OP(GradStats, grad_stats_, FUSEDAMP_GRAD_STATS_ARGS);
 
-void grad_stats_(
-    TensorList grads, const Tensor& found_inf, const Tensor& sum_sq,
-    const OptTensor& tensor_flags = std::nullopt, const OptTensor& telemetry = std::nullopt);
+#define FUSEDAMP_UPDATE_SCALE_ARGS(X) \
+  X(Tensor, scale)                    \
+  X(Tensor, growth_tracker)           \
+  X(Tensor, hysteresis_tracker)       \
+  X(Tensor, found_inf)                \
+  X(Float, growth_factor)             \
+  X(Float, backoff_factor)            \
+  X(Int, growth_interval)             \
+  X(Int, hysteresis)                  \
+  X(OptFloat, min_scale)              \
+  X(OptFloat, max_scale)              \
+  X(OptTensor, amax)                  \
+  X(OptFloat, amax_target)            \
+  X(OptTensor, scale_history)         \
+  X(Int, scale_history_slot)
+FUSEDAMP_DECLARE_OP(UpdateScale, update_scale_, FUSEDAMP_UPDATE_SCALE_ARGS);
 
-void update_scale_(
-    const Tensor& scale, const Tensor& growth_tracker, const Tensor& hysteresis_tracker,
-    const Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
-    int64_t hysteresis = 1, std::optional<double> min_scale = std::nullopt,
-    std::optional<double> max_scale = std::nullopt, const OptTensor& amax = std::nullopt,
-    std::optional<double> amax_target = std::nullopt,
-    const OptTensor& scale_history = std::nullopt, int64_t scale_history_slot = 0);
+#define FUSEDAMP_RECORD_TELEMETRY_ARGS(X) \
+  X(Tensor, ring)                         \
+  X(Int, slot)                            \
+  X(Tensor, scale)                        \
+  X(Tensor, found_inf)                    \
+  X(Tensor, measured)                     \
+  X(OptTensor, pass_sum_sq)
+FUSEDAMP_DECLARE_OP(RecordTelemetry, record_telemetry_, FUSEDAMP_RECORD_TELEMETRY_ARGS);
 
-// A loss scaler's telemetry record of one iteration into row `slot` of its ring (schemas.cpp,
-// math/telemetry_math.h's columns), in one kernel.
-void record_telemetry_(const Tensor& ring, int64_t slot, const Tensor& scale,
-                       const Tensor& found_inf, const Tensor& measured,
-                       const OptTensor& pass_sum_sq = std::nullopt);
+#define FUSEDAMP_ACCOUNT_STEP_ARGS(X) \
+  X(Tensor, step_applied)             \
+  X(Tensor, skipped_steps)            \
+  X(OptTensor, found_inf)             \
+  X(OptTensor, found_inf_out)         \
+  X(OptTensor, grad_sum_sq)           \
+  X(OptTensor, inv_scale)             \
+  X(OptTensor, grad_norms)            \
+  X(Int, grad_norm_slot)
+FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
 
-// What a master-weight optimizer records after a step, in one kernel (schemas.cpp): from the
-// step's found_inf, whether it was applied (step_applied) and the skipped-step count, the loss
-// scaler's copy of the flag (found_inf_out); with grad_norms, the unscaled global gradient norm
-// into grad_norms[grad_norm_slot].
-void account_step_(const Tensor& step_applied, const Tensor& skipped_steps,
-                   const OptTensor& found_inf = std::nullopt,
-                   const OptTensor& found_inf_out = std::nullopt,
-                   const OptTensor& grad_sum_sq = std::nullopt,
-                   const OptTensor& inv_scale = std::nullopt,
-                   const OptTensor& grad_norms = std::nullopt, int64_t grad_norm_slot = 0);
+#define FUSEDAMP_ADAM_STEP_ARGS(X) \
+  X(Tensors, params)               \
+  X(Tensors, master_params)        \
+  X(Tensors, grads)                \
+  X(Tensors, exp_avgs)             \
+  X(Tensors, exp_avg_sqs)          \
+  X(Tensors, steps)                \
+  X(Float, lr)                     \
+  X(Float, beta1)                  \
+  X(Float, beta2)                  \
+  X(Float, eps)                    \
+  X(Float, weight_decay)           \
+  X(Bool, decoupled_weight_decay)  \
+  X(Bool, maximize)                \
+  X(OptTensor, lr_tensor)          \
+  X(OptTensor, inv_scale)          \
+  X(OptTensor, found_inf)          \
+  X(OptTensor, grad_sum_sq)        \
+  X(OptFloat, max_grad_norm)       \
+  X(Bool, adopt_param_edits)       \
+  X(Bool, write_back_grads)        \
+  X(OptTensors, max_exp_avg_sqs)   \
+  X(OptInts, rounding_seeds)
+FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
 
-// The device-side scalars a fused step reads. All optional; each is a 1-element FP32 tensor on
-// the parameters' device.
-struct StepScalars {
-  OptTensor lr_tensor;    // overrides the numeric lr
-  OptTensor inv_scale;    // 1 / loss scale
-  OptTensor found_inf;    // skip the whole step when != 0
-  OptTensor grad_sum_sq;  // from grad_stats_, for clipping
-  std::optional<double> max_grad_norm;
-};
+#define FUSEDAMP_SGD_STEP_ARGS(X) \
+  X(Tensors, params)              \
+  X(Tensors, master_params)       \
+  X(Tensors, grads)               \
+  X(Tensors, momentum_buffers)    \
+  X(Tensors, steps)               \
+  X(Float, lr)                    \
+  X(Float, momentum)              \
+  X(Float, dampening)             \
+  X(Float, weight_decay)          \
+  X(Bool, nesterov)               \
+  X(Bool, maximize)               \
+  X(OptTensor, lr_tensor)         \
+  X(OptTensor, inv_scale)         \
+  X(OptTensor, found_inf)         \
+  X(OptTensor, grad_sum_sq)       \
+  X(OptFloat, max_grad_norm)      \
+  X(Bool, adopt_param_edits)      \
+  X(Bool, write_back_grads)       \
+  X(OptInts, rounding_seeds)
+FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 
-// What a step does besides updating params and state (both are flags of the step ops).
-struct StepModes {
-  // Masters follow edits of the model: where params[i] is no longer the rounding of
-  // master_params[i] (a loaded snapshot, a clamp, a pruning mask, an EMA swap), the master
-  // takes the param's value before the update. Costs a read of params (2 B/param at FP16).
-  bool adopt_param_edits = true;
-  // grads[i] receive the gradient the update used (times inv_scale and the clip coefficient),
-  // as torch's fused optimizers leave .grad. Costs a write of grads (2 B/param at FP16).
-  bool write_back_grads = false;
-  // Stochastic rounding of BF16 params (no master_params): one seed per tensor; the random
-  // bits are a function of (seed, step count, element index). Empty: round to nearest.
-  c10::IntArrayRef rounding_seeds;
-};
+// Every operator, in the order of csrc/schemas.cpp: what registers each kernel and entry.
+template <typename... Ops>
+struct OpList {};
+using AllOps = OpList<UnscaleAndCheck, GradStats, UpdateScale, RecordTelemetry, AccountStep,
+                      AdamStep, SgdStep>;
 
-struct AdamArgs {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool decoupled_weight_decay = true;
-  bool maximize = false;
-};
-
-// master_params: empty (no master), FP32 masters, int16 remainders beside BF16 params
-// ("split"), or compensations of the params' dtype ("kahan"); see csrc/schemas.cpp.
-void adam_step_(
-    TensorList params, TensorList master_params, TensorList grads, TensorList exp_avgs,
-    TensorList exp_avg_sqs, TensorList steps, const AdamArgs& args,
-    const StepScalars& scalars = {}, const StepModes& modes = {},
-    TensorList max_exp_avg_sqs = {});  // AMSGrad's running maxima; empty: plain Adam
-
-struct SgdArgs {
-  double lr = 1e-2;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
-};
-
-void sgd_step_(
-    TensorList params, TensorList master_params, TensorList grads, TensorList momentum_buffers,
-    TensorList steps, const SgdArgs& args, const StepScalars& scalars = {},
-    const StepModes& modes = {});
+void unscale_and_check_(const UnscaleAndCheck& args);
+void grad_stats_(const GradStats& args);
+void update_scale_(const UpdateScale& args);
+void record_telemetry_(const RecordTelemetry& args);
+void account_step_(const AccountStep& args);
+void adam_step_(const AdamStep& args);
+void sgd_step_(const SgdStep& args);
 
 }  // namespace fusedamp::ops

@@ -29,7 +29,6 @@
 #include <utility>
 #include <vector>
 
-#include <fusedamp/ops.h>
 #include <fusedamp/optim/options.h>
 #include <fusedamp/optim/param_state.h>
 
@@ -40,6 +39,7 @@ class BucketPlan;
 class DeviceStats;
 class ParamStateStore;
 struct Bucket;
+struct StepInputs;
 }  // namespace detail
 
 // The engine settings every options struct carries (read per group).
@@ -172,8 +172,6 @@ class Optimizer : public torch::optim::Optimizer {
 
   // ---- what a concrete optimizer provides (OptimizerOf implements all but run_bucket) ------
   virtual const char* kind() const = 0;  // "Adam" | "SGD": in messages, checked on load
-  // The fused op run_bucket calls ("fusedamp::adam_step_"): its checks' messages name it.
-  virtual const char* step_op() const = 0;
   virtual EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const = 0;
   // Throws c10::ValueError for invalid hyper-parameters of group `group`.
   virtual void check_group(const torch::optim::OptimizerOptions& o, size_t group) const = 0;
@@ -191,15 +189,12 @@ class Optimizer : public torch::optim::Optimizer {
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
   // The fused op of this kind over one bucket.
   virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                          const ops::StepScalars& s, const ops::StepModes& modes) const = 0;
+                          const detail::StepInputs& in) const = 0;
 
   torch::optim::OptimizerOptions& checked_group(size_t group);
   const torch::optim::OptimizerOptions& checked_group(size_t group) const;
 
  private:
-  // gather_grads(); within_step: called by step()/step_amp(), which run the step op right
-  // after it (see BucketPlan::update).
-  bool gather(bool within_step);
   bool any_group(bool (*pred)(const EngineGroupOptions&)) const;
   void account(const at::Tensor& found_inf, bool checked, const at::Tensor& found_inf_out,
                const at::Tensor& inv_scale);

@@ -21,7 +21,6 @@ class OptimizerOf : public Optimizer {
 
  private:
   const char* kind() const final;
-  const char* step_op() const final;
   EngineGroupOptions engine_options(const torch::optim::OptimizerOptions& o) const final;
   void check_group(const torch::optim::OptimizerOptions& o, size_t group) const final;
   StateSlots known_slots() const final;
@@ -35,7 +34,7 @@ class OptimizerOf : public Optimizer {
                          std::optional<double> max_norm) const final;
   std::unique_ptr<torch::optim::OptimizerOptions> make_options() const final;
   void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                  const ops::StepScalars& s, const ops::StepModes& modes) const final;
+                  const detail::StepInputs& in) const final;
 };
 
 }  // namespace fusedamp::optim

@@ -1,5 +1,5 @@
 #pragma once
-// The vectors a CPU kernel needs for one call (per-tensor coefficients and step counts, the
+// The vectors a kernel or its checks need for one call (per-tensor coefficients and step counts,
 // chunk plan, per-chunk partial results), lent from a pool of this thread's and given back when
 // the call ends, so that a step over thousands of tensors allocates nothing once warm. Fresh
 // allocations of their sizes (10-160 KB each at 10,000 tensors) cost more than the kernels'
@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace fusedamp::cpu {
+namespace fusedamp {
 
 template <typename T>
 class ScratchVector {
@@ -51,4 +51,4 @@ class ScratchVector {
   std::vector<T> v_;
 };
 
-}  // namespace fusedamp::cpu
+}  // namespace fusedamp

@@ -1,13 +1,18 @@
-// grad_stats_ for grads the fused kernels do not walk (see op_prelude.h grad_stats_split).
+// unscale_and_check_ and grad_stats_ for grads the fused kernels do not walk (see
+// kernel_entry.h): those grads go to ATen ops, with the same contract.
 #include <ATen/ATen.h>
 #include <fusedamp/math/telemetry_math.h>
 
 #include <limits>
 #include <vector>
 
-#include "op_prelude.h"
+#include "kernel_entry.h"
 
-namespace fusedamp::prelude {
+namespace fusedamp::kernels {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
 namespace {
 
 // The smallest normal number of a per-tensor grad's own dtype (FP64 included).
@@ -43,9 +48,12 @@ void add_telemetry(const Tensor& telemetry, const Tensor& g, const Tensor& nonfi
 
 }  // namespace
 
-void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
-                      const Tensor& found_inf, const Tensor& sum_sq,
-                      const OptTensor& tensor_flags, const OptTensor& telemetry) {
+void grad_stats_split(void (*fused_stats)(const ops::GradStats&), const ops::GradStats& op) {
+  const TensorList grads = op.grads;
+  const Tensor& found_inf = op.found_inf;
+  const Tensor& sum_sq = op.sum_sq;
+  const OptTensor& tensor_flags = op.tensor_flags;
+  const OptTensor& telemetry = op.telemetry;
   const bool want_flags = tensor_flags.has_value() && tensor_flags->defined();
   const bool want_telemetry = telemetry.has_value() && telemetry->defined();
   std::vector<Tensor> fused;
@@ -74,7 +82,7 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
     return;
   }
   if (!want_flags && !want_telemetry) {
-    fused_stats(GradStats{fused, found_inf, sum_sq, std::nullopt, std::nullopt});
+    fused_stats(ops::GradStats{fused, found_inf, sum_sq});
     return;
   }
   // The kernel flags and counts by list position: give it lists of its own, then merge each
@@ -86,7 +94,7 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
   if (want_telemetry) {
     fused_telemetry = at::zeros({math::kTelemetrySlots}, telemetry->options());
   }
-  fused_stats(GradStats{fused, found_inf, sum_sq, fused_flags, fused_telemetry});
+  fused_stats(ops::GradStats{fused, found_inf, sum_sq, fused_flags, fused_telemetry});
   if (want_telemetry) {
     Tensor amax = telemetry->narrow(0, math::kAmax, 1);
     amax.copy_(at::maximum(amax, fused_telemetry->narrow(0, math::kAmax, 1)));
@@ -108,4 +116,23 @@ void grad_stats_split(void (*fused_stats)(const GradStats&), TensorList grads,
   }
 }
 
-}  // namespace fusedamp::prelude
+// With statistics and such grads (a rare mix), grad_stats_'s own path reads them all first, then
+// the plain unscale: the fused grads by the backend, the others by torch's own kernel (which
+// torch's op also uses for them).
+void unscale_and_check_split(void (*fused_unscale)(const ops::UnscaleAndCheck&),
+                             void (*fused_stats)(const ops::GradStats&),
+                             const ops::UnscaleAndCheck& op) {
+  if (op.sum_sq && op.sum_sq->defined()) {
+    grad_stats_split(fused_stats, ops::GradStats{op.grads, op.found_inf, *op.sum_sq,
+                                                 std::nullopt, op.telemetry});
+  }
+  std::vector<Tensor> fused, per_tensor;
+  for (const auto& g : op.grads) {
+    (checks::per_tensor_grad(g) ? per_tensor : fused).push_back(g);
+  }
+  fused_unscale(ops::UnscaleAndCheck{fused, op.found_inf, op.inv_scale});
+  Tensor found_inf = op.found_inf;  // the same tensor; torch's signature takes Tensor&
+  at::_amp_foreach_non_finite_check_and_unscale_(per_tensor, found_inf, op.inv_scale);
+}
+
+}  // namespace fusedamp::kernels

@@ -41,7 +41,7 @@ struct BoolSwitch {
 
 // A dtype among a fixed set of element types: visits T{} for the first T of Ts whose dtype it
 // is. Only the listed types are instantiated; any other dtype has been rejected by the argument
-// checks (op_checks.h) before a kernel runs, so reaching the end is an internal error.
+// checks (ops/checks.h) before a kernel runs, so reaching the end is an internal error.
 template <typename... Ts>
 struct DtypeSwitch {
   c10::ScalarType dtype;
@@ -153,7 +153,7 @@ struct WeightStoreSwitch {
 // kWriteGrads, more...), where param has the params' element type (FP32, FP16 or BF16), grad
 // the grads' (FP32 or the params'), kStore is how the weights are kept (WeightStore; only the
 // combinations weight_store_fits allows are instantiated) and kWriteGrads whether the multiplied
-// gradients are written back. The lists have been checked (op_checks.h); empty ones have
+// gradients are written back. The lists have been checked (ops/checks.h); empty ones have
 // nothing to run.
 template <typename Body, typename... More>
 void step_switch(at::TensorList params, at::TensorList grads, WeightStore store,

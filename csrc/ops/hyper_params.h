@@ -1,5 +1,5 @@
 #pragma once
-// The valid range of every hyper-parameter, written once for the operators (op_checks.cpp),
+// The valid range of every hyper-parameter, written once for the operators (checks.cpp),
 // the optimizers (engine/hyper_params.cpp) and the loss scaler. Callers word their messages
 // for their audience — an operator names its arguments, an optimizer speaks torch.optim's
 // words — but the ranges themselves live only here.

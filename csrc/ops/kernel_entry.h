@@ -1,0 +1,132 @@
+#pragma once
+// What every backend (CPU, CUDA, Meta, the fallback) does first, written once: each operator's
+// kernel takes the arguments as the dispatcher passes them (the operator's Signature), gathers
+// them into its declaration (fusedamp/ops.h), checks them all (checks.h: before anything is
+// touched) and hands them to the backend. For the step ops it also derives, once for all
+// backends, what the kernels walk (step_lists.h). A backend is a struct of static functions,
+// one per operator, each taking the declaration (a step operator's: its Step);
+// implement_ops<Backend>(m) registers them.
+#include <fusedamp/math/scale_math.h>
+#include <fusedamp/ops.h>
+#include <torch/library.h>
+
+#include <type_traits>
+
+#include "checks.h"
+#include "step_lists.h"
+
+namespace fusedamp::kernels {
+
+// unscale_and_check_ / grad_stats_ over grads some of which the fused kernels do not walk
+// (checks::per_tensor_grad): those go to ATen ops, the others to `fused`, with the same
+// contract (per_tensor_grads.cpp). A rare path (FP64 models, odd layouts).
+void unscale_and_check_split(void (*fused_unscale)(const ops::UnscaleAndCheck&),
+                             void (*fused_stats)(const ops::GradStats&),
+                             const ops::UnscaleAndCheck& op);
+void grad_stats_split(void (*fused_stats)(const ops::GradStats&), const ops::GradStats& op);
+
+template <typename Backend>
+void run(const ops::UnscaleAndCheck& op) {
+  if (!checks::unscale_and_check(op)) {
+    Backend::unscale_and_check(op);
+  } else {
+    unscale_and_check_split(&Backend::unscale_and_check, &Backend::grad_stats, op);
+  }
+}
+
+template <typename Backend>
+void run(const ops::GradStats& op) {
+  if (!checks::grad_stats(op)) {
+    Backend::grad_stats(op);
+  } else {
+    grad_stats_split(&Backend::grad_stats, op);
+  }
+}
+
+// update_scale_'s hyper-parameters as the scale state machine takes them (math/scale_math.h).
+inline math::ScaleHyper scale_hyper(const ops::UpdateScale& op) {
+  math::ScaleHyper h;
+  h.growth_factor = op.growth_factor;
+  h.backoff_factor = op.backoff_factor;
+  h.growth_interval = static_cast<int32_t>(op.growth_interval);
+  h.hysteresis = static_cast<int32_t>(op.hysteresis);
+  h.min_scale = static_cast<float>(op.min_scale.value_or(0.0));
+  h.max_scale = static_cast<float>(op.max_scale.value_or(0.0));
+  h.amax_target = op.amax_target.value_or(0.0);
+  return h;
+}
+
+template <typename Backend>
+void run(const ops::UpdateScale& op) {
+  checks::update_scale(op);
+  Backend::update_scale(op);
+}
+
+template <typename Backend>
+void run(const ops::RecordTelemetry& op) {
+  checks::record_telemetry(op);
+  Backend::record_telemetry(op);
+}
+
+template <typename Backend>
+void run(const ops::AccountStep& op) {
+  checks::account_step(op);
+  Backend::account_step(op);
+}
+
+// Whether Backend's step kernels walk the element addresses the checks take (step_lists.h
+// StepRows); a backend says so with `static constexpr bool kTakesRows = true;`.
+template <typename Backend, typename = void>
+struct takes_rows : std::false_type {};
+template <typename Backend>
+struct takes_rows<Backend, std::void_t<decltype(Backend::kTakesRows)>>
+    : std::bool_constant<Backend::kTakesRows> {};
+
+// A step operator: its Step (step_lists.h), checked, to the backend's kernel; empty lists are a
+// no-op (the kernel is not called).
+template <typename Backend, typename Args, typename Hyper>
+void run_step(const Args& op, bool (*check)(const Args&, Step<Hyper>&),
+              void (*kernel)(const Step<Hyper>&)) {
+  Step<Hyper> step = step_of(op);
+  StepRows rows;
+  if constexpr (takes_rows<Backend>::value) {
+    step.rows = &rows;
+  }
+  if (check(op, step)) {
+    kernel(step);
+  }
+}
+
+template <typename Backend>
+void run(const ops::AdamStep& op) {
+  run_step<Backend>(op, &checks::adam_step, &Backend::adam_step);
+}
+
+template <typename Backend>
+void run(const ops::SgdStep& op) {
+  run_step<Backend>(op, &checks::sgd_step, &Backend::sgd_step);
+}
+
+// The kernel the dispatcher calls for Op: its arguments, as a declaration, to run<Backend>.
+template <typename Op, typename Signature = typename Op::Signature>
+struct KernelOf;
+template <typename Op, typename... Args>
+struct KernelOf<Op, void(Args...)> {
+  template <typename Backend>
+  static void kernel(Args... args) {
+    run<Backend>(Op{args...});
+  }
+};
+
+// Inside TORCH_LIBRARY_IMPL(fusedamp, <dispatch key>, m): every operator, for Backend.
+template <typename Backend, typename... Ops>
+void implement(torch::Library& m, ops::OpList<Ops...>) {
+  (m.impl(Ops::kShortName, &KernelOf<Ops>::template kernel<Backend>), ...);
+}
+
+template <typename Backend>
+void implement_ops(torch::Library& m) {
+  implement<Backend>(m, ops::AllOps{});
+}
+
+}  // namespace fusedamp::kernels

@@ -1,0 +1,177 @@
+#pragma once
+// What every fused step walks, whatever its algorithm (adam_step_, sgd_step_): its lists, its
+// optional device scalars, its modes, and, for a backend whose kernels walk host memory (the
+// CPU), one row of element addresses per list position, taken by the argument checks while
+// each tensor's metadata is in cache. kernel_entry.h derives a Step from an operator's
+// declaration (fusedamp/ops.h) once for every backend.
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/COWDeleter.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/ArrayRef.h>
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/clip_math.h>
+#include <fusedamp/math/sgd_math.h>
+#include <fusedamp/ops.h>
+
+#include <cstdint>
+
+#include "scratch_vector.h"
+#include "static_switch.h"
+#include "tensor_facts.h"
+
+namespace fusedamp {
+
+// ---- the device scalars ---------------------------------------------------------------------
+
+// A step's optional device scalars as raw data pointers, and how a step reads them: written once
+// for the host, where the CPU backend reads them (its tensors are plain memory), and for the
+// device, where the CUDA kernels read them per block (no value ever reaches the host).
+struct StepScalarPointers {
+  const float* lr = nullptr;           // overrides lr_host
+  const float* inv_scale = nullptr;    // 1 if absent
+  const float* found_inf = nullptr;    // the step is skipped where *found_inf != 0
+  const float* grad_sum_sq = nullptr;  // 0 if absent
+  float max_grad_norm = 0.f;           // <= 0: no clipping
+  float lr_host = 0.f;                 // used when lr is nullptr
+
+  // A skipped step reads and writes nothing (steps included).
+  C10_HOST_DEVICE bool skipped() const { return found_inf != nullptr && *found_inf != 0.f; }
+  C10_HOST_DEVICE float learning_rate() const { return lr != nullptr ? *lr : lr_host; }
+  // The factor every gradient is multiplied by: the inverse loss scale times the clip
+  // coefficient (clip_math.h).
+  C10_HOST_DEVICE float grad_multiplier() const {
+    return math::grad_multiplier(inv_scale != nullptr ? *inv_scale : 1.f,
+                                 grad_sum_sq != nullptr ? *grad_sum_sq : 0.f, max_grad_norm);
+  }
+};
+
+// The same scalars as the op received them (nullptr where absent; checked: each a one-element
+// FP32 tensor on the params' device), and the host values that go with them.
+struct StepScalars {
+  const at::Tensor* lr_tensor = nullptr;  // overrides lr
+  const at::Tensor* inv_scale = nullptr;
+  const at::Tensor* found_inf = nullptr;
+  const at::Tensor* grad_sum_sq = nullptr;
+  float lr = 0.f;
+  float max_grad_norm = 0.f;  // <= 0: no clipping
+
+  // Their data pointers, for a backend whose tensors hold memory (not Meta).
+  StepScalarPointers pointers() const {
+    StepScalarPointers s;
+    s.lr = data_of(lr_tensor);
+    s.inv_scale = data_of(inv_scale);
+    s.found_inf = data_of(found_inf);
+    s.grad_sum_sq = data_of(grad_sum_sq);
+    s.max_grad_norm = max_grad_norm;
+    s.lr_host = lr;
+    return s;
+  }
+
+ private:
+  static const float* data_of(const at::Tensor* t) {
+    return t != nullptr ? t->const_data_ptr<float>() : nullptr;
+  }
+};
+
+// ---- element addresses ----------------------------------------------------------------------
+
+// Position i of a step's lists. One cache line, so a kernel walking the rows reads memory in
+// order. The state lists are the step's (Step::state), in its order.
+struct StepRow {
+  void* param;
+  void* grad;
+  void* master;    // master_params[i]; nullptr when the step has no master_params
+  void* state[3];  // nullptr past the step's state lists
+  float* step;     // steps[i]'s one element
+  int64_t numel;   // of params[i], and so of every tensor of the row
+};
+static_assert(sizeof(StepRow) == 64, "a StepRow is one cache line");
+
+// The rows of one call, from this thread's pool (scratch_vector.h): a call over thousands of
+// tensors allocates nothing once warm.
+struct StepRows {
+  ScratchVector<StepRow> rows{0};
+  // Some address could not be taken through the const accessors the checks use: a storage
+  // whose data is copy-on-write (a write must first give it its own copy), one without memory
+  // although the tensor has elements, sizes that are not plain values. The backend then takes
+  // every address through the tensors' mutable accessors instead, after the checks, so that
+  // torch's own handling (the copy, its error) applies.
+  bool needs_mutable_access = false;
+};
+
+// The address of element 0 of a checked dense tensor, as its mutable accessor would give it
+// where that gives the same pointer without side effects; nullptr where it would not (see
+// StepRows::needs_mutable_access). Reads only the TensorImpl and StorageImpl the checks have
+// just read, through inline accessors.
+C10_ALWAYS_INLINE void* plain_address(const at::Tensor& t) {
+  const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = impl.unsafe_storage().unsafeGetStorageImpl();
+  if (!checks::has_concrete_sizes(impl) || storage == nullptr) {
+    return nullptr;
+  }
+  const c10::DataPtr& data = storage->data_ptr();
+  // c10::impl::cow::is_cow_data_ptr's test, inline (it is a call into c10, per tensor).
+  if (data.get() == nullptr || data.get_deleter() == &c10::impl::cow::cow_deleter) {
+    return nullptr;
+  }
+  return static_cast<char*>(data.get()) +
+         impl.storage_offset() * static_cast<int64_t>(impl.dtype().itemsize());
+}
+
+// Starts loading the first elements of a row's tensors, for a kernel that will reach the row a
+// few rows later: with many small tensors each is an allocation of its own, one cache miss
+// apiece when reached unannounced. A prefetch never faults, so null addresses are harmless.
+C10_ALWAYS_INLINE void prefetch_row_elements(const StepRow& row) {
+  __builtin_prefetch(row.param, 1);
+  __builtin_prefetch(row.grad);
+  __builtin_prefetch(row.master, 1);
+  __builtin_prefetch(row.state[0], 1);
+  __builtin_prefetch(row.state[1], 1);
+  __builtin_prefetch(row.state[2], 1);
+}
+
+// ---- a step -----------------------------------------------------------------------------------
+
+// The per-parameter state lists of a step, which mirror params: adam_step_'s exp_avgs,
+// exp_avg_sqs[, max_exp_avg_sqs (AMSGrad)]; sgd_step_'s momentum_buffers (none without
+// momentum). Their names are the operator's, for messages.
+struct StateLists {
+  static constexpr size_t kMax = 3;
+  const char* names[kMax] = {};
+  at::TensorList lists[kMax];
+  size_t count = 0;
+
+  void add(const char* name, at::TensorList list) {
+    names[count] = name;
+    lists[count++] = list;
+  }
+};
+
+template <typename Hyper>
+struct Step {
+  const char* op;  // the operator's qualified name, for messages
+  at::TensorList params;
+  at::TensorList master_params;  // empty, FP32 masters, int16 remainders or compensations
+  at::TensorList grads;
+  at::TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
+  StateLists state;
+  Hyper hyper;
+  StepScalars scalars;
+  bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
+  bool write_back_grads;   // grads := the multiplied gradient the update used
+  c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
+  bool with_rounding_seeds;         // given (even empty): the checks judge them
+  // Where the backend walks host memory: the rows the checks fill; nullptr otherwise.
+  StepRows* rows = nullptr;
+
+  WeightStore weight_store() const {
+    return weight_store_of(master_params, adopt_param_edits, !rounding_seeds.empty());
+  }
+};
+
+// The Step of an operator's arguments (kernel_entry.h; checks.cpp checks both).
+Step<math::AdamHyper> step_of(const ops::AdamStep& a);
+Step<math::SgdHyper> step_of(const ops::SgdStep& a);
+
+}  // namespace fusedamp
