@@ -18,6 +18,7 @@
 
 #include "../ops/kernel_entry.h"
 #include "../ops/scratch_vector.h"
+#include "checked_rows.h"
 #include "cpu_kernels.h"
 
 namespace fusedamp::cpu {
@@ -114,7 +115,7 @@ void run_step(const Step<Hyper>& step, const Kernel& kernel) {
   if (C10_UNLIKELY(step.rows->needs_mutable_access)) {
     take_mutable_addresses(step);
   }
-  const std::vector<StepRow>& rows = *step.rows->rows;
+  const std::vector<StepRow>& rows = step.rows->rows;
   const StepCounts counts(rows);
   kernel(CpuStep{step.params, step.grads, rows.data(), (*counts.before).data(), lr,
                  scalars.grad_multiplier(), step.weight_store(),
@@ -241,6 +242,17 @@ struct CpuOps {
 };
 
 }  // namespace
+
+void adam_step_on_checked_rows(const ops::AdamStep& args, StepRows& rows) {
+  kernels::run_step_on_checked_rows<CpuOps>(args, rows, &checks::adam_step_rows_checked,
+                                            &CpuOps::adam_step);
+}
+
+void sgd_step_on_checked_rows(const ops::SgdStep& args, StepRows& rows) {
+  kernels::run_step_on_checked_rows<CpuOps>(args, rows, &checks::sgd_step_rows_checked,
+                                            &CpuOps::sgd_step);
+}
+
 }  // namespace fusedamp::cpu
 
 TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {

@@ -88,7 +88,8 @@ struct AlgorithmOf<AdamOptions> {
                                group);
   }
 
-  static void run(const detail::Bucket& b, const AdamOptions& o, const detail::StepInputs& in) {
+  static ops::AdamStep args(const detail::Bucket& b, const AdamOptions& o,
+                            const detail::StepInputs& in) {
     ops::AdamStep a;
     detail::fill_step(a, b, in);
     a.exp_avgs = b.state(StateSlot::kExpAvg);
@@ -103,7 +104,7 @@ struct AlgorithmOf<AdamOptions> {
     a.weight_decay = o.weight_decay();
     a.decoupled_weight_decay = o.decoupled_weight_decay();
     a.maximize = o.maximize();
-    ops::adam_step_(a);
+    return a;
   }
 };
 

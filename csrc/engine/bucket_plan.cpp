@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "../ops/checks.h"
 #include "../ops/tensor_facts.h"
 #include "device_stats.h"
 #include "grad_lookahead.h"
@@ -13,6 +14,10 @@
 
 namespace fusedamp::optim::detail {
 namespace {
+
+// How far ahead of the walk a row's state tensors are asked for (their storages at half the
+// distance): each parameter's walk reads its own and its gradient's metadata meanwhile.
+constexpr size_t kRowStateAhead = 32;
 
 bool is_float_kind(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
@@ -58,7 +63,8 @@ int64_t rounding_seed_of(int64_t group_seed, int64_t param_index) {
 }  // namespace
 
 void BucketPlan::update(const char* who, const std::vector<Group>& groups,
-                        ParamStateStore& states, DeviceStats& devices) {
+                        ParamStateStore& states, DeviceStats& devices,
+                        std::optional<RowLists> row_lists) {
   std::vector<GroupKey> group_keys;
   std::vector<ParamKey>& param_keys = walked_param_keys_;
   group_keys.reserve(groups.size());
@@ -70,6 +76,14 @@ void BucketPlan::update(const char* who, const std::vector<Group>& groups,
   // walk of its own after it (collect_grads).
   bool on_plan = valid_;
   try {
+    for (auto& b : buckets_) {
+      b.rows_checked = false;
+      b.checking_rows = on_plan && row_lists.has_value() && b.device.is_cpu();
+      if (b.checking_rows) {
+        b.row_lists = (*row_lists)(b);
+        checks::begin_rows(b.row_lists, checks::step_facts(b.row_lists, b.grad_dtype), b.rows);
+      }
+    }
     walk(who, groups, group_keys, param_keys, on_plan, devices);
     on_plan = on_plan && param_keys.size() == param_keys_.size() && group_keys == group_keys_;
     if (on_plan) {
@@ -109,6 +123,10 @@ void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
         continue;
       }
       const size_t seen = param_keys.size();
+      if (on_plan) {
+        prefetch_row_state(seen + kRowStateAhead, /*with_storages=*/false);
+        prefetch_row_state(seen + kRowStateAhead / 2, /*with_storages=*/true);
+      }
       const bool clean = on_plan && seen < param_keys_.size() &&
                          reads_clean(param_keys_[seen], p, g, dtype_fits);
       if (clean) {
@@ -145,8 +163,21 @@ bool BucketPlan::reads_clean(const ParamKey& key, const at::Tensor& p, const at:
 }
 
 void BucketPlan::place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices) {
-  const Bucket& b = buckets_[bucket_of_seen_[seen]];
-  devices.set_grad(b.device_slot, b.stats_position + position_of_seen_[seen], g);
+  Bucket& b = buckets_[bucket_of_seen_[seen]];
+  const size_t k = position_of_seen_[seen];
+  devices.set_grad(b.device_slot, b.stats_position + k, g);
+  if (b.checking_rows) {
+    checks::step_row(b.row_lists, k, g, b.rows);
+  }
+}
+
+void BucketPlan::prefetch_row_state(size_t seen, bool with_storages) const {
+  if (seen < bucket_of_seen_.size()) {
+    const Bucket& b = buckets_[bucket_of_seen_[seen]];
+    if (b.checking_rows) {
+      checks::prefetch_row(b.row_lists, position_of_seen_[seen], with_storages);
+    }
+  }
 }
 
 void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& states,
@@ -224,12 +255,19 @@ void BucketPlan::collect_grads(DeviceStats& devices) {
 void BucketPlan::finish_collect(DeviceStats& devices) {
   for (auto& b : buckets_) {
     b.grads = devices.grads(b.device_slot, b.stats_position, b.params.size());
+    b.row_lists.grads = b.grads;
+    // On the plan, every position was placed: every row was checked.
+    b.rows_checked = b.checking_rows;
+    b.checking_rows = false;
   }
 }
 
 void BucketPlan::release_grads(DeviceStats& devices) {
   for (auto& b : buckets_) {
     b.grads = at::TensorList();
+    // Rows are checked for one step: the next one checks them again.
+    b.rows_checked = false;
+    b.checking_rows = false;
   }
   devices.release_grads();
 }

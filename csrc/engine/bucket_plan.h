@@ -4,11 +4,13 @@
 // the same order. The plan is rebuilt only when what it depends on changes — the set of
 // parameters with gradients, their dtypes and devices, or the state a group needs — so a
 // steady training loop only collects this step's gradient handles.
+#include <c10/util/FunctionRef.h>
 #include <fusedamp/optim/optimizer.h>
 
 #include <array>
 #include <vector>
 
+#include "../ops/step_lists.h"
 #include "../ops/tensor_facts.h"
 
 namespace fusedamp::optim::detail {
@@ -38,6 +40,15 @@ struct Bucket {
   const std::vector<at::Tensor>& state(StateSlot slot) const { return state_[index_of(slot)]; }
   std::vector<at::Tensor>& state(StateSlot slot) { return state_[index_of(slot)]; }
 
+  // This step's rows of the bucket's step op, checked by update()'s walk as the op checks them
+  // (checks::step_row), for the engine's call on a CPU bucket (step_call.h), which then need
+  // not read every tensor's metadata a second time. Valid while rows_checked: set when the walk
+  // checked every row, cleared when the step's gradients are released.
+  StepLists row_lists;       // the op's lists over this bucket (grads: this step's, once placed)
+  mutable StepRows rows;     // the kernel may retake an address (StepRows::needs_mutable_access)
+  bool rows_checked = false;
+  bool checking_rows = false;  // during the walk
+
  private:
   static size_t index_of(StateSlot slot) {
     return static_cast<size_t>(is_weight_store_slot(slot) ? StateSlot::kMasterParam : slot);
@@ -56,12 +67,17 @@ class BucketPlan {
     StateSlots slots;              // the state its step needs besides the weight store
   };
 
+  // The lists of a bucket's step op (its algorithm's), for checking its rows.
+  using RowLists = c10::function_ref<StepLists(const Bucket&)>;
+
   // Checks every gradient (`who` names the optimizer in messages), rebuilds the buckets if the
   // key changed (creating missing state in `states`), and collects this step's gradients into
   // the buckets and `devices`. Nothing is modified when a check fails (but this step's
-  // gradient handles, dropped again).
+  // gradient handles, dropped again). With row_lists (a caller that runs the step ops right
+  // after, with nothing in between that could change a tensor of theirs), a CPU bucket on
+  // the previous step's plan also gets its rows checked (Bucket::rows).
   void update(const char* who, const std::vector<Group>& groups, ParamStateStore& states,
-              DeviceStats& devices);
+              DeviceStats& devices, std::optional<RowLists> row_lists);
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t builds() const { return builds_; }
   // Forces a rebuild at the next update() (state was replaced from outside).
@@ -116,8 +132,12 @@ class BucketPlan {
   static bool reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
                           DtypeFits dtype_fits);
   // update()'s walk, while the parameters match the previous step's plan: the gradient of the
-  // `seen`-th parameter with one goes to its place at once (see update()).
+  // `seen`-th parameter with one goes to its place at once (see update()), and its row is
+  // checked where its bucket's rows are.
   void place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices);
+  // Starts loading the state tensors' metadata of the `seen`-th parameter's row, for a walk
+  // that checks rows (with_storages: their storages', once the tensors are in cache).
+  void prefetch_row_state(size_t seen, bool with_storages) const;
   // The lists' views of this step's gradients, once `devices` holds them all.
   void finish_collect(DeviceStats& devices);
 

@@ -73,6 +73,10 @@ Optimizer::~Optimizer() = default;
 // ---- phases ---------------------------------------------------------------------------------
 
 bool Optimizer::gather_grads() {
+  return gather(/*within_step=*/false);
+}
+
+bool Optimizer::gather(bool within_step) {
   check_options();
   std::vector<detail::BucketPlan::Group> groups;
   groups.reserve(param_groups_.size());
@@ -81,7 +85,11 @@ bool Optimizer::gather_grads() {
     groups.push_back({&g.params(), e.master_weights, e.state_dtype, e.rounding_seed,
                       slots_needed(g.options())});
   }
-  plan_->update(kind(), groups, *states_, *stats_);
+  const auto lists = [this](const detail::Bucket& b) {
+    return row_lists(b, param_groups_[b.group].options());
+  };
+  plan_->update(kind(), groups, *states_, *stats_,
+                within_step ? std::optional<detail::BucketPlan::RowLists>(lists) : std::nullopt);
   stats_->invalidate();
   norm_this_step_ = false;
   return !plan_->buckets().empty();
@@ -220,7 +228,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  if (!gather_grads()) {
+  if (!gather(/*within_step=*/true)) {
     return loss;
   }
   if (any_group(needs_stats)) {
@@ -233,7 +241,7 @@ at::Tensor Optimizer::step(LossClosure closure) {
 void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
                          GradTelemetrySink* telemetry) {
   at::NoGradGuard no_grad;
-  if (!gather_grads()) {
+  if (!gather(/*within_step=*/true)) {
     return;
   }
   if (grad_scale.defined() || !found_inf.defined() || any_group(clips)) {

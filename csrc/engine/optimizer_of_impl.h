@@ -8,7 +8,8 @@
 //     static bool set_option(MyOptions&, const std::string&, double);   // its own names
 //     static std::optional<double> option(const MyOptions&, const std::string&);
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
-//     static void run(const Bucket&, const MyOptions&, const StepInputs&);  // its fused op
+//     static ops::MyStep args(const Bucket&, const MyOptions&,  // its fused op's arguments
+//                             const StepInputs&);
 //   };
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
@@ -158,7 +159,13 @@ template <typename Options>
 void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const torch::optim::OptimizerOptions& o,
                                       const detail::StepInputs& in) const {
-  AlgorithmOf<Options>::run(b, detail::as<Options>(o), in);
+  detail::call_step(AlgorithmOf<Options>::args(b, detail::as<Options>(o), in), b);
+}
+
+template <typename Options>
+StepLists OptimizerOf<Options>::row_lists(const detail::Bucket& b,
+                                          const torch::optim::OptimizerOptions& o) const {
+  return step_of(AlgorithmOf<Options>::args(b, detail::as<Options>(o), detail::StepInputs()));
 }
 
 }  // namespace fusedamp::optim

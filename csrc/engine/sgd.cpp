@@ -69,7 +69,8 @@ struct AlgorithmOf<SGDOptions> {
     detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
   }
 
-  static void run(const detail::Bucket& b, const SGDOptions& o, const detail::StepInputs& in) {
+  static ops::SgdStep args(const detail::Bucket& b, const SGDOptions& o,
+                           const detail::StepInputs& in) {
     ops::SgdStep a;
     detail::fill_step(a, b, in);
     a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);
@@ -79,7 +80,7 @@ struct AlgorithmOf<SGDOptions> {
     a.weight_decay = o.weight_decay();
     a.nesterov = o.nesterov();
     a.maximize = o.maximize();
-    ops::sgd_step_(a);
+    return a;
   }
 };
 

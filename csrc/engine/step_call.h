@@ -1,10 +1,16 @@
 #pragma once
-// What every bucket's step op call has besides its algorithm's hyper-parameters, and how it
-// goes into either step operator's declaration (fusedamp/ops.h).
+// What every bucket's step op call has besides its algorithm's hyper-parameters, how it goes
+// into either step operator's declaration (fusedamp/ops.h), and how the engine makes the call.
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <fusedamp/ops.h>
 
 #include <optional>
 
+#include "../cpu/checked_rows.h"
+#include "../ops/handles.h"
 #include "bucket_plan.h"
 
 namespace fusedamp::optim::detail {
@@ -36,6 +42,40 @@ void fill_step(Args& a, const Bucket& b, const StepInputs& in) {
   a.write_back_grads = in.write_back_grads;
   if (!b.rounding_seeds.empty()) {
     a.rounding_seeds = b.rounding_seeds;
+  }
+}
+
+// Whether the CPU kernel is what the dispatcher would run for a call over tensors with these
+// keys (dense CPU tensors; autograd's and autocast's keys change nothing for the step ops,
+// which the engine runs below autograd) on a thread with no dispatch key of its own (a
+// __torch_dispatch__ mode, functionalization).
+inline bool plain_cpu_call(c10::DispatchKeySet keys) {
+  static const c10::DispatchKeySet kPlainCpu{c10::DispatchKey::CPU,
+                                             c10::DispatchKey::ADInplaceOrView,
+                                             c10::DispatchKey::AutogradCPU,
+                                             c10::DispatchKey::AutocastCPU};
+  return kPlainCpu.isSupersetOf(keys) &&
+         (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+}
+
+inline void step_on_checked_rows(const ops::AdamStep& a, StepRows& rows) {
+  cpu::adam_step_on_checked_rows(a, rows);
+}
+inline void step_on_checked_rows(const ops::SgdStep& a, StepRows& rows) {
+  cpu::sgd_step_on_checked_rows(a, rows);
+}
+
+// The step op of bucket b. Where this step's walk checked b's rows (a CPU bucket, within a
+// whole step) and the call would reach the CPU kernel, the kernel runs on those rows (under the
+// op's name for the profiler): the op's own walk would read every tensor's metadata again.
+// Otherwise, the operator through the dispatcher.
+template <typename Args>
+void call_step(const Args& a, const Bucket& b) {
+  if (b.rows_checked && plain_cpu_call(b.rows.keys)) {
+    RECORD_FUNCTION(Args::kName, std::vector<c10::IValue>());
+    step_on_checked_rows(a, b.rows);
+  } else {
+    ops::call(a);
   }
 }
 

@@ -30,4 +30,25 @@ void account_step(const ops::AccountStep& a);
 bool adam_step(const ops::AdamStep& a, Step<math::AdamHyper>& step);
 bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step);
 
+// ---- a caller that checks a step's rows itself -----------------------------------------------
+// The engine reads every parameter and gradient of a step in its gradient walk anyway: it
+// checks each row there, as the op would (these functions are the op's own checks, with its
+// messages), and calls the kernel on the rows it checked (kernel_entry.h
+// run_step_on_checked_rows), where the op would read every tensor's metadata a second time.
+
+// The list checks of `lists` but the grads' (lengths, dtypes, weight store), given the grads'
+// dtype: what every row is checked against. n > 0.
+StepFacts step_facts(const StepLists& lists, c10::ScalarType grad_dtype);
+// Before the rows: rows.rows sized for `lists` (n of them), against `facts`.
+void begin_rows(const StepLists& lists, const StepFacts& facts, StepRows& rows);
+// Row i (params[i], grad, and lists' other tensors at i) checked as the op checks it, its
+// addresses into rows.rows[i] and its tensors' dispatch keys into rows.keys.
+void step_row(const StepLists& lists, size_t i, const at::Tensor& grad, StepRows& rows);
+// Starts loading row i's state tensors' metadata (their storages': with storages).
+void prefetch_row(const StepLists& lists, size_t i, bool storages);
+// adam_step / sgd_step over rows the caller checked: everything but the rows (the
+// hyper-parameters, the lists, that the rows are this call's, the device scalars).
+bool adam_step_rows_checked(const ops::AdamStep& a, Step<math::AdamHyper>& step);
+bool sgd_step_rows_checked(const ops::SgdStep& a, Step<math::SgdHyper>& step);
+
 }  // namespace fusedamp::checks

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "scratch_vector.h"
 #include "step_lists.h"
 
 namespace fusedamp::kernels {
@@ -88,11 +89,16 @@ template <typename Backend, typename Args, typename Hyper>
 void run_step(const Args& op, bool (*check)(const Args&, Step<Hyper>&),
               void (*kernel)(const Step<Hyper>&)) {
   Step<Hyper> step = step_of(op);
-  StepRows rows;
   if constexpr (takes_rows<Backend>::value) {
+    ScratchVector<StepRow> pooled(0);
+    StepRows rows;
+    rows.rows.swap(*pooled);  // back to the pool below, with its capacity
     step.rows = &rows;
-  }
-  if (check(op, step)) {
+    if (check(op, step)) {
+      kernel(step);
+    }
+    rows.rows.swap(*pooled);
+  } else if (check(op, step)) {
     kernel(step);
   }
 }
@@ -105,6 +111,21 @@ void run(const ops::AdamStep& op) {
 template <typename Backend>
 void run(const ops::SgdStep& op) {
   run_step<Backend>(op, &checks::sgd_step, &Backend::sgd_step);
+}
+
+// A step operator's kernel on rows its caller checked itself, this step, with checks::step_row
+// (the engine's gradient walk): the op's other checks run, the rows' do not. Not registered:
+// the dispatcher never comes here; the operator is always run<Backend> above. `rows` are the
+// caller's (their addresses may be retaken: StepRows::needs_mutable_access).
+template <typename Backend, typename Args, typename Hyper>
+void run_step_on_checked_rows(const Args& op, StepRows& rows,
+                              bool (*check)(const Args&, Step<Hyper>&),
+                              void (*kernel)(const Step<Hyper>&)) {
+  Step<Hyper> step = step_of(op);
+  step.rows = &rows;
+  if (check(op, step)) {
+    kernel(step);
+  }
 }
 
 // The kernel the dispatcher calls for Op: its arguments, as a declaration, to run<Backend>.

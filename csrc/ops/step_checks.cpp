@@ -37,17 +37,18 @@ C10_ALWAYS_INLINE void check_param_and_grad(const char* op, size_t i, const Tens
 // judged. The order of the checks decides which mistake a call with several reports: each
 // tensor's own facts, its shape and strides against params[i], then its memory against the
 // tensors before it, and a state list's also against the later state lists; steps[i] last.
-C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList params,
-                                        TensorList master_params, TensorList grads,
-                                        TensorList steps, const StateLists& state,
-                                        const c10::Device& device, c10::ScalarType pdtype,
-                                        c10::ScalarType gdtype, c10::ScalarType mdtype,
-                                        c10::ScalarType sdtype) {
+// grad is grads[i] (a caller walking the rows itself passes it before its grads list exists).
+C10_ALWAYS_INLINE void check_step_index(const StepLists& lists, size_t i, const Tensor& grad,
+                                        const StepFacts& f) {
+  const char* op = lists.op;
+  const TensorList master_params = lists.master_params;
+  const StateLists& state = lists.state;
+  const c10::Device& device = f.device;
   const bool has_master = !master_params.empty();
   const size_t n = state.count;
   TensorFacts p, g, mp{}, s[StateLists::kMax];
-  read_facts(params[i], device, /*with_span=*/true, p);
-  read_facts(grads[i], device, /*with_span=*/true, g);
+  read_facts(lists.params[i], device, /*with_span=*/true, p);
+  read_facts(grad, device, /*with_span=*/true, g);
   if (has_master) {
     read_facts(master_params[i], device, /*with_span=*/true, mp);
   }
@@ -56,17 +57,17 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
   }
   const char* const* names = state.names;
 
-  check_param_and_grad(op, i, p, g, device, pdtype, gdtype);
+  check_param_and_grad(op, i, p, g, device, f.param_dtype, f.grad_dtype);
   if (has_master) {
     check_dense(op, "master_params", i, mp, device);
-    check_dtype(op, "master_params", i, mp, mdtype, DtypeRule::kLikeList0);
+    check_dtype(op, "master_params", i, mp, f.master_dtype, DtypeRule::kLikeList0);
     check_same_layout(op, "master_params", i, mp, p);
     check_no_overlap(op, i, mp, "master_params", p, "params");
     check_no_overlap(op, i, mp, "master_params", g, "grads");
   }
   for (size_t k = 0; k < n; ++k) {
     check_dense(op, names[k], i, s[k], device);
-    check_dtype(op, names[k], i, s[k], sdtype, DtypeRule::kLikeList0);
+    check_dtype(op, names[k], i, s[k], f.state_dtype, DtypeRule::kLikeList0);
     check_same_layout(op, names[k], i, s[k], p);
     check_no_overlap(op, i, s[k], names[k], p, "params");
     check_no_overlap(op, i, s[k], names[k], g, "grads");
@@ -78,20 +79,21 @@ C10_ALWAYS_INLINE void check_step_index(const char* op, size_t i, TensorList par
       check_no_overlap(op, i, s[k], names[k], s[later], names[later]);
     }
   }
-  check_scalar(op, "steps[i]", steps[i], at::kFloat, device);
+  check_scalar(op, "steps[i]", lists.steps[i], at::kFloat, device);
 }
 
 // Index i's row of element addresses (step_lists.h), once its checks have passed: the
 // tensors' metadata is still in cache.
-C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList master_params,
-                                      TensorList grads, TensorList steps, const StateLists& state,
+C10_ALWAYS_INLINE void take_addresses(const StepLists& lists, size_t i, const Tensor& grad,
                                       StepRows& out) {
+  const TensorList master_params = lists.master_params;
+  const StateLists& state = lists.state;
   StepRow& row = out.rows[i];  // zeroed in one block before the walk (per row: a rep stos)
-  const c10::TensorImpl& param = *params[i].unsafeGetTensorImpl();
+  const c10::TensorImpl& param = *lists.params[i].unsafeGetTensorImpl();
   const bool concrete = has_concrete_sizes(param);
   row.numel = concrete ? param.numel() : 0;
-  row.param = plain_address(params[i]);
-  row.grad = plain_address(grads[i]);
+  row.param = plain_address(lists.params[i]);
+  row.grad = plain_address(grad);
   bool plain = row.param != nullptr && row.grad != nullptr;
   if (!master_params.empty()) {
     row.master = plain_address(master_params[i]);
@@ -101,7 +103,7 @@ C10_ALWAYS_INLINE void take_addresses(size_t i, TensorList params, TensorList ma
     row.state[k] = plain_address(state.lists[k][i]);
     plain = plain && row.state[k] != nullptr;
   }
-  row.step = static_cast<float*>(plain_address(steps[i]));
+  row.step = static_cast<float*>(plain_address(lists.steps[i]));
   // An empty tensor's address is never used.
   if (!concrete || row.step == nullptr || (!plain && row.numel != 0)) {
     out.needs_mutable_access = true;
@@ -137,58 +139,59 @@ void check_weight_store(const char* op, TensorList params, TensorList master_par
               "(remainders beside bfloat16 params: master_weights=\"split\") and the params' "
               "own float16/bfloat16 (Kahan compensations: master_weights=\"kahan\")");
 }
-// The common list checks of adam_step_ and sgd_step_; with rows, each position's addresses are
-// taken as soon as its checks have passed.
-template <typename Hyper>
-void check_step_lists(const Step<Hyper>& s) {
-  const char* op = s.op;
-  const TensorList params = s.params;
-  const TensorList master_params = s.master_params;
-  const TensorList grads = s.grads;
-  const TensorList steps = s.steps;
-  const StateLists& state = s.state;
-  const size_t n = params.size();
-  TORCH_CHECK(master_params.empty() || master_params.size() == n, op, ": master_params has ",
-              master_params.size(), " tensors; expected 0 (no master weights) or ", n);
-  check_list_length(op, "grads", grads, n);
-  check_list_length(op, "steps", steps, n);
-  for (size_t k = 0; k < state.count; ++k) {
-    check_list_length(op, state.names[k], state.lists[k], n);
+// The lists' lengths (without the grads' for a caller checking rows itself: it has none yet).
+void check_lengths(const StepLists& s, bool with_grads) {
+  const size_t n = s.params.size();
+  TORCH_CHECK(s.master_params.empty() || s.master_params.size() == n, s.op,
+              ": master_params has ", s.master_params.size(),
+              " tensors; expected 0 (no master weights) or ", n);
+  if (with_grads) {
+    check_list_length(s.op, "grads", s.grads, n);
   }
+  check_list_length(s.op, "steps", s.steps, n);
+  for (size_t k = 0; k < s.state.count; ++k) {
+    check_list_length(s.op, s.state.names[k], s.state.lists[k], n);
+  }
+}
+
+// The walk of a step's rows: each position's tensors checked, then, with rows, its addresses
+// taken while their metadata is in cache.
+void check_rows(const StepLists& s, const StepFacts& f, StepRows* rows) {
+  const TensorList grads = s.grads;
+  const StateLists& state = s.state;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    prefetch_ahead(i, {s.params, grads, s.master_params, s.steps, state.lists[0],
+                       state.lists[1], state.lists[2]});  // absent lists: nothing to prefetch
+    check_step_index(s, i, grads[i], f);
+    if (rows != nullptr) {
+      take_addresses(s, i, grads[i], *rows);
+    }
+  }
+}
+
+// Who checks a step's rows: the op itself, or its caller before the call (checks::step_row).
+enum class Rows : uint8_t { kChecked, kCheckedByCaller };
+
+// The list checks of adam_step_ and sgd_step_, then (unless the caller checked them) the rows.
+template <typename Hyper>
+void check_step_lists(const Step<Hyper>& s, Rows rows) {
+  check_lengths(s, /*with_grads=*/true);
+  const size_t n = s.params.size();
   if (n == 0) {
     return;
   }
-  const auto device = params[0].device();
-  const auto pdtype = params[0].scalar_type();
-  TORCH_CHECK(is_float_kind(pdtype), op, ": params have dtype ", pdtype,
-              "; supported are float32, float16 and bfloat16");
-  const auto gdtype = grads[0].defined() ? grads[0].scalar_type() : pdtype;
-  TORCH_CHECK(gdtype == pdtype || gdtype == at::kFloat, op, ": grads have dtype ", gdtype,
-              " but params have dtype ", pdtype, "; grads must have the params' dtype or float32");
-  check_weight_store(op, params, master_params, pdtype, s.with_rounding_seeds, s.rounding_seeds);
-  const auto mdtype = master_params.empty() || !master_params[0].defined()
-                          ? at::kFloat
-                          : master_params[0].scalar_type();
-  // The optimizer state (moments, momentum buffers): FP32 or BF16 (state_dtype), one dtype.
-  const auto sdtype = state.count == 0 || !state.lists[0][0].defined()
-                          ? at::kFloat
-                          : state.lists[0][0].scalar_type();
-  TORCH_CHECK(sdtype == at::kFloat || sdtype == at::kBFloat16, op, ": ", state.names[0],
-              " have dtype ", sdtype, "; optimizer state is float32 or bfloat16");
-  StepRows* rows = s.rows;
-  if (rows != nullptr) {
-    rows->needs_mutable_access = false;
-    (*rows->rows).assign(n, StepRow{});
+  const StepFacts f = step_facts(s, s.grads[0].defined() ? s.grads[0].scalar_type()
+                                                         : s.params[0].scalar_type());
+  if (rows == Rows::kCheckedByCaller) {
+    const StepRows& kept = *s.rows;
+    TORCH_INTERNAL_ASSERT(kept.rows.size() == n && kept.facts == f, s.op,
+                          ": the caller's rows are not this call's");
+    return;
   }
-  for (size_t i = 0; i < n; ++i) {
-    prefetch_ahead(i, {params, grads, master_params, steps, state.lists[0], state.lists[1],
-                       state.lists[2]});  // absent lists are empty: nothing to prefetch
-    check_step_index(op, i, params, master_params, grads, steps, state, device, pdtype, gdtype,
-                     mdtype, sdtype);
-    if (rows != nullptr) {
-      take_addresses(i, params, master_params, grads, steps, state, *rows);
-    }
+  if (s.rows != nullptr) {
+    begin_rows(s, f, *s.rows);
   }
+  check_rows(s, f, s.rows);
 }
 
 // The optional device scalars of a fused step, on the params' device.
@@ -213,8 +216,8 @@ void check_step_scalars(const Args& a, const c10::Device& device) {
 
 // A step's lists, then its device scalars; false when there are no params.
 template <typename Args, typename Hyper>
-bool check_step(const Args& a, const Step<Hyper>& s) {
-  check_step_lists(s);
+bool check_step(const Args& a, const Step<Hyper>& s, Rows rows) {
+  check_step_lists(s, rows);
   if (s.params.empty()) {
     return false;
   }
@@ -222,19 +225,17 @@ bool check_step(const Args& a, const Step<Hyper>& s) {
   return true;
 }
 
-}  // namespace
-
-bool adam_step(const ops::AdamStep& a, Step<math::AdamHyper>& step) {
+// The hyper-parameters of each algorithm.
+void check_hyper(const ops::AdamStep& a) {
   const char* op = a.kName;
   check_finite_nonneg(op, "lr", a.lr);
   check_beta(op, "beta1", a.beta1);
   check_beta(op, "beta2", a.beta2);
   check_finite_nonneg(op, "eps", a.eps);
   check_finite_nonneg(op, "weight_decay", a.weight_decay);
-  return check_step(a, step);
 }
 
-bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
+void check_hyper(const ops::SgdStep& a) {
   const char* op = a.kName;
   check_finite_nonneg(op, "lr", a.lr);
   check_finite_nonneg(op, "momentum", a.momentum);
@@ -246,7 +247,86 @@ bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
     TORCH_CHECK(a.momentum_buffers.empty(), op,
                 ": momentum_buffers must be empty when momentum is 0");
   }
-  return check_step(a, step);
+}
+
+}  // namespace
+
+StepFacts step_facts(const StepLists& s, c10::ScalarType grad_dtype) {
+  check_lengths(s, /*with_grads=*/false);
+  const char* op = s.op;
+  const TensorList params = s.params;
+  const TensorList master_params = s.master_params;
+  const StateLists& state = s.state;
+  StepFacts f;
+  f.device = params[0].device();
+  f.param_dtype = params[0].scalar_type();
+  TORCH_CHECK(is_float_kind(f.param_dtype), op, ": params have dtype ", f.param_dtype,
+              "; supported are float32, float16 and bfloat16");
+  f.grad_dtype = grad_dtype;
+  TORCH_CHECK(grad_dtype == f.param_dtype || grad_dtype == at::kFloat, op,
+              ": grads have dtype ", grad_dtype, " but params have dtype ", f.param_dtype,
+              "; grads must have the params' dtype or float32");
+  check_weight_store(op, params, master_params, f.param_dtype, s.with_rounding_seeds,
+                     s.rounding_seeds);
+  f.master_dtype = master_params.empty() || !master_params[0].defined()
+                       ? at::kFloat
+                       : master_params[0].scalar_type();
+  // The optimizer state (moments, momentum buffers): FP32 or BF16 (state_dtype), one dtype.
+  f.state_dtype = state.count == 0 || !state.lists[0][0].defined()
+                      ? at::kFloat
+                      : state.lists[0][0].scalar_type();
+  TORCH_CHECK(f.state_dtype == at::kFloat || f.state_dtype == at::kBFloat16, op, ": ",
+              state.names[0], " have dtype ", f.state_dtype,
+              "; optimizer state is float32 or bfloat16");
+  return f;
+}
+
+void begin_rows(const StepLists& s, const StepFacts& f, StepRows& rows) {
+  rows.facts = f;
+  rows.needs_mutable_access = false;
+  rows.keys = c10::DispatchKeySet();
+  rows.rows.assign(s.params.size(), StepRow{});
+}
+
+void step_row(const StepLists& s, size_t i, const Tensor& grad, StepRows& rows) {
+  check_step_index(s, i, grad, rows.facts);
+  take_addresses(s, i, grad, rows);
+  rows.keys = rows.keys | s.params[i].key_set() | grad.key_set() | s.steps[i].key_set();
+  if (!s.master_params.empty()) {
+    rows.keys = rows.keys | s.master_params[i].key_set();
+  }
+  for (size_t k = 0; k < s.state.count; ++k) {
+    rows.keys = rows.keys | s.state.lists[k][i].key_set();
+  }
+}
+
+void prefetch_row(const StepLists& s, size_t i, bool storages) {
+  for (const TensorList list : {s.master_params, s.steps, s.state.lists[0], s.state.lists[1],
+                                s.state.lists[2]}) {
+    if (i < list.size()) {
+      prefetch_tensor_metadata(list[i], storages);
+    }
+  }
+}
+
+bool adam_step(const ops::AdamStep& a, Step<math::AdamHyper>& step) {
+  check_hyper(a);
+  return check_step(a, step, Rows::kChecked);
+}
+
+bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
+  check_hyper(a);
+  return check_step(a, step, Rows::kChecked);
+}
+
+bool adam_step_rows_checked(const ops::AdamStep& a, Step<math::AdamHyper>& step) {
+  check_hyper(a);
+  return check_step(a, step, Rows::kCheckedByCaller);
+}
+
+bool sgd_step_rows_checked(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
+  check_hyper(a);
+  return check_step(a, step, Rows::kCheckedByCaller);
 }
 
 }  // namespace fusedamp::checks

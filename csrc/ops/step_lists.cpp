@@ -11,7 +11,7 @@ const at::Tensor* present(const std::optional<at::Tensor>& t) {
 // What adam_step_ and sgd_step_ share, from either declaration.
 template <typename Hyper, typename Args>
 Step<Hyper> common_step(const Args& a, const Hyper& hyper) {
-  Step<Hyper> s;
+  Step<Hyper> s{};
   s.op = Args::kName;
   s.params = a.params;
   s.master_params = a.master_params;

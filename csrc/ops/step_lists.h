@@ -5,6 +5,7 @@
 // each tensor's metadata is in cache. kernel_entry.h derives a Step from an operator's
 // declaration (fusedamp/ops.h) once for every backend.
 #include <ATen/core/Tensor.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COWDeleter.h>
 #include <c10/macros/Macros.h>
@@ -15,8 +16,8 @@
 #include <fusedamp/ops.h>
 
 #include <cstdint>
+#include <vector>
 
-#include "scratch_vector.h"
 #include "static_switch.h"
 #include "tensor_facts.h"
 
@@ -88,10 +89,28 @@ struct StepRow {
 };
 static_assert(sizeof(StepRow) == 64, "a StepRow is one cache line");
 
-// The rows of one call, from this thread's pool (scratch_vector.h): a call over thousands of
-// tensors allocates nothing once warm.
+// What every row of a step is checked against, derived from the lists' first tensors (and the
+// grads' dtype): the device and the dtype of each list.
+struct StepFacts {
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType param_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType master_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType state_dtype = c10::ScalarType::Undefined;
+  bool operator==(const StepFacts& o) const {
+    return device == o.device && param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
+           master_dtype == o.master_dtype && state_dtype == o.state_dtype;
+  }
+};
+
+// A step's rows: those of one call (kernel_entry.h lends their vector from this thread's pool:
+// a call over thousands of tensors allocates nothing once warm), or those a caller keeps and
+// checks itself, row by row (checks::step_row).
 struct StepRows {
-  ScratchVector<StepRow> rows{0};
+  std::vector<StepRow> rows;
+  StepFacts facts;  // what the rows were checked against
+  // The dispatch keys of every tensor of the rows, together (checks::step_row).
+  c10::DispatchKeySet keys;
   // Some address could not be taken through the const accessors the checks use: a storage
   // whose data is copy-on-write (a write must first give it its own copy), one without memory
   // although the tensor has elements, sizes that are not plain values. The backend then takes
@@ -148,20 +167,24 @@ struct StateLists {
   }
 };
 
-template <typename Hyper>
-struct Step {
+// The lists of a step and how its weights are kept: what its rows are.
+struct StepLists {
   const char* op;  // the operator's qualified name, for messages
   at::TensorList params;
   at::TensorList master_params;  // empty, FP32 masters, int16 remainders or compensations
   at::TensorList grads;
   at::TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
   StateLists state;
+  c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
+  bool with_rounding_seeds;         // given (even empty): the checks judge them
+};
+
+template <typename Hyper>
+struct Step : StepLists {
   Hyper hyper;
   StepScalars scalars;
   bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
   bool write_back_grads;   // grads := the multiplied gradient the update used
-  c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
-  bool with_rounding_seeds;         // given (even empty): the checks judge them
   // Where the backend walks host memory: the rows the checks fill; nullptr otherwise.
   StepRows* rows = nullptr;
 

@@ -120,6 +120,30 @@ def test_a_state_tensor_given_new_memory_is_what_the_next_step_uses(device, kind
             assert torch.equal(t, twin.state[fresh[index]][name]), (step, name)
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_state_tensor_given_memory_of_another_shape_is_refused(device, kind):
+    """A state tensor given memory that no longer fits its parameter (another shape) after a
+    step: the next step refuses it with the step op's message and modifies nothing."""
+    params = [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(3)]
+    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    for p in params:
+        p.grad = torch.randn(5, device=device).half()
+    opt.step()
+    with torch.no_grad():
+        opt.state[params[1]][moment].set_(torch.zeros(3, device=device))
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(RuntimeError,
+                       match=r"\[1\] has shape \[3\] but params\[1\] has shape \[5\]"):
+        opt.step()
+    for p, w, st in zip(params, weights, states):
+        assert torch.equal(p.detach(), w)
+        for name, value in opt.state[p].items():
+            assert torch.equal(value, st[name]), name
+
+
 @pytest.mark.parametrize("new_shape", [(2, 3), (8,)])
 def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_shape):
     """A parameter given memory of another shape after the engine has stepped it (its state was

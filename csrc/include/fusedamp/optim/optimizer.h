@@ -41,6 +41,13 @@ class ParamStateStore;
 struct Bucket;
 struct StepInputs;
 }  // namespace detail
+}  // namespace fusedamp::optim
+
+namespace fusedamp {
+struct StepLists;  // the lists a step op walks (csrc/ops/step_lists.h)
+}  // namespace fusedamp
+
+namespace fusedamp::optim {
 
 // The engine settings every options struct carries (read per group).
 struct EngineGroupOptions {
@@ -187,14 +194,19 @@ class Optimizer : public torch::optim::Optimizer {
   virtual void set_max_grad_norm(torch::optim::OptimizerOptions& o,
                                  std::optional<double> max_norm) const = 0;
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
-  // The fused op of this kind over one bucket.
+  // The fused op of this kind over one bucket, and the lists it walks there.
   virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
                           const detail::StepInputs& in) const = 0;
+  virtual StepLists row_lists(const detail::Bucket& b,
+                              const torch::optim::OptimizerOptions& o) const = 0;
 
   torch::optim::OptimizerOptions& checked_group(size_t group);
   const torch::optim::OptimizerOptions& checked_group(size_t group) const;
 
  private:
+  // gather_grads(); within_step: called by step()/step_amp(), which run the step ops right
+  // after it, so the walk may check their rows (BucketPlan::update).
+  bool gather(bool within_step);
   bool any_group(bool (*pred)(const EngineGroupOptions&)) const;
   void account(const at::Tensor& found_inf, bool checked, const at::Tensor& found_inf_out,
                const at::Tensor& inv_scale);

@@ -35,6 +35,8 @@ class OptimizerOf : public Optimizer {
   std::unique_ptr<torch::optim::OptimizerOptions> make_options() const final;
   void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
                   const detail::StepInputs& in) const final;
+  StepLists row_lists(const detail::Bucket& b,
+                      const torch::optim::OptimizerOptions& o) const final;
 };
 
 }  // namespace fusedamp::optim
