@@ -3,7 +3,7 @@
 
 With (scaled) gradients already in place, times what a training loop does after backward():
 the overflow check / unscale, optional global-norm clipping, the optimizer update and the
-loss-scale update. See issue 6 and ../../shared/DESIGN.md.
+loss-scale update.
 
     make bench-step                                  # CPU results into benchmarks/results/
     PYTHONPATH=python python3 benchmarks/bench_step.py [--device cuda] [--quick]
@@ -556,7 +556,7 @@ def write_markdown(path, info, copy, sizes, results, rat, targets, command):
             cells.append(cell)
         L.append(f"| {fa} | {tb} | " + " | ".join(cells) + " |")
     if targets:
-        L += ["", "## Targets (issue 6)", "", "| target | size | fusedamp | ratio | met |",
+        L += ["", "## Targets", "", "| target | size | fusedamp | ratio | met |",
               "| --- | --- | --- | --: | --- |"]
         L += [f"| {t['target']} | {t['size']} | {t['fusedamp']} | {t['ratio']:.2f} | "
               f"{'yes' if t['met'] else '**no**'} |" for t in targets]
@@ -580,7 +580,7 @@ def write_markdown(path, info, copy, sizes, results, rat, targets, command):
 
 
 def check_targets(rat, device) -> list[dict]:
-    """Issue 6's targets for this device kind, per size (fusedamp FP16 and BF16 AdamW)."""
+    """The step's targets for this device kind, per size (fusedamp FP16 and BF16 AdamW)."""
     if device == "cpu":
         want = [("adamw", "+clip", "torch adamw fused+clip", 1.3),
                 ("adamw", "", "torch adamw fused", 1.0)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""master_weights="split" against master_weights=True on the demo's real models (issue 16).
+"""master_weights="split" against master_weights=True on the demo's real models.
 
 For the digits CNN and the character-level GPT of examples/python/amp_models.py, BF16, AdamW:
   teacher-forced  one model trains with master_weights=True; its gradients are copied into a

@@ -127,7 +127,7 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
 // the step's walk then reads one cache line per state tensor (four for AdamW with FP32
 // masters: the step count, the master, two moments) where one would hold them all. With
 // thousands of small parameters (biases, norms' weights) those lines were a fifth of a whole
-// AMP step's host time (issue 13). So the state a parameter's first step creates is moved into
+// AMP step's host time (perf). So the state a parameter's first step creates is moved into
 // one block when the parameter is small: the tensors become views of it (same values, dtypes,
 // shapes and strides; each its own bytes, 16-byte aligned for vector loads), which is all a
 // user sees of the change: their `untyped_storage()` is the block (a state dict saved with

@@ -35,7 +35,7 @@ struct Span {
 
 // Two shapes (or two stride lists) alike, compared inline: IntArrayRef::equals and == call
 // memcmp, a library call per comparison that was 3.5% of a whole AMP step over 10,000
-// one-element tensors (perf, issue 13), for lists of one to four numbers.
+// one-element tensors (perf), for lists of one to four numbers.
 C10_ALWAYS_INLINE bool same_ints(c10::IntArrayRef x, c10::IntArrayRef y) {
   if (x.size() != y.size()) {
     return false;
