@@ -55,24 +55,30 @@ consumer: build
 clean:
 	rm -rf build python/fusedamp/lib python/fusedamp/include python/fusedamp/share python/fusedamp/_C*.so
 
-# Step benchmark against torch.amp (issue 6): benchmarks/results/step_<device>.{md,json,png}.
-# Run it on an otherwise idle machine: OpenMP timings (torch's and ours) collapse when another
-# process shares the cores. BENCH_ARGS passes options, e.g. BENCH_ARGS="--device cuda".
+# Times one whole mixed-precision step after backward() (overflow check and unscale, optional
+# clipping, optimizer update, loss-scale update), fusedamp against torch.amp:
+# benchmarks/results/step_<device>.{md,json,png}. Run it on an otherwise idle machine: OpenMP
+# timings (torch's and ours) collapse when another process shares the cores. BENCH_ARGS passes
+# options, e.g. BENCH_ARGS="--device cuda".
 .PHONY: bench-step
 bench-step: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_step.py --device cpu $(BENCH_ARGS)
 
-# Host overhead per tensor (issue 13): benchmarks/results/host_overhead_<device>.{md,json}.
+# Host cost per tensor of the ops and of a whole step (many one-element tensors, so dispatch,
+# checks and the Python boundary are what is timed), against torch's counterparts:
+# benchmarks/results/host_overhead_<device>.{md,json}.
 .PHONY: bench-host
 bench-host: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_host_overhead.py $(BENCH_ARGS)
 
+# Training steps of real models (resnet18, GPT-2's architecture, the demo's two models) under
+# FP32, torch.amp and fusedamp, FP16 and BF16: benchmarks/results/train_<device>.{md,json}.
 .PHONY: bench-train
 bench-train: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_train.py $(BENCH_ARGS)
 
-# The loss-scale policies side by side (issue 15): benchmarks/results/scale_policy_<device>.*;
-# and the measurement behind the amax policy's default target: results/amax_margin.*.
+# The loss-scale policies (torch's rule and amax) side by side on the demo's models:
+# benchmarks/results/scale_policy_<device>.*; and the measurement behind the amax policy's default target: results/amax_margin.*.
 .PHONY: bench-scale-policy bench-amax-margin
 bench-scale-policy: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_scale_policy.py $(BENCH_ARGS)
@@ -80,9 +86,9 @@ bench-scale-policy: build
 bench-amax-margin: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/amax_margin.py $(BENCH_ARGS)
 
-# Master-weight modes (issue 16): step time, bytes and accuracy of every master_weights /
-# state_dtype against torch's plain BF16 fused AdamW, torch-optimi (Kahan) and torchao
-# (stochastic rounding), when installed: benchmarks/results/master_modes_<device>.*; and
+# Master-weight modes: step time, bytes and accuracy of every master_weights / state_dtype
+# against torch's plain BF16 fused AdamW, torch-optimi (Kahan) and torchao (stochastic
+# rounding), when installed: benchmarks/results/master_modes_<device>.*; and
 # "split" against master_weights=True on the demo models: results/split_identity_cpu.*.
 .PHONY: bench-master-modes bench-split-identity
 bench-master-modes: build
