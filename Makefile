@@ -7,6 +7,11 @@ PYTHON ?= python3
 BUILD  ?= build/dev
 JOBS   ?= $(shell nproc)
 CMAKE_ARGS ?=
+# CUDA architectures of this build when the machine has no GPU and neither TORCH_CUDA_ARCH_LIST
+# nor CMAKE_CUDA_ARCHITECTURES names any: the kernels cannot run here, the build only compiles
+# them (and CI reads ptxas's register report), and each architecture is a full device compile.
+# A machine with a GPU builds for its GPUs; pip builds the release list.
+CUDA_ARCH_LIST_WITHOUT_GPU ?= 9.0
 
 .PHONY: all deps build demo test test-cpp test-python cpp-example consumer clean
 
@@ -21,7 +26,8 @@ build: deps
 	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then \
 	  cmake -S . -B $(BUILD) -G Ninja -DFUSEDAMP_BUILD_TESTS=ON \
 	    -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
-	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/python/fusedamp $(CMAKE_ARGS); fi
+	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/python/fusedamp \
+	    -DFUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU="$(CUDA_ARCH_LIST_WITHOUT_GPU)" $(CMAKE_ARGS); fi
 	cmake --build $(BUILD) -j $(JOBS) 2>&1 | tee $(BUILD)/build.log | grep -v "^ptxas info"; exit $${PIPESTATUS[0]}
 	cmake --install $(BUILD) > /dev/null
 
