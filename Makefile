@@ -7,6 +7,11 @@ PYTHON ?= python3
 BUILD  ?= build/dev
 JOBS   ?= $(shell nproc)
 CMAKE_ARGS ?=
+# CUDA architectures of this build when the machine has no GPU and neither TORCH_CUDA_ARCH_LIST
+# nor CMAKE_CUDA_ARCHITECTURES names any: the kernels cannot run here, the build only compiles
+# them (and CI reads ptxas's register report), and each architecture is a full device compile.
+# A machine with a GPU builds for its GPUs; pip builds the release list.
+CUDA_ARCH_LIST_WITHOUT_GPU ?= 9.0
 
 .PHONY: all deps build demo test test-cpp test-python cpp-example consumer clean
 
@@ -21,7 +26,8 @@ build: deps
 	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then \
 	  cmake -S . -B $(BUILD) -G Ninja -DFUSEDAMP_BUILD_TESTS=ON \
 	    -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) \
-	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/python/fusedamp $(CMAKE_ARGS); fi
+	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/python/fusedamp \
+	    -DFUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU="$(CUDA_ARCH_LIST_WITHOUT_GPU)" $(CMAKE_ARGS); fi
 	cmake --build $(BUILD) -j $(JOBS) 2>&1 | tee $(BUILD)/build.log | grep -v "^ptxas info"; exit $${PIPESTATUS[0]}
 	cmake --install $(BUILD) > /dev/null
 
@@ -55,24 +61,30 @@ consumer: build
 clean:
 	rm -rf build python/fusedamp/lib python/fusedamp/include python/fusedamp/share python/fusedamp/_C*.so
 
-# Step benchmark against torch.amp (issue 6): benchmarks/results/step_<device>.{md,json,png}.
-# Run it on an otherwise idle machine: OpenMP timings (torch's and ours) collapse when another
-# process shares the cores. BENCH_ARGS passes options, e.g. BENCH_ARGS="--device cuda".
+# Times one whole mixed-precision step after backward() (overflow check and unscale, optional
+# clipping, optimizer update, loss-scale update), fusedamp against torch.amp:
+# benchmarks/results/step_<device>.{md,json,png}. Run it on an otherwise idle machine: OpenMP
+# timings (torch's and ours) collapse when another process shares the cores. BENCH_ARGS passes
+# options, e.g. BENCH_ARGS="--device cuda".
 .PHONY: bench-step
 bench-step: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_step.py --device cpu $(BENCH_ARGS)
 
-# Host overhead per tensor (issue 13): benchmarks/results/host_overhead_<device>.{md,json}.
+# Host cost per tensor of the ops and of a whole step (many one-element tensors, so dispatch,
+# checks and the Python boundary are what is timed), against torch's counterparts:
+# benchmarks/results/host_overhead_<device>.{md,json}.
 .PHONY: bench-host
 bench-host: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_host_overhead.py $(BENCH_ARGS)
 
+# Training steps of real models (resnet18, GPT-2's architecture, the demo's two models) under
+# FP32, torch.amp and fusedamp, FP16 and BF16: benchmarks/results/train_<device>.{md,json}.
 .PHONY: bench-train
 bench-train: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_train.py $(BENCH_ARGS)
 
-# The loss-scale policies side by side (issue 15): benchmarks/results/scale_policy_<device>.*;
-# and the measurement behind the amax policy's default target: results/amax_margin.*.
+# The loss-scale policies (torch's rule and amax) side by side on the demo's models:
+# benchmarks/results/scale_policy_<device>.*; and the measurement behind the amax policy's default target: results/amax_margin.*.
 .PHONY: bench-scale-policy bench-amax-margin
 bench-scale-policy: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/bench_scale_policy.py $(BENCH_ARGS)
@@ -80,9 +92,9 @@ bench-scale-policy: build
 bench-amax-margin: build
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) benchmarks/amax_margin.py $(BENCH_ARGS)
 
-# Master-weight modes (issue 16): step time, bytes and accuracy of every master_weights /
-# state_dtype against torch's plain BF16 fused AdamW, torch-optimi (Kahan) and torchao
-# (stochastic rounding), when installed: benchmarks/results/master_modes_<device>.*; and
+# Master-weight modes: step time, bytes and accuracy of every master_weights / state_dtype
+# against torch's plain BF16 fused AdamW, torch-optimi (Kahan) and torchao (stochastic
+# rounding), when installed: benchmarks/results/master_modes_<device>.*; and
 # "split" against master_weights=True on the demo models: results/split_identity_cpu.*.
 .PHONY: bench-master-modes bench-split-identity
 bench-master-modes: build

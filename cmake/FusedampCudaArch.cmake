@@ -1,7 +1,15 @@
 # fusedamp_choose_cuda_architectures(<out-var>)
 # Order of precedence: CMAKE_CUDA_ARCHITECTURES given by the user, TORCH_CUDA_ARCH_LIST
-# (cache variable or environment, torch's "8.0;8.6;9.0+PTX" form), the local GPU as reported
-# by nvidia-smi, else the release list.
+# (cache variable or environment, torch's "8.0;8.6;9.0+PTX" form), the local GPUs as reported
+# by nvidia-smi, else FUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU.
+#
+# Without a GPU nothing runs the kernels, so what a build needs then depends on who it is for:
+# a wheel (setup.py) is for other machines and keeps the release list; the Makefile's test
+# build only compiles them (and CI reads ptxas's register report), so it sets one architecture.
+# Every architecture is a full device compile of each .cu file.
+set(FUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU "8.0;8.6;8.9;9.0;10.0;12.0+PTX" CACHE STRING
+    "CUDA architectures (TORCH_CUDA_ARCH_LIST form) when neither the user nor a local GPU names any")
+
 function(fusedamp_choose_cuda_architectures out)
   set(archs "")
   if(DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT CMAKE_CUDA_ARCHITECTURES STREQUAL "OFF"
@@ -18,13 +26,17 @@ function(fusedamp_choose_cuda_architectures out)
       if(_nvsmi)
         execute_process(COMMAND ${_nvsmi} --query-gpu=compute_cap --format=csv,noheader
           OUTPUT_VARIABLE caps RESULT_VARIABLE rc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-        if(rc EQUAL 0 AND caps)
-          string(REPLACE "\n" ";" list_ "${caps}")
+        if(rc EQUAL 0)
+          # One "9.0" per GPU; anything else (a driver message such as "No devices were
+          # found") is no GPU.
+          string(REGEX MATCHALL "[0-9]+\\.[0-9]+" list_ "${caps}")
           list(REMOVE_DUPLICATES list_)
         endif()
       endif()
       if(list_ STREQUAL "")
-        set(list_ "8.0;8.6;8.9;9.0;10.0;12.0+PTX")
+        set(list_ "${FUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU}")
+        message(STATUS "fusedamp: no GPU found and no architectures given: "
+                       "FUSEDAMP_CUDA_ARCH_LIST_WITHOUT_GPU=${list_}")
       endif()
     endif()
     string(REPLACE " " ";" list_ "${list_}")
