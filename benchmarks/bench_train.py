@@ -72,7 +72,7 @@ def main():
 
     import torch
 
-    from amp_models import MODES, REFERENCE_OF, TORCH_AMP_BF16
+    from amp_models import MODES, TORCH_AMP_BF16, reference_run
 
     gpu = torch.cuda.is_available()
     tag = device_tag(torch)
@@ -115,8 +115,7 @@ def main():
              "final train loss | skipped |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = next(b for b in results
-                    if b["model"] == r["model"] and b["mode"] == REFERENCE_OF[r["mode"]])
+        base = reference_run(results, r)
         sps = 1e3 / r["ms_per_step"]
         r["steps_per_s"] = sps
         r["speed_vs_torch_amp"] = base["ms_per_step"] / r["ms_per_step"]

@@ -44,11 +44,10 @@ using AdamPositions = AdamLists<has_store_list(kStore), kAmsgrad>;
 template <WeightStore kStore, bool kAmsgrad>
 using AdamBatch = TensorBatch<AdamPositions<kStore, kAmsgrad>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 struct AdamOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG, kWriteGrads> grads;
+  StepGrads<TG> grads;
   TS* m;
   TS* v;
   TS* v_max;  // AMSGrad's running maximum of v; nullptr without
@@ -91,11 +90,10 @@ struct AdamOp {
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
-                StepScalarPointers s) {
+                StepScalarPointers s, bool write_grads) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -111,9 +109,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kStore, kWriteGrads, kAmsgrad, TS> op{
+  AdamOp<TP, TG, kStore, kAmsgrad, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG)},
+      {list_at<TG>(b, ch, true, Pos::kG), write_grads},
       list_at<TS>(b, ch, true, Pos::kM),
       list_at<TS>(b, ch, true, Pos::kV),
       list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
@@ -125,39 +123,21 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
-  std::array<at::TensorList, Pos::kCount> lists;
-  lists[Pos::kP] = step.params;
-  lists[Pos::kG] = step.grads;
+  auto lists = step_lists_of<Pos, kStore>(step);
   lists[Pos::kM] = step.state.lists[0];
   lists[Pos::kV] = step.state.lists[1];
-  if constexpr (has_store_list(kStore)) {
-    lists[Pos::kStore] = step.master_params;
-  }
   if constexpr (kAmsgrad) {
     lists[Pos::kVMax] = step.state.lists[2];
   }
-  const at::TensorList steps = step.steps;
-  const c10::IntArrayRef rounding_seeds = step.rounding_seeds;
-  const math::AdamHyper& h = step.hyper;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  constexpr int W = vec_width_of<TP, TG, TS>();
-  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
-      lists, W,
-      [&](size_t i, void** slots) {
-        slots[0] = const_cast<void*>(steps[i].const_data_ptr());
-        if constexpr (kStore == WeightStore::kStochastic) {
-          slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(rounding_seeds[i]));
-        }
-      },
-      [&](const AdamBatch<kStore, kAmsgrad>& b, int64_t blocks) {
-        adam_kernel<TP, TG, kStore, kWriteGrads, kAmsgrad, TS>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+  apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
+                     [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
+                       adam_kernel<TP, TG, kStore, kAmsgrad, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s,
+                                                             step.write_back_grads);
+                     });
 }
 
 }  // namespace
@@ -165,10 +145,9 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima.
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   step_switch(
-      step.params, step.grads, step.weight_store(), step.write_back_grads,
-      [&](auto param, auto grad, auto kept, auto write_grads, auto amsgrad, auto state) {
-        launch<decltype(param), decltype(grad), kept, write_grads, amsgrad, decltype(state)>(
-            step, s);
+      step.params, step.grads, step.weight_store(),
+      [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
+        launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
       },
       BoolSwitch{step.state.count == 3},
       DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});

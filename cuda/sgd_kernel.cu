@@ -39,11 +39,10 @@ using SgdPositions = SgdLists<has_store_list(kStore), kMomentum>;
 template <WeightStore kStore, bool kMomentum>
 using SgdBatch = TensorBatch<SgdPositions<kStore, kMomentum>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 struct SgdOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG, kWriteGrads> grads;
+  StepGrads<TG> grads;
   TS* buf;
   math::SgdHyper h;
   float lr;
@@ -86,11 +85,10 @@ struct SgdOp {
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const __grid_constant__ SgdBatch<kStore, kMomentum> b, math::SgdHyper h,
-               StepScalarPointers s) {
+               StepScalarPointers s, bool write_grads) {
   using Pos = SgdPositions<kStore, kMomentum>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -99,9 +97,9 @@ __global__ void __launch_bounds__(kThreads)
   const float lr = s.learning_rate();
   const float mult = s.grad_multiplier();
   const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
-  SgdOp<TP, TG, kStore, kWriteGrads, kMomentum, TS> op{
+  SgdOp<TP, TG, kStore, kMomentum, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG)},
+      {list_at<TG>(b, ch, true, Pos::kG), write_grads},
       list_at<TS>(b, ch, kMomentum, Pos::kBuf),
       h,
       lr,
@@ -111,37 +109,19 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   using Pos = SgdPositions<kStore, kMomentum>;
-  std::array<at::TensorList, Pos::kCount> lists;
-  lists[Pos::kP] = step.params;
-  lists[Pos::kG] = step.grads;
+  auto lists = step_lists_of<Pos, kStore>(step);
   if constexpr (kMomentum) {
     lists[Pos::kBuf] = step.state.lists[0];
   }
-  if constexpr (has_store_list(kStore)) {
-    lists[Pos::kStore] = step.master_params;
-  }
-  const at::TensorList steps = step.steps;
-  const c10::IntArrayRef rounding_seeds = step.rounding_seeds;
-  const math::SgdHyper& h = step.hyper;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  constexpr int W = vec_width_of<TP, TG, TS>();
-  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
-      lists, W,
-      [&](size_t i, void** slots) {
-        slots[0] = const_cast<void*>(steps[i].const_data_ptr());
-        if constexpr (kStore == WeightStore::kStochastic) {
-          slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(rounding_seeds[i]));
-        }
-      },
-      [&](const SgdBatch<kStore, kMomentum>& b, int64_t blocks) {
-        sgd_kernel<TP, TG, kStore, kWriteGrads, kMomentum, TS>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(b, h, s);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+  apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
+                     [&](const SgdBatch<kStore, kMomentum>& b, unsigned blocks, auto stream) {
+                       sgd_kernel<TP, TG, kStore, kMomentum, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s,
+                                                             step.write_back_grads);
+                     });
 }
 
 }  // namespace
@@ -151,10 +131,9 @@ void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   const bool momentum = step.state.count != 0;
   const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
   step_switch(
-      step.params, step.grads, step.weight_store(), step.write_back_grads,
-      [&](auto param, auto grad, auto kept, auto write_grads, auto has_momentum, auto state) {
-        launch<decltype(param), decltype(grad), kept, write_grads, has_momentum,
-               decltype(state)>(step, s);
+      step.params, step.grads, step.weight_store(),
+      [&](auto param, auto grad, auto kept, auto has_momentum, auto state) {
+        launch<decltype(param), decltype(grad), kept, has_momentum, decltype(state)>(step, s);
       },
       BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
   advance_steps(step.steps, s.found_inf);

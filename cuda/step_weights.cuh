@@ -9,7 +9,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <array>
+
 #include "../csrc/ops/static_switch.h"
+#include "../csrc/ops/step_lists.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fusedamp::cuda {
@@ -153,11 +159,13 @@ __device__ __forceinline__ StepWeights<TP, kStore> step_weights_at(const Batch& 
   return w;
 }
 
-// The grads a step reads and, with kWriteGrads, writes back: the multiplied (unscaled, clipped)
-// gradient the update used, as torch's fused optimizers leave .grad.
-template <typename TG, bool kWriteGrads>
+// The grads a step reads and, with write, writes back: the multiplied (unscaled, clipped)
+// gradient the update used, as torch's fused optimizers leave .grad. write is a kernel argument,
+// the same for every thread (a uniform branch), not a template one: half the kernels to compile.
+template <typename TG>
 struct StepGrads {
   TG* grad;
+  bool write;
 
   template <int L>
   __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
@@ -165,7 +173,7 @@ struct StepGrads {
   }
   template <int L>
   __device__ __forceinline__ void store(int i, const float (&lanes)[L]) const {
-    if constexpr (kWriteGrads) {
+    if (write) {
       store_lanes<L>(grad + i, lanes);
     }
   }
@@ -176,6 +184,42 @@ template <typename T, typename Batch>
 __device__ __forceinline__ T* list_at(const Batch& b, const ChunkRef& ch, bool present,
                                       int list) {
   return present ? static_cast<T*>(b.ptr[present ? list : 0][ch.t]) + ch.offset : nullptr;
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+// The lists a step kernel walks, at the positions Pos names (kP, kG and, where the store keeps
+// one, kStore): params, grads and master_params. The algorithm adds its state lists.
+template <typename Pos, WeightStore kStore>
+std::array<at::TensorList, Pos::kCount> step_lists_of(const StepLists& step) {
+  std::array<at::TensorList, Pos::kCount> lists;
+  lists[Pos::kP] = step.params;
+  lists[Pos::kG] = step.grads;
+  if constexpr (has_store_list(kStore)) {
+    lists[Pos::kStore] = step.master_params;
+  }
+  return lists;
+}
+
+// multi_tensor_apply over a step's lists with the per-tensor slots every step kernel reads (the
+// step count; under stochastic rounding the tensor's seed); kernel(batch, blocks, stream)
+// enqueues one launch.
+template <WeightStore kStore, size_t kLists, typename Kernel>
+void apply_step(const std::array<at::TensorList, kLists>& lists, int vec_width,
+                const StepLists& step, const Kernel& kernel) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  multi_tensor_apply<static_cast<int>(kLists), extra_slots_of(kStore)>(
+      lists, vec_width,
+      [&](size_t i, void** slots) {
+        slots[0] = const_cast<void*>(step.steps[i].const_data_ptr());
+        if constexpr (kStore == WeightStore::kStochastic) {
+          slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(step.rounding_seeds[i]));
+        }
+      },
+      [&](const auto& batch, int64_t blocks) {
+        kernel(batch, static_cast<unsigned>(blocks), stream);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 }  // namespace fusedamp::cuda

@@ -4,25 +4,18 @@
 #include "../ops/static_switch.h"
 #include <fusedamp/math/adam_math.h>
 
-#include "chunked_for_each.h"
-#include "cpu_kernels.h"
-#include "vec_io.h"
+#include "step_loop.h"
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
 namespace {
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max, int64_t n,
-                const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult) {
-  const Vec mult(grad_mult);
-  for (int64_t i = 0; i < n; i += kPair) {
-    const int64_t k = n - i;
-    Vec g0, g1, p0, p1, m0, m1, v0, v1;
-    PairIO<TG>::load(g + i, k, g0, g1);
-    g0 = g0 * mult;
-    g1 = g1 * mult;
-    w.load(i, k, p0, p1);
+                const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult,
+                bool write_grads) {
+  step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
+                                                  Vec& g0, Vec& g1) {
+    Vec m0, m1, v0, v1;
     PairIO<TS>::load(m + i, k, m0, m1);
     PairIO<TS>::load(v + i, k, v0, v1);
     // A tail of at most one vector (all of a tensor under 17 elements: biases, scales, gains)
@@ -45,15 +38,10 @@ void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max
     }
     PairIO<TS>::store(m + i, k, m0, m1);
     PairIO<TS>::store(v + i, k, v0, v1);
-    w.store(i, k, p0, p1);
-    if constexpr (kWriteGrads) {
-      PairIO<TG>::store(g + i, k, g0, g1);
-    }
-  }
+  });
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
   const size_t n = step.params.size();
   ScratchVector<math::AdamCoeffs> coeffs(n);
@@ -63,16 +51,12 @@ void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
                     ? coeffs[i - 1]
                     : math::adam_coeffs<double>(h, step.lr, step.steps_before[i]);
   }
-  const ChunkPlan plan(n, [&](size_t i) { return step.rows[i].numel; });
-  for_each_chunk(plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
-    prefetch_elements_ahead(step, i, b);
-    const StepRow& row = step.rows[i];
-    const auto w = step_weights<TP, kStore>(step, i, b);
-    adam_range<TP, TG, kStore, kWriteGrads, kAmsgrad>(
-        w, static_cast<TG*>(row.grad) + b, static_cast<TS*>(row.state[0]) + b,
-        static_cast<TS*>(row.state[1]) + b,
+  for_each_step_chunk(step, [&](int64_t i, const StepRow& row, int64_t b, int64_t e) {
+    adam_range<TP, TG, kStore, kAmsgrad>(
+        step_weights<TP, kStore>(step, i, b), static_cast<TG*>(row.grad) + b,
+        static_cast<TS*>(row.state[0]) + b, static_cast<TS*>(row.state[1]) + b,
         kAmsgrad ? static_cast<TS*>(row.state[2]) + b : nullptr, e - b, h, coeffs[i],
-        step.grad_mult);
+        step.grad_mult, step.write_back_grads);
   });
 }
 
@@ -81,10 +65,8 @@ void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
 void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
           const math::AdamHyper& h) {
   // The moments are FP32 or BF16 (state_dtype), all lists alike.
-  step_switch(step, [&](auto param, auto grad, auto store, auto write_grads, auto with_amsgrad,
-                        auto state) {
-    adam_lists<decltype(param), decltype(grad), store, write_grads, with_amsgrad,
-               decltype(state)>(step, h);
+  step_switch(step, [&](auto param, auto grad, auto store, auto with_amsgrad, auto state) {
+    adam_lists<decltype(param), decltype(grad), store, with_amsgrad, decltype(state)>(step, h);
   }, BoolSwitch{amsgrad}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
 }
 

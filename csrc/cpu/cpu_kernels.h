@@ -54,11 +54,10 @@ C10_ALWAYS_INLINE void prefetch_elements_ahead(const CpuStep& step, int64_t i, i
 }
 
 // step_switch (static_switch.h) over a CpuStep's lists and modes: body(param, grad, kStore,
-// kWriteGrads, more...).
+// more...).
 template <typename Body, typename... More>
 void step_switch(const CpuStep& step, Body&& body, const More&... more) {
-  fusedamp::step_switch(step.params, step.grads, step.store, step.write_back_grads,
-                        std::forward<Body>(body), more...);
+  fusedamp::step_switch(step.params, step.grads, step.store, std::forward<Body>(body), more...);
 }
 
 // grad_stats's telemetry of one call (see math/telemetry_math.h).

@@ -244,13 +244,11 @@ struct CpuOps {
 }  // namespace
 
 void adam_step_on_checked_rows(const ops::AdamStep& args, StepRows& rows) {
-  kernels::run_step_on_checked_rows<CpuOps>(args, rows, &checks::adam_step_rows_checked,
-                                            &CpuOps::adam_step);
+  kernels::run_step_on_checked_rows(args, rows, &CpuOps::adam_step);
 }
 
 void sgd_step_on_checked_rows(const ops::SgdStep& args, StepRows& rows) {
-  kernels::run_step_on_checked_rows<CpuOps>(args, rows, &checks::sgd_step_rows_checked,
-                                            &CpuOps::sgd_step);
+  kernels::run_step_on_checked_rows(args, rows, &CpuOps::sgd_step);
 }
 
 }  // namespace fusedamp::cpu

@@ -25,24 +25,24 @@ bool has_nan(const Vec& v, int64_t live = Vec::size()) {
   return false;
 }
 
-float lane_sum(const Vec& v, int64_t live = Vec::size()) {
+// The first `live` lanes of v combined, from 0 (the identity of both: amax is non-negative).
+template <typename Combine>
+float lane_reduce(const Vec& v, int64_t live, const Combine& combine) {
   float lanes[Vec::size()];
   v.store(lanes);
-  float s = 0.f;
+  float r = 0.f;
   for (int64_t l = 0; l < live; ++l) {
-    s += lanes[l];
+    r = combine(r, lanes[l]);
   }
-  return s;
+  return r;
+}
+
+float lane_sum(const Vec& v, int64_t live = Vec::size()) {
+  return lane_reduce(v, live, [](float a, float b) { return a + b; });
 }
 
 float lane_max(const Vec& v, int64_t live = Vec::size()) {
-  float lanes[Vec::size()];
-  v.store(lanes);
-  float m = 0.f;
-  for (int64_t l = 0; l < live; ++l) {
-    m = lanes[l] > m ? lanes[l] : m;
-  }
-  return m;
+  return lane_reduce(v, live, [](float a, float b) { return b > a ? b : a; });
 }
 
 // One chunk's telemetry, reduced from its lanes (counts exact: < 2^24 per lane).
@@ -127,6 +127,20 @@ bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry
   return has_nan(bad);
 }
 
+// f(chunk, i, grads[i], begin, end) over every chunk of the grads (all threads), with the
+// metadata and the first elements of the grads a few positions ahead asked for at each
+// grad's first chunk.
+template <typename F>
+void for_each_grad_chunk(at::TensorList grads, const ChunkPlan& plan, const F& f) {
+  for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+    if (begin == 0) {
+      prefetch_ahead(static_cast<size_t>(i), {grads});
+      prefetch_data_ahead(static_cast<size_t>(i), grads);
+    }
+    f(c, i, grads[i], begin, end);
+  });
+}
+
 // grad_stats over `grads`, unscaling them too when inv_scale is given (see cpu_kernels.h).
 bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
                 std::vector<char>* flags, GradTelemetry* telemetry) {
@@ -135,12 +149,8 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   ScratchVector<float> chunk_sq(plan.total, 0.f);
   ScratchVector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
   const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
-  for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
-    const at::Tensor& g = grads[i];
-    if (begin == 0) {
-      prefetch_ahead(static_cast<size_t>(i), {grads});
-      prefetch_data_ahead(static_cast<size_t>(i), grads);
-    }
+  for_each_grad_chunk(grads, plan, [&](int64_t c, int64_t i, const at::Tensor& g,
+                                       int64_t begin, int64_t end) {
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
       // Read-only unless unscaling: grad_stats_ may be given tensors it must not write (the
       // const accessor), while unscaling writes them (the mutable one, which gives
@@ -198,12 +208,8 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
   }
   const ChunkPlan plan(grads);
   ScratchVector<char> chunk_bad(plan.total, 0);
-  for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
-    const at::Tensor& g = grads[i];
-    if (begin == 0) {
-      prefetch_ahead(static_cast<size_t>(i), {grads});
-      prefetch_data_ahead(static_cast<size_t>(i), grads);
-    }
+  for_each_grad_chunk(grads, plan, [&](int64_t c, int64_t i, const at::Tensor& g,
+                                       int64_t begin, int64_t end) {
     FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "unscale", [&] {
       chunk_bad[c] = unscale_range(elements_of<scalar_t>(g) + begin, end - begin, inv_scale);
     });

@@ -91,32 +91,21 @@ struct AlgorithmOf<AdamOptions> {
   static ops::AdamStep args(const detail::Bucket& b, const AdamOptions& o,
                             const detail::StepInputs& in) {
     ops::AdamStep a;
-    detail::fill_step(a, b, in);
+    detail::fill_step(a, b, o, in);
     a.exp_avgs = b.state(StateSlot::kExpAvg);
     a.exp_avg_sqs = b.state(StateSlot::kExpAvgSq);
     if (o.amsgrad()) {
       a.max_exp_avg_sqs = b.state(StateSlot::kMaxExpAvgSq);
     }
-    a.lr = o.lr();
     a.beta1 = std::get<0>(o.betas());
     a.beta2 = std::get<1>(o.betas());
     a.eps = o.eps();
-    a.weight_decay = o.weight_decay();
     a.decoupled_weight_decay = o.decoupled_weight_decay();
-    a.maximize = o.maximize();
     return a;
   }
 };
 
 template class OptimizerOf<AdamOptions>;
-
-Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
-    : OptimizerOf(groups, std::make_unique<AdamOptions>(defaults)) {
-  check_options();
-}
-
-Adam::Adam(std::vector<at::Tensor> params, AdamOptions defaults)
-    : Adam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)
     : Adam(groups, defaults.decoupled_weight_decay(true)) {

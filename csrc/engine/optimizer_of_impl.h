@@ -41,6 +41,17 @@ const Options& as(const torch::optim::OptimizerOptions& o) {
 }  // namespace detail
 
 template <typename Options>
+OptimizerOf<Options>::OptimizerOf(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                  Options defaults)
+    : Optimizer(groups, std::make_unique<Options>(std::move(defaults))) {
+  check_options();
+}
+
+template <typename Options>
+OptimizerOf<Options>::OptimizerOf(std::vector<at::Tensor> params, Options defaults)
+    : OptimizerOf({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+template <typename Options>
 Options& OptimizerOf<Options>::group_options(size_t group) {
   return detail::as<Options>(checked_group(group));
 }

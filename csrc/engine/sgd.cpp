@@ -72,26 +72,15 @@ struct AlgorithmOf<SGDOptions> {
   static ops::SgdStep args(const detail::Bucket& b, const SGDOptions& o,
                            const detail::StepInputs& in) {
     ops::SgdStep a;
-    detail::fill_step(a, b, in);
+    detail::fill_step(a, b, o, in);
     a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);
-    a.lr = o.lr();
     a.momentum = o.momentum();
     a.dampening = o.dampening();
-    a.weight_decay = o.weight_decay();
     a.nesterov = o.nesterov();
-    a.maximize = o.maximize();
     return a;
   }
 };
 
 template class OptimizerOf<SGDOptions>;
-
-SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults)
-    : OptimizerOf(groups, std::make_unique<SGDOptions>(defaults)) {
-  check_options();
-}
-
-SGD::SGD(std::vector<at::Tensor> params, SGDOptions defaults)
-    : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 }  // namespace fusedamp::optim

@@ -25,10 +25,13 @@ struct StepInputs {
   bool write_back_grads = false;
 };
 
-// b's lists and `in` into Args (ops::AdamStep or ops::SgdStep); the caller adds its
-// algorithm's hyper-parameters and state lists.
-template <typename Args>
-void fill_step(Args& a, const Bucket& b, const StepInputs& in) {
+// b's lists, the options every algorithm has (o: its group's) and `in` into Args
+// (ops::AdamStep or ops::SgdStep); the caller adds its algorithm's own.
+template <typename Args, typename Options>
+void fill_step(Args& a, const Bucket& b, const Options& o, const StepInputs& in) {
+  a.lr = o.lr();
+  a.weight_decay = o.weight_decay();
+  a.maximize = o.maximize();
   a.params = b.params;
   a.master_params = b.state(StateSlot::kMasterParam);
   a.grads = b.grads;

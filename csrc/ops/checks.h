@@ -23,12 +23,18 @@ void update_scale(const ops::UpdateScale& a);
 void record_telemetry(const ops::RecordTelemetry& a);
 void account_step(const ops::AccountStep& a);
 
+// Who checks a step's rows: the op's own walk, or its caller before the call (step_row below).
+enum class RowsChecked : uint8_t { kByTheOp, kByTheCaller };
+
 // The whole argument check of a fused step (its declaration's hyper-parameters, then `step`,
 // derived from it: lists and, when there are params, the device scalars). Returns false for
-// empty lists (a no-op). With step.rows, also fills them: one row of element addresses per
-// list position, for the kernels.
-bool adam_step(const ops::AdamStep& a, Step<math::AdamHyper>& step);
-bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step);
+// empty lists (a no-op). With step.rows, the op's walk also fills them: one row of element
+// addresses per list position, for the kernels; rows its caller checked (kByTheCaller) are
+// only matched against the lists.
+bool step(const ops::AdamStep& a, Step<math::AdamHyper>& step,
+          RowsChecked rows = RowsChecked::kByTheOp);
+bool step(const ops::SgdStep& a, Step<math::SgdHyper>& step,
+          RowsChecked rows = RowsChecked::kByTheOp);
 
 // ---- a caller that checks a step's rows itself -----------------------------------------------
 // The engine reads every parameter and gradient of a step in its gradient walk anyway: it
@@ -46,9 +52,5 @@ void begin_rows(const StepLists& lists, const StepFacts& facts, StepRows& rows);
 void step_row(const StepLists& lists, size_t i, const at::Tensor& grad, StepRows& rows);
 // Starts loading row i's state tensors' metadata (their storages': with storages).
 void prefetch_row(const StepLists& lists, size_t i, bool storages);
-// adam_step / sgd_step over rows the caller checked: everything but the rows (the
-// hyper-parameters, the lists, that the rows are this call's, the device scalars).
-bool adam_step_rows_checked(const ops::AdamStep& a, Step<math::AdamHyper>& step);
-bool sgd_step_rows_checked(const ops::SgdStep& a, Step<math::SgdHyper>& step);
 
 }  // namespace fusedamp::checks

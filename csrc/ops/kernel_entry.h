@@ -86,44 +86,42 @@ struct takes_rows<Backend, std::void_t<decltype(Backend::kTakesRows)>>
 // A step operator: its Step (step_lists.h), checked, to the backend's kernel; empty lists are a
 // no-op (the kernel is not called).
 template <typename Backend, typename Args, typename Hyper>
-void run_step(const Args& op, bool (*check)(const Args&, Step<Hyper>&),
-              void (*kernel)(const Step<Hyper>&)) {
+void run_step(const Args& op, void (*kernel)(const Step<Hyper>&)) {
   Step<Hyper> step = step_of(op);
   if constexpr (takes_rows<Backend>::value) {
     ScratchVector<StepRow> pooled(0);
     StepRows rows;
     rows.rows.swap(*pooled);  // back to the pool below, with its capacity
     step.rows = &rows;
-    if (check(op, step)) {
+    if (checks::step(op, step)) {
       kernel(step);
     }
     rows.rows.swap(*pooled);
-  } else if (check(op, step)) {
+  } else if (checks::step(op, step)) {
     kernel(step);
   }
 }
 
 template <typename Backend>
 void run(const ops::AdamStep& op) {
-  run_step<Backend>(op, &checks::adam_step, &Backend::adam_step);
+  run_step<Backend>(op, &Backend::adam_step);
 }
 
 template <typename Backend>
 void run(const ops::SgdStep& op) {
-  run_step<Backend>(op, &checks::sgd_step, &Backend::sgd_step);
+  run_step<Backend>(op, &Backend::sgd_step);
 }
 
 // A step operator's kernel on rows its caller checked itself, this step, with checks::step_row
 // (the engine's gradient walk): the op's other checks run, the rows' do not. Not registered:
 // the dispatcher never comes here; the operator is always run<Backend> above. `rows` are the
 // caller's (their addresses may be retaken: StepRows::needs_mutable_access).
-template <typename Backend, typename Args, typename Hyper>
+template <typename Args, typename Hyper>
 void run_step_on_checked_rows(const Args& op, StepRows& rows,
-                              bool (*check)(const Args&, Step<Hyper>&),
                               void (*kernel)(const Step<Hyper>&)) {
   Step<Hyper> step = step_of(op);
   step.rows = &rows;
-  if (check(op, step)) {
+  if (checks::step(op, step, checks::RowsChecked::kByTheCaller)) {
     kernel(step);
   }
 }

@@ -150,14 +150,15 @@ struct WeightStoreSwitch {
 };
 
 // The choices every fused step kernel makes, then the kernel's own: body(param, grad, kStore,
-// kWriteGrads, more...), where param has the params' element type (FP32, FP16 or BF16), grad
-// the grads' (FP32 or the params'), kStore is how the weights are kept (WeightStore; only the
-// combinations weight_store_fits allows are instantiated) and kWriteGrads whether the multiplied
-// gradients are written back. The lists have been checked (ops/checks.h); empty ones have
-// nothing to run.
+// more...), where param has the params' element type (FP32, FP16 or BF16), grad the grads'
+// (FP32 or the params') and kStore is how the weights are kept (WeightStore; only the
+// combinations weight_store_fits allows are instantiated). Whether the multiplied gradients are
+// written back stays a runtime flag of the kernels: one predictable branch per vector, where a
+// template argument would double the kernels compiled. The lists have been checked
+// (ops/checks.h); empty ones have nothing to run.
 template <typename Body, typename... More>
-void step_switch(at::TensorList params, at::TensorList grads, WeightStore store,
-                 bool write_back_grads, Body&& body, const More&... more) {
+void step_switch(at::TensorList params, at::TensorList grads, WeightStore store, Body&& body,
+                 const More&... more) {
   if (params.empty()) {
     return;
   }
@@ -169,7 +170,7 @@ void step_switch(at::TensorList params, at::TensorList grads, WeightStore store,
           }
         },
         DtypeSwitch<float, scalar_t>{grads[0].scalar_type()}, WeightStoreSwitch{store},
-        BoolSwitch{write_back_grads}, more...);
+        more...);
   });
 }
 

@@ -169,12 +169,9 @@ void check_rows(const StepLists& s, const StepFacts& f, StepRows* rows) {
   }
 }
 
-// Who checks a step's rows: the op itself, or its caller before the call (checks::step_row).
-enum class Rows : uint8_t { kChecked, kCheckedByCaller };
-
 // The list checks of adam_step_ and sgd_step_, then (unless the caller checked them) the rows.
 template <typename Hyper>
-void check_step_lists(const Step<Hyper>& s, Rows rows) {
+void check_step_lists(const Step<Hyper>& s, RowsChecked rows) {
   check_lengths(s, /*with_grads=*/true);
   const size_t n = s.params.size();
   if (n == 0) {
@@ -182,7 +179,7 @@ void check_step_lists(const Step<Hyper>& s, Rows rows) {
   }
   const StepFacts f = step_facts(s, s.grads[0].defined() ? s.grads[0].scalar_type()
                                                          : s.params[0].scalar_type());
-  if (rows == Rows::kCheckedByCaller) {
+  if (rows == RowsChecked::kByTheCaller) {
     const StepRows& kept = *s.rows;
     TORCH_INTERNAL_ASSERT(kept.rows.size() == n && kept.facts == f, s.op,
                           ": the caller's rows are not this call's");
@@ -216,7 +213,7 @@ void check_step_scalars(const Args& a, const c10::Device& device) {
 
 // A step's lists, then its device scalars; false when there are no params.
 template <typename Args, typename Hyper>
-bool check_step(const Args& a, const Step<Hyper>& s, Rows rows) {
+bool check_step(const Args& a, const Step<Hyper>& s, RowsChecked rows) {
   check_step_lists(s, rows);
   if (s.params.empty()) {
     return false;
@@ -309,24 +306,14 @@ void prefetch_row(const StepLists& s, size_t i, bool storages) {
   }
 }
 
-bool adam_step(const ops::AdamStep& a, Step<math::AdamHyper>& step) {
+bool step(const ops::AdamStep& a, Step<math::AdamHyper>& step, RowsChecked rows) {
   check_hyper(a);
-  return check_step(a, step, Rows::kChecked);
+  return check_step(a, step, rows);
 }
 
-bool sgd_step(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
+bool step(const ops::SgdStep& a, Step<math::SgdHyper>& step, RowsChecked rows) {
   check_hyper(a);
-  return check_step(a, step, Rows::kChecked);
-}
-
-bool adam_step_rows_checked(const ops::AdamStep& a, Step<math::AdamHyper>& step) {
-  check_hyper(a);
-  return check_step(a, step, Rows::kCheckedByCaller);
-}
-
-bool sgd_step_rows_checked(const ops::SgdStep& a, Step<math::SgdHyper>& step) {
-  check_hyper(a);
-  return check_step(a, step, Rows::kCheckedByCaller);
+  return check_step(a, step, rows);
 }
 
 }  // namespace fusedamp::checks

@@ -30,6 +30,13 @@ REFERENCE_OF = {"fp32": "torch.amp", "torch.amp": "torch.amp", "fusedamp-fp16": 
                 "fusedamp-bf16": TORCH_AMP_BF16, TORCH_AMP_BF16: TORCH_AMP_BF16}
 
 
+def reference_run(results, r):
+    """The run of `results` that run `r` is compared with: its model under REFERENCE_OF's
+    set-up for r's."""
+    return next(b for b in results
+                if b["model"] == r["model"] and b["mode"] == REFERENCE_OF[r["mode"]])
+
+
 # ------------------------------------------------------------------------------- data
 # Cached: train_run loads a task's data before it starts counting memory (see _load_inputs).
 @functools.lru_cache(maxsize=None)

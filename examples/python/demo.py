@@ -84,7 +84,7 @@ def main():
         stress_worker(int(args.stress_worker[0]), args.stress_worker[1])
         return
 
-    from amp_models import MODES, REFERENCE_OF, TORCH_AMP_BF16
+    from amp_models import MODES, TORCH_AMP_BF16, reference_run
 
     import torch
 
@@ -119,8 +119,7 @@ def main():
              "vs torch.amp | peak mem MB | skipped | final scale |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = next(b for b in results
-                    if b["model"] == r["model"] and b["mode"] == REFERENCE_OF[r["mode"]])
+        base = reference_run(results, r)
         metric = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r
                   else f"{r['perplexity']:.2f}")
         lines.append(

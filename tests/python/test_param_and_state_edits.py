@@ -7,6 +7,26 @@ import torch
 
 import fusedamp
 
+MOMENT = {"AdamW": "exp_avg", "SGD": "momentum_buffer"}
+
+
+def _fp16_optimizer(device, kind, shapes):
+    """FP16 parameters of these shapes (the same values each time) and a fusedamp optimizer of
+    this kind over them."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device).half()) for s in shapes]
+    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
+           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
+    return params, opt
+
+
+def _assert_same(step, kept, opt, fresh, twin):
+    """Two optimizers' parameters and every state tensor, bit for bit."""
+    for i, (a, b) in enumerate(zip(kept, fresh)):
+        assert torch.equal(a, b), (step, i)
+        for name, value in opt.state[a].items():
+            assert torch.equal(value, twin.state[b][name]), (step, i, name)
+
 
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_step_bumps_the_version_counters_torch_would(device, kind):
@@ -39,15 +59,10 @@ def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
     reloaded before every step, so that every tensor of it is taken afresh each time; bit for
     bit."""
     def make():
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s, device=device).half())
-              for s in [(5,), (3, 4), (7,)]]
-        opt = (fusedamp.optim.AdamW(ps, lr=1e-2) if kind == "AdamW"
-               else fusedamp.optim.SGD(ps, lr=1e-2, momentum=0.9))
-        return ps, opt
+        return _fp16_optimizer(device, kind, [(5,), (3, 4), (7,)])
 
     (kept, opt), (fresh, twin) = make(), make()
-    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    moment = MOMENT[kind]
     gen = torch.Generator().manual_seed(2)
     for step in range(7):
         grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in kept]
@@ -67,10 +82,7 @@ def test_steps_after_the_first_see_every_edit_of_params_and_state(device, kind):
         twin.load_state_dict(twin.state_dict())
         opt.step()
         twin.step()
-        for i, (a, b) in enumerate(zip(kept, fresh)):
-            assert torch.equal(a, b), (step, i)
-            for name, value in opt.state[a].items():
-                assert torch.equal(value, twin.state[b][name]), (step, i, name)
+        _assert_same(step, kept, opt, fresh, twin)
     assert not torch.equal(kept[2].detach(), make()[0][2].detach())  # the steps moved it
 
 
@@ -81,15 +93,8 @@ def test_a_state_tensor_given_new_memory_is_what_the_next_step_uses(device, kind
     torch.optim allows: the next step reads and writes that memory, the moment and the FP32
     master weight alike. Reference: a twin given the same values through load_state_dict before
     every step; bit for bit, and `t` itself holds what the step wrote."""
-    def make():
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s, device=device).half()) for s in [(5,), (3, 4)]]
-        opt = (fusedamp.optim.AdamW(ps, lr=1e-2) if kind == "AdamW"
-               else fusedamp.optim.SGD(ps, lr=1e-2, momentum=0.9))
-        return ps, opt
-
-    (kept, opt), (fresh, twin) = make(), make()
-    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    (kept, opt), (fresh, twin) = (_fp16_optimizer(device, kind, [(5,), (3, 4)]) for _ in range(2))
+    moment = MOMENT[kind]
     gen = torch.Generator().manual_seed(3)
     given = {}
     for step in range(5):
@@ -112,10 +117,7 @@ def test_a_state_tensor_given_new_memory_is_what_the_next_step_uses(device, kind
             twin.load_state_dict(sd)
         opt.step()
         twin.step()
-        for i, (a, b) in enumerate(zip(kept, fresh)):
-            assert torch.equal(a, b), (step, i)
-            for name, value in opt.state[a].items():
-                assert torch.equal(value, twin.state[b][name]), (step, i, name)
+        _assert_same(step, kept, opt, fresh, twin)
         for name, (index, t) in given.items():  # the step wrote into the memory given
             assert torch.equal(t, twin.state[fresh[index]][name]), (step, name)
 
@@ -124,10 +126,8 @@ def test_a_state_tensor_given_new_memory_is_what_the_next_step_uses(device, kind
 def test_a_state_tensor_given_memory_of_another_shape_is_refused(device, kind):
     """A state tensor given memory that no longer fits its parameter (another shape) after a
     step: the next step refuses it with the step op's message and modifies nothing."""
-    params = [torch.nn.Parameter(torch.randn(5, device=device).half()) for _ in range(3)]
-    opt = (fusedamp.optim.AdamW(params, lr=1e-2) if kind == "AdamW"
-           else fusedamp.optim.SGD(params, lr=1e-2, momentum=0.9))
-    moment = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+    params, opt = _fp16_optimizer(device, kind, [(5,)] * 3)
+    moment = MOMENT[kind]
     for p in params:
         p.grad = torch.randn(5, device=device).half()
     opt.step()

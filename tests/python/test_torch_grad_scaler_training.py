@@ -15,21 +15,9 @@ from itertools import chain
 import pytest
 import torch
 from torch.testing._internal.common_optimizers import TensorTracker, optim_db
-from torch.testing._internal.common_utils import TestCase
 
-from torch_grad_scaler_port import (_create_scaling_case, _create_scaling_models_optimizers,
-                                    _run_scaling_case, cases)
-
-
-@pytest.fixture
-def tc():
-    """torch's TestCase, for its assertEqual (tolerances by dtype) and assertRaises/Warns."""
-    return TestCase()
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+from torch_grad_scaler_port import (  # noqa: F401 (tc, _seed: fixtures)
+    _create_scaling_case, _create_scaling_models_optimizers, _run_scaling_case, _seed, cases, tc)
 
 
 # ---- test/test_torch.py ---------------------------------------------------------------------

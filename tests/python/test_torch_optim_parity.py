@@ -188,43 +188,40 @@ def _check_state(tc, opt, model, ref_opt, ref_model):
                 tc.assertEqual(actual, v, atol=ATOL, rtol=RTOL, msg=f"{name}: {k}")
 
 
-@pytest.mark.parametrize("kind,kwargs", cases("test_trajectory"))
-def test_trajectory(tc, device, kind, kwargs):
+def _alongside_torch(tc, device, kind, kwargs, first_cls, first_kwargs, restarts):
+    """One optimizer (first_cls(**first_kwargs), then whatever restarts[step] makes of it after
+    that step: (cls, kwargs) through a checkpoint) and torch's reference on the same problem,
+    compared after every step and, at the end, in their state."""
     model, batches = _problem(device)
     ref_model = deepcopy(model)
-    cls = _KINDS[kind]
     ref_opt = getattr(torch.optim, kind)(ref_model.parameters(),
                                          **_reference_kwargs(kwargs, device))
     ref_sched = _scheduler(ref_opt)
-    opt = cls(model.parameters(), **_on(kwargs, device))
+    opt = first_cls(model.parameters(), **first_kwargs)
     sched = _scheduler(opt)
     for step, batch in enumerate(batches, start=1):
         _train_step(ref_model, ref_opt, ref_sched, batch)
         _train_step(model, opt, sched, batch)
         _check_params(tc, model, ref_model, step)
-        if step == SAVE_AT:
-            opt, sched = _restart(cls, model, _on(kwargs, device), opt, sched)
+        if step in restarts:
+            cls, cls_kwargs = restarts[step]
+            opt, sched = _restart(cls, model, cls_kwargs, opt, sched)
     _check_state(tc, opt, model, ref_opt, ref_model)
+
+
+@pytest.mark.parametrize("kind,kwargs", cases("test_trajectory"))
+def test_trajectory(tc, device, kind, kwargs):
+    cls, ours = _KINDS[kind], _on(kwargs, device)
+    _alongside_torch(tc, device, kind, kwargs, cls, ours, {SAVE_AT: (cls, ours)})
 
 
 @pytest.mark.parametrize("kind,kwargs", cases("test_migration"))
 def test_migration(tc, device, kind, kwargs):
-    model, batches = _problem(device)
-    ref_model = deepcopy(model)
     torch_cls, fusedamp_cls = getattr(torch.optim, kind), _KINDS[kind]
-    ref_opt = torch_cls(ref_model.parameters(), **_reference_kwargs(kwargs, device))
-    ref_sched = _scheduler(ref_opt)
-    opt = torch_cls(model.parameters(), **_reference_kwargs(kwargs, device))
-    sched = _scheduler(opt)
-    for step, batch in enumerate(batches, start=1):
-        _train_step(ref_model, ref_opt, ref_sched, batch)
-        _train_step(model, opt, sched, batch)
-        _check_params(tc, model, ref_model, step)
-        if step == MIGRATE_AT[0]:    # torch -> fusedamp
-            opt, sched = _restart(fusedamp_cls, model, _on(kwargs, device), opt, sched)
-        elif step == MIGRATE_AT[1]:  # fusedamp -> torch
-            opt, sched = _restart(torch_cls, model, _reference_kwargs(kwargs, device), opt, sched)
-    _check_state(tc, opt, model, ref_opt, ref_model)
+    theirs = _reference_kwargs(kwargs, device)
+    _alongside_torch(tc, device, kind, kwargs, torch_cls, theirs,
+                     {MIGRATE_AT[0]: (fusedamp_cls, _on(kwargs, device)),  # torch -> fusedamp
+                      MIGRATE_AT[1]: (torch_cls, theirs)})                # fusedamp -> torch
 
 
 @pytest.mark.parametrize("kind,kwargs", cases("test_differentiable_refused", differentiable=True))

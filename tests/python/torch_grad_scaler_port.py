@@ -1,7 +1,7 @@
 """PyTorch's own GradScaler tests, run against fusedamp: what test_torch_grad_scaler.py (the
 scaler's API) and test_torch_grad_scaler_training.py (training loops) share — the variants
-every test runs as, the case ids and expected failures, and torch's helpers (each test file
-has the fixtures: torch's TestCase as ``tc``, and the seed every test starts from).
+every test runs as, the case ids and expected failures, torch's helpers, and the fixtures each
+test file imports: torch's TestCase as ``tc``, and the seed every test starts from.
 
 Ported from PyTorch (BSD-3-Clause, Copyright (c) PyTorch contributors); the test bodies and
 their assertions are torch's, adapted only where stated below.
@@ -77,8 +77,20 @@ from functools import partial
 
 import pytest
 import torch
+from torch.testing._internal.common_utils import TestCase
 
 import fusedamp
+
+
+@pytest.fixture
+def tc():
+    """torch's TestCase, for its assertEqual (tolerances by dtype) and assertRaises/Warns."""
+    return TestCase()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
 
 
 # ---- the three variants -------------------------------------------------------------------

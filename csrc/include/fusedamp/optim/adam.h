@@ -35,9 +35,7 @@ extern template class OptimizerOf<AdamOptions>;
 // amsgrad.
 class Adam : public OptimizerOf<AdamOptions> {
  public:
-  explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-                AdamOptions defaults = {});
-  explicit Adam(std::vector<at::Tensor> params, AdamOptions defaults = {});
+  using OptimizerOf::OptimizerOf;
 };
 
 // Adam with decoupled weight decay: every group's decoupled_weight_decay is forced on.

@@ -13,11 +13,13 @@ namespace fusedamp::optim {
 template <typename Options>
 class OptimizerOf : public Optimizer {
  public:
+  // Options given to a group are checked here: an invalid one is a c10::ValueError.
+  explicit OptimizerOf(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                       Options defaults = {});
+  explicit OptimizerOf(std::vector<at::Tensor> params, Options defaults = {});
+
   Options& group_options(size_t group);
   const Options& group_options(size_t group) const;
-
- protected:
-  using Optimizer::Optimizer;
 
  private:
   const char* kind() const final;

@@ -23,9 +23,7 @@ extern template class OptimizerOf<SGDOptions>;
 // Option names beyond the shared ones (optimizer.h): momentum, dampening, nesterov.
 class SGD : public OptimizerOf<SGDOptions> {
  public:
-  explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-               SGDOptions defaults = {});
-  explicit SGD(std::vector<at::Tensor> params, SGDOptions defaults = {});
+  using OptimizerOf::OptimizerOf;
 };
 
 }  // namespace fusedamp::optim

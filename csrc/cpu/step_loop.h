@@ -1,0 +1,43 @@
+#pragma once
+// The loops every CPU step kernel shares (adam_kernel.cpp, sgd_kernel.cpp): over a step's
+// chunks, and over a chunk two vectors at a time, so that an algorithm writes only its update.
+#include "chunked_for_each.h"
+#include "cpu_kernels.h"
+#include "vec_io.h"
+
+namespace fusedamp::cpu::CPU_CAPABILITY {
+
+// body(i, row, begin, end) for every chunk [begin, end) of every row i of the step (all
+// threads), with the elements of the row a few rows ahead asked for at each row's first chunk.
+template <typename Body>
+void for_each_step_chunk(const CpuStep& step, const Body& body) {
+  const ChunkPlan plan(step.params.size(), [&](size_t i) { return step.rows[i].numel; });
+  for_each_chunk(plan, [&](int64_t, int64_t i, int64_t b, int64_t e) {
+    prefetch_elements_ahead(step, i, b);
+    body(i, step.rows[i], b, e);
+  });
+}
+
+// A chunk of n elements, two vectors at a time: the gradient (times grad_mult) and the weights
+// loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i), then the weights
+// stored as their store keeps them and, with write_grads, the multiplied gradient written back.
+template <typename TG, typename Weights, typename Update>
+C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad_mult,
+                                  bool write_grads, const Update& update) {
+  const Vec mult(grad_mult);
+  for (int64_t i = 0; i < n; i += kPair) {
+    const int64_t k = n - i;
+    Vec g0, g1, p0, p1;
+    PairIO<TG>::load(g + i, k, g0, g1);
+    g0 = g0 * mult;
+    g1 = g1 * mult;
+    w.load(i, k, p0, p1);
+    update(i, k, p0, p1, g0, g1);
+    w.store(i, k, p0, p1);
+    if (write_grads) {
+      PairIO<TG>::store(g + i, k, g0, g1);
+    }
+  }
+}
+
+}  // namespace fusedamp::cpu::CPU_CAPABILITY
