@@ -90,7 +90,7 @@ def main():
             with open(path) as f:
                 r = json.load(f)
             r.pop("loss_curve")
-            r.pop("scale_history")
+            r.pop("scale_curve")
             results.append(r)
 
     machine = {

@@ -26,13 +26,12 @@ TORCH_LIBRARY(fusedamp, m) {
   // Loss-scale state machine (growth, backoff, hysteresis, bounds) on device tensors.
   // amax_target (with amax, FP64[1]: this step's largest finite |scaled gradient|, as
   // grad_stats_'s telemetry gives it; negative: not measured): the amax policy of
-  // math/scale_math.h. With scale_history (FP32, 1-D), also scale_history[scale_history_slot]
-  // = the new scale: one slot of a history ring, chosen on the host (no index op).
+  // math/scale_math.h.
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis=1, float? min_scale=None, float? max_scale=None, Tensor? amax=None, "
-      "float? amax_target=None, Tensor(d!)? scale_history=None, int scale_history_slot=0) -> ()");
+      "float? amax_target=None) -> ()");
 
   // A loss scaler's telemetry record of one iteration (math/telemetry_math.h's columns): ring
   // (FP64 [capacity, 7]) row `slot` = [scale, found_inf, measured[0..3], measured[4] +
@@ -46,15 +45,14 @@ TORCH_LIBRARY(fusedamp, m) {
   // What a master-weight optimizer records after a step, in one kernel (math/
   // step_account_math.h): with found_inf (the step's flag), step_applied = 1 if it is 0 else 0,
   // skipped_steps += 1 if it is not 0, and found_inf_out (the loss scaler's flag) = found_inf;
-  // without it (an unchecked step) step_applied = 1. With grad_norms (FP32, 1-D, needs
-  // grad_sum_sq), grad_norms[grad_norm_slot] = the global norm of the unscaled gradients,
-  // sqrt(grad_sum_sq) * inv_scale (inv_scale absent: 1): one slot of a history ring, chosen on
-  // the host, so recording needs no index op. step_applied, found_inf_out and the scalars are
+  // without it (an unchecked step) step_applied = 1. With grad_norm (needs grad_sum_sq),
+  // grad_norm = the global norm of the unscaled gradients, sqrt(grad_sum_sq) * inv_scale
+  // (inv_scale absent: 1). step_applied, found_inf_out, grad_norm and the scalars are
   // one-element FP32 tensors, skipped_steps one-element int64, all on one device.
   m.def(
       "account_step_(Tensor(a!) step_applied, Tensor(b!) skipped_steps, Tensor? found_inf=None, "
       "Tensor(c!)? found_inf_out=None, Tensor? grad_sum_sq=None, Tensor? inv_scale=None, "
-      "Tensor(d!)? grad_norms=None, int grad_norm_slot=0) -> ()");
+      "Tensor(d!)? grad_norm=None) -> ()");
 
   // Adam/AdamW step over lists. grads are multiplied
   // by inv_scale and by the clip coefficient derived from grad_sum_sq and max_grad_norm; if

@@ -185,10 +185,6 @@ struct CpuOps {
                        *op.hysteresis_tracker.data_ptr<int32_t>(),
                        *op.found_inf.const_data_ptr<float>() != 0.f, kernels::scale_hyper(op),
                        op.amax && op.amax->defined() ? *op.amax->const_data_ptr<double>() : -1.0);
-    if (op.scale_history && op.scale_history->defined()) {
-      op.scale_history->data_ptr<float>()[op.scale_history_slot] =
-          *op.scale.const_data_ptr<float>();
-    }
   }
 
   static void record_telemetry(const ops::RecordTelemetry& op) {
@@ -205,7 +201,7 @@ struct CpuOps {
     // Every input is read before anything is written: found_inf_out may be found_inf itself.
     const float found = given(op.found_inf) ? *op.found_inf->const_data_ptr<float>() : 0.f;
     const float norm =
-        given(op.grad_norms)
+        given(op.grad_norm)
             ? math::unscaled_grad_norm(
                   *op.grad_sum_sq->const_data_ptr<float>(),
                   given(op.inv_scale) ? *op.inv_scale->const_data_ptr<float>() : 1.f)
@@ -215,8 +211,8 @@ struct CpuOps {
     if (given(op.found_inf_out)) {
       *op.found_inf_out->data_ptr<float>() = found;
     }
-    if (given(op.grad_norms)) {
-      op.grad_norms->data_ptr<float>()[op.grad_norm_slot] = norm;
+    if (given(op.grad_norm)) {
+      *op.grad_norm->data_ptr<float>() = norm;
     }
   }
 

@@ -272,17 +272,10 @@ void GradScaler::update() {
     }
     telemetry_->record(scale_, found_inf_);  // the scale the gradients carried
   }
-  std::optional<at::Tensor> history;  // the op writes the new scale into its slot
-  if (opts_.scale_history()) {
-    history = scale_history_.ring_on(scale_.device());
-  }
   ops::update_scale_({scale_, growth_tracker_, hysteresis_tracker_, found_inf_,
                       opts_.growth_factor(), opts_.backoff_factor(), opts_.growth_interval(),
                       opts_.hysteresis(), opts_.min_scale(), opts_.max_scale(), amax,
-                      amax_target, history, scale_history_.next_slot()});
-  if (history) {
-    scale_history_.record();
-  }
+                      amax_target});
   end_iteration();
 }
 
@@ -293,22 +286,10 @@ void GradScaler::update(double new_scale) {
   check_positive_finite("new_scale", new_scale);
   ensure_state(opts_.device().value_or(c10::Device(c10::kCPU)));
   scale_.fill_(new_scale);
-  if (opts_.scale_history()) {
-    scale_history_.ring_on(scale_.device()).narrow(0, scale_history_.next_slot(), 1).copy_(scale_);
-    scale_history_.record();
-  }
   end_iteration();
   if (telemetry_) {
     telemetry_->discard();
   }
-}
-
-at::Tensor GradScaler::scale_history() const {
-  return scale_history_.values();
-}
-
-void GradScaler::set_scale_history(const at::Tensor& scales) {
-  scale_history_.assign(scales, "fusedamp::GradScaler::set_scale_history");
 }
 
 double GradScaler::get_scale() const {

@@ -174,13 +174,15 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
                          ? skipped_steps_.to(d).clone()
                          : at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(d));
   }
-  // The norm of this step's statistics pass goes into the next slot of the history.
-  std::optional<at::Tensor> sum_sq, norms;
+  // The norm of this step's statistics pass, where there was one.
+  std::optional<at::Tensor> sum_sq, norm;
   if (stats_->from_pass()) {
     sum_sq = stats_->sum_sq(0);
-    norms = grad_norms_.ring_on(d);
+    if (!grad_norm_.defined() || grad_norm_.device() != d) {
+      grad_norm_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(d));
+    }
+    norm = grad_norm_;
   }
-  const int64_t slot = grad_norms_.next_slot();
   // The loss scaler's flag gets the step's through the op where it lives on the same device.
   const bool flag_here =
       checked && found_inf_out.defined() && found_inf_out.device() == found_inf.device();
@@ -195,19 +197,15 @@ void Optimizer::account(const at::Tensor& found_inf, bool checked,
     a.found_inf_out = found_inf_out;
   }
   a.grad_sum_sq = sum_sq;
-  if (norms && inv_scale.defined()) {
+  if (norm && inv_scale.defined()) {
     a.inv_scale = inv_scale;
   }
-  a.grad_norms = norms;
-  a.grad_norm_slot = slot;
+  a.grad_norm = norm;
   ops::account_step_(a);
   if (found_inf.defined() && found_inf_out.defined() && !flag_here) {
     found_inf_out.copy_(found_inf.reshape(found_inf_out.sizes()), /*non_blocking=*/true);
   }
-  if (norms) {
-    grad_norms_.record();
-    norm_this_step_ = true;
-  }
+  norm_this_step_ = norm.has_value();
 }
 
 // ---- whole steps ----------------------------------------------------------------------------
@@ -258,16 +256,8 @@ at::Tensor Optimizer::found_inf() const {
 }
 
 at::Tensor Optimizer::grad_norm() const {
-  return norm_this_step_ ? grad_norms_.last() : at::Tensor();
-}
-
-at::Tensor Optimizer::grad_norm_history() const {
-  return grad_norms_.values();
-}
-
-void Optimizer::set_grad_norm_history(const at::Tensor& norms) {
-  grad_norms_.assign(norms, "fusedamp::optim::set_grad_norm_history");
-  norm_this_step_ = false;
+  // A copy: the next step writes grad_norm_ again.
+  return norm_this_step_ ? grad_norm_.clone() : at::Tensor();
 }
 
 at::Tensor Optimizer::grad_sum_sq() const {

@@ -121,13 +121,6 @@ void update_scale(const ops::UpdateScale& a) {
                 ": amax is given without amax_target (the amax policy needs both)");
     check_scalar(op, "amax", *a.amax, at::kDouble, device);
   }
-  if (given(a.scale_history)) {
-    const Tensor& history = *a.scale_history;
-    check_vector(op, "scale_history", history, at::kFloat, "float32", device, "scale");
-    TORCH_CHECK(a.scale_history_slot >= 0 && a.scale_history_slot < history.sym_numel(), op,
-                ": scale_history_slot ", a.scale_history_slot, " is outside scale_history (",
-                history.sym_numel(), " elements)");
-  }
 }
 
 void record_telemetry(const ops::RecordTelemetry& a) {
@@ -169,23 +162,19 @@ void account_step(const ops::AccountStep& a) {
                 ": found_inf_out is given without found_inf (an unchecked step has no flag)");
     check_scalar(op, "found_inf_out", *a.found_inf_out, at::kFloat, device);
   }
-  if (!given(a.grad_norms)) {
+  if (!given(a.grad_norm)) {
     TORCH_CHECK(!given(a.grad_sum_sq) && !given(a.inv_scale), op,
-                ": grad_sum_sq and inv_scale only make the norm written into grad_norms, which "
+                ": grad_sum_sq and inv_scale only make the norm written into grad_norm, which "
                 "is not given");
     return;
   }
   TORCH_CHECK(given(a.grad_sum_sq), op,
-              ": grad_norms needs grad_sum_sq (the sum of squares from grad_stats_)");
+              ": grad_norm needs grad_sum_sq (the sum of squares from grad_stats_)");
   check_scalar(op, "grad_sum_sq", *a.grad_sum_sq, at::kFloat, device);
   if (given(a.inv_scale)) {
     check_scalar(op, "inv_scale", *a.inv_scale, at::kFloat, device);
   }
-  const Tensor& norms = *a.grad_norms;
-  check_vector(op, "grad_norms", norms, at::kFloat, "float32", device, "step_applied");
-  TORCH_CHECK(a.grad_norm_slot >= 0 && a.grad_norm_slot < norms.sym_numel(), op,
-              ": grad_norm_slot ", a.grad_norm_slot, " is outside grad_norms (", norms.sym_numel(),
-              " elements)");
+  check_scalar(op, "grad_norm", *a.grad_norm, at::kFloat, device);
 }
 
 }  // namespace fusedamp::checks

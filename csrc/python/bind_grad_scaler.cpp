@@ -16,7 +16,7 @@ void bind_grad_scaler(py::module_& m) {
                        int64_t hysteresis, std::optional<double> min_scale,
                        std::optional<double> max_scale, const std::string& policy,
                        std::optional<double> amax_target, bool telemetry,
-                       int64_t telemetry_capacity, bool scale_history) {
+                       int64_t telemetry_capacity) {
              TORCH_CHECK(policy == "torch" || policy == "amax",
                          "fusedamp.GradScaler: policy must be 'torch' or 'amax', got '", policy,
                          "'");
@@ -35,17 +35,13 @@ void bind_grad_scaler(py::module_& m) {
                                                      .amax_target(amax_target.value_or(
                                                          kDefaultAmaxTarget))
                                                      .telemetry(telemetry)
-                                                     .telemetry_capacity(telemetry_capacity)
-                                                     .scale_history(scale_history));
+                                                     .telemetry_capacity(telemetry_capacity));
            }),
            py::arg("device"), py::arg("init_scale"), py::arg("growth_factor"),
            py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("enabled"),
            py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"),
            py::arg("policy") = "torch", py::arg("amax_target") = py::none(),
-           py::arg("telemetry") = true, py::arg("telemetry_capacity") = 4096,
-           py::arg("scale_history") = true)
-      .def("scale_history", &GradScaler::scale_history)
-      .def("set_scale_history", &GradScaler::set_scale_history)
+           py::arg("telemetry") = true, py::arg("telemetry_capacity") = 4096)
       .def("scale", &GradScaler::scale)
       // The iteration's stages for a Python optimizer, identified by its id().
       .def("unscale_",

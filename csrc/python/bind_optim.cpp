@@ -269,10 +269,6 @@ void bind_optim(py::module_& m) {
       .def("found_inf", [](const Optimizer& o) { return maybe(o.found_inf()); })
       .def("grad_sum_sq", [](const Optimizer& o) { return maybe(o.grad_sum_sq()); })
       .def("grad_norm", [](const Optimizer& o) { return maybe(o.grad_norm()); })
-      .def("grad_norm_history", &Optimizer::grad_norm_history)
-      .def("set_grad_norm_history", &Optimizer::set_grad_norm_history)
-      .def("grad_norm_history_capacity",
-           [](const Optimizer&) { return Optimizer::kGradNormHistory; })
       .def("param_state", &Optimizer::param_state)
       .def("master_weight",
            [](const Optimizer& o, const at::Tensor& p) { return maybe(o.master_weight(p)); })

@@ -202,6 +202,13 @@ class Setup:
             return None
         return float(self.scaler.get_scale())
 
+    def scale_curve(self):
+        """The loss scale of each step (the one its gradients carried), from fusedamp's
+        telemetry; None without a fusedamp scaler (torch.amp keeps no record)."""
+        if not self.fused or not self.scaler.is_enabled():
+            return None
+        return self.scaler.telemetry()["scale"]
+
 
 def digits_loss(model, x, y):
     return F.cross_entropy(model(x), y)
@@ -337,7 +344,7 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
     setup, batch, loss_fn, evaluate = _task(model_name, mode, device, seed)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, scales, times = [], [], []
+    losses, times = [], []
     bar = tqdm(range(steps), desc=f"{model_name:>10s} {mode:<14s}", ncols=90, mininterval=1.0,
                disable=None if progress else True)
     for _ in bar:
@@ -348,13 +355,11 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        if setup.scaler is not None and setup.scaler.is_enabled():
-            scales.append(setup.scaler.get_scale())
     losses = [float(v) for v in torch.stack(losses).float().cpu().tolist()]
     warm = times[steps // 5:] or times
     result = {
         "model": model_name, "mode": mode, "device": device, "steps": steps,
-        "loss_curve": losses, "scale_history": scales,
+        "loss_curve": losses, "scale_curve": setup.scale_curve(),
         "final_train_loss": sum(losses[-20:]) / min(20, len(losses)),
         "ms_per_step": 1e3 * sorted(warm)[len(warm) // 2],
         "skipped_steps": setup.skipped_steps(), "final_scale": setup.scale(),

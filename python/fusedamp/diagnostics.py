@@ -1,7 +1,5 @@
 """Diagnostics that stay on the device until asked for: why a run went wrong.
 
-- ``History``: a ring buffer of per-step scalars (loss scale, global gradient norm) written on
-  the device; ``values()`` reads it with one synchronisation.
 - ``nonfinite_grads(model)``: which named parameters hold inf/NaN gradients (call it after a
   skipped step, before ``zero_grad``): one fused read-only pass, one synchronisation.
 - ``plot(telemetry, path)``: a PNG of a ``scaler.telemetry()`` record (loss, gradient norm, loss
@@ -21,45 +19,14 @@ import torch
 
 from . import ops
 
-__all__ = ["History", "nonfinite_grads", "plot", "draw_panel", "write_tensorboard", "PANELS"]
+__all__ = ["nonfinite_grads", "plot", "draw_panel", "write_tensorboard", "PANELS"]
 
 
 class History:
-    """The last ``capacity`` values of a per-step device scalar."""
-
-    def __init__(self, capacity: int = 100_000):
-        if capacity < 1:
-            raise ValueError("History capacity must be >= 1")
-        self.capacity = capacity
-        self._buf = None
-        self._n = 0
-
-    def record(self, value: torch.Tensor):
-        if self._buf is None or self._buf.device != value.device:
-            # Not filled: values() reads only what was recorded, and on the CPU the pages of
-            # the ring nobody has written yet are not resident.
-            self._buf = torch.empty((self.capacity,), dtype=torch.float32, device=value.device)
-            self._n = 0
-        # One indexed assignment (a device copy, no sync): half the host time of
-        # select + detach + reshape + copy_ from Python, paid every step. Detached only where
-        # autograd would record the copy (an op call fewer for the usual plain tensor).
-        self._buf[self._n % self.capacity] = value.detach() if value.requires_grad else value
-        self._n += 1
-
-    def __len__(self):
-        return min(self._n, self.capacity)
-
-    def values(self):
-        """The recorded values, oldest first, as Python floats (one synchronisation)."""
-        if self._buf is None or self._n == 0:
-            return []
-        if self._n <= self.capacity:
-            return self._buf[: self._n].tolist()
-        k = self._n % self.capacity
-        return torch.cat([self._buf[k:], self._buf[:k]]).tolist()
-
-    def clear(self):
-        self._n = 0
+    """Not part of the API: kept only so that fusedamp.GradScaler objects pickled by earlier
+    versions, which held one of these as their scale history (``_history``), still unpickle;
+    GradScaler.__setstate__ drops it (the telemetry is the record now). Unpickling restores
+    an instance's attributes without calling anything of the class, so it needs no body."""
 
 
 def nonfinite_grads(model_or_named_parameters):

@@ -226,7 +226,6 @@ class ShardEngine:
         self._engine.load_param_states([t for t, _ in moved], [s for _, s in moved])
         if old.skipped_steps() is not None:
             self._engine.set_skipped_steps(old.skipped_steps())
-        self._engine.set_grad_norm_history(old.grad_norm_history())
 
     # ---- state: DTensors out, DTensors or full tensors in ---------------------------------
     def _local_of(self, p):

@@ -14,12 +14,14 @@ iteration.
 
 Beyond torch's arguments: ``hysteresis`` (back off only after that many overflowing steps in
 a row), ``min_scale`` and ``max_scale``. With hysteresis 1 and no bounds the scale sequence is
-torch's. The scale history is kept on the device (``scale_history()``).
+torch's.
 
-Telemetry (``telemetry=True``, the default): every iteration's scale, overflow, gradient norm,
-largest finite |gradient| (amax) and underflow fraction, and the first parameter whose gradient
-overflowed, gathered by the gradient passes the step makes anyway (``unscale_`` adds one
-read-only pass) and kept on the device; ``telemetry()`` reads it with one synchronisation.
+Telemetry (``telemetry=True``, the default) is the record of a run: every iteration's scale,
+overflow, gradient norm, largest finite |gradient| (amax) and underflow fraction, and the first
+parameter whose gradient overflowed, gathered by the gradient passes the step makes anyway
+(``unscale_`` adds one read-only pass) and kept on the device; ``telemetry()`` reads it with one
+synchronisation. (Deprecated, for one release: ``scale_history()``, derived from it, and the
+``history`` argument, which has no effect.)
 
 ``policy="amax"`` moves the scale straight to the largest power of two that keeps the measured
 amax under ``amax_target`` (default 65504 / 256) instead of learning the ceiling by overflowing
@@ -30,13 +32,28 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 
 import torch
 
 from ._library import _C
 from .fsdp import check_plain_step, local_grad_views
+from .optim import FusedOptimizer
 
 __all__ = ["GradScaler"]
+
+
+class _NotGiven:
+    """The default of a deprecated argument, so that giving it at all can be warned about."""
+
+    def __repr__(self):
+        return "<deprecated>"
+
+
+_NOT_GIVEN = _NotGiven()
+# The engine's construction arguments (_engine_args). Pickles of earlier versions carry a 14th,
+# the scale-history flag, which __setstate__ drops.
+_ENGINE_ARG_COUNT = 13
 
 
 def _params_with_grads(optimizer):
@@ -48,8 +65,12 @@ def _params_with_grads(optimizer):
 class GradScaler:
     def __init__(self, device="cuda", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, min_scale=None,
-                 max_scale=None, history=True, policy="torch", amax_target=None,
+                 max_scale=None, history=_NOT_GIVEN, policy="torch", amax_target=None,
                  telemetry=True, telemetry_capacity=4096):
+        if history is not _NOT_GIVEN:
+            warnings.warn("fusedamp.GradScaler(history=...) is deprecated and has no effect: "
+                          "the scale of every iteration is in scaler.telemetry()['scale']",
+                          DeprecationWarning, stacklevel=2)
         device = torch.device(device)
         if enabled and device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("fusedamp.GradScaler is enabled, but CUDA is not available. "
@@ -64,7 +85,7 @@ class GradScaler:
                              int(hysteresis), None if min_scale is None else float(min_scale),
                              None if max_scale is None else float(max_scale), str(policy),
                              None if amax_target is None else float(amax_target),
-                             bool(telemetry), int(telemetry_capacity), bool(history))
+                             bool(telemetry), int(telemetry_capacity))
         self._engine = _C.GradScaler(*self._engine_args)
         self._records_telemetry = self._engine.has_telemetry()
 
@@ -101,6 +122,8 @@ class GradScaler:
         returns. Protocol optimizers decide that on the device (no sync); others after a
         host read of found_inf, like torch."""
         if not self._enabled:
+            if isinstance(optimizer, FusedOptimizer):
+                optimizer._fusedamp_scaler = weakref.ref(self)  # its grad_norm_history()
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -133,8 +156,12 @@ class GradScaler:
         elif prior is not None:
             grad_scale = grad_scale * prior
         optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
-        if checks_itself and self._records_telemetry:
-            optimizer._fusedamp_telemetry_of = self._engine  # its gradient pass records for us
+        if checks_itself:
+            if self._records_telemetry:
+                optimizer._fusedamp_telemetry_of = self._engine  # its pass records for us
+            if isinstance(optimizer, FusedOptimizer):
+                # For its deprecated grad_norm_history(), which reads our telemetry.
+                optimizer._fusedamp_scaler = weakref.ref(self)
         try:
             return optimizer.step(*args, **kwargs)
         finally:
@@ -165,8 +192,31 @@ class GradScaler:
         return self._engine.scale_tensor()
 
     def scale_history(self):
-        """The scale after each update(), oldest first, as floats (one synchronisation)."""
-        return self._engine.scale_history().tolist()
+        """Deprecated (removed in the next release): read ``telemetry()["scale"]``, the scale
+        each recorded iteration's gradients carried (the scale before its update()).
+
+        Returns floats, oldest first, one per iteration the telemetry recorded: the scale after
+        that iteration's update(), derived from the telemetry as the ``scale`` of the next
+        recorded iteration, and, for the last one, the current scale (``get_scale()``). So:
+
+        - ``[]`` when telemetry is off (``telemetry=False``), the scaler is disabled, or before
+          the first update();
+        - at most ``telemetry_capacity`` entries, the oldest dropped first;
+        - an explicit ``update(new_scale)`` adds no entry (the telemetry records no iteration
+          for it), and the entry of the update before it reads ``new_scale``, the scale the
+          next iteration carried;
+        - a pickled or deep-copied scaler starts with ``[]`` (its telemetry does not travel).
+
+        Emits a DeprecationWarning. Two synchronisations (telemetry and current scale)."""
+        warnings.warn("fusedamp.GradScaler.scale_history() is deprecated: read "
+                      "scaler.telemetry()['scale'] (the scale each iteration's gradients "
+                      "carried)", DeprecationWarning, stacklevel=2)
+        if not self._enabled:
+            return []
+        carried = self._engine.telemetry()["scale"]
+        if not carried:
+            return []
+        return carried[1:] + [self.get_scale()]
 
     def telemetry(self, model=None):
         """The recorded iterations (at most ``telemetry_capacity``, oldest first) as a dict of
@@ -227,23 +277,21 @@ class GradScaler:
                                  "an iteration, or at the end after scaler.update().")
         state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
         state["_state_dict"] = self.state_dict()
-        state["_scale_history"] = self._engine.scale_history()
         return state
 
     def __setstate__(self, state):
         state_dict = state.pop("_state_dict")
-        scale_history = state.pop("_scale_history", None)
-        if "_history" in state:  # pickled when the history was a Python History of its own
-            old = state.pop("_history")
-            state["_engine_args"] = tuple(state["_engine_args"]) + (old is not None,)
-            if old is not None:
-                scale_history = torch.tensor(old.values(), dtype=torch.float32)
+        # Earlier versions' scale histories, which the telemetry replaces: the engine's ring
+        # (_scale_history, with a 14th engine argument turning it on) or, before it, a
+        # fusedamp.diagnostics.History (_history). Dropped.
+        state.pop("_scale_history", None)
+        state.pop("_history", None)
+        state["_engine_args"] = tuple(state["_engine_args"])[:_ENGINE_ARG_COUNT]
         self.__dict__.update(state)
         self._engine = _C.GradScaler(*self._engine_args)
+        self._records_telemetry = self._engine.has_telemetry()
         if state_dict:
             self.load_state_dict(state_dict)
-        if scale_history is not None:
-            self._engine.set_scale_history(scale_history)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self):

@@ -126,7 +126,6 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             self._engine.load_param_states([p for p, _ in state], [s for _, s in state])
             if old.skipped_steps() is not None:
                 self._engine.set_skipped_steps(old.skipped_steps())
-            self._engine.set_grad_norm_history(old.grad_norm_history())
 
     # ---- the step --------------------------------------------------------------------
     def step(self, *args, **kwargs):
@@ -169,11 +168,34 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
                             getattr(self, "_fusedamp_telemetry_of", None), record_as)
 
     def grad_norm_history(self):
-        """Global gradient norm (unscaled, before clipping) of each recorded step, oldest
-        first, the last 100,000 (one synchronisation). Steps after an explicit
-        scaler.unscale_() without clipping are not recorded (no norm pass ran). The engine's
-        step writes each norm in its accounting op: no host work per step."""
-        return self._engine.grad_norm_history().tolist()
+        """Deprecated (removed in the next release): read ``scaler.telemetry()["grad_norm"]``
+        of the fusedamp.GradScaler that steps this optimizer.
+
+        Returns that column, as floats, oldest first, of the fusedamp.GradScaler that last
+        stepped this optimizer (``scaler.step(opt)``); ``[]`` where there is none (the
+        optimizer was never stepped by one, or that scaler no longer exists), or it records
+        no telemetry (disabled, ``telemetry=False``). One synchronisation. The column has one
+        entry per iteration of that scaler, not per step of this optimizer:
+
+        - the global norm of the unscaled gradients of every pass the iteration made for the
+          scaler (this optimizer's and, in the same iteration, any other optimizer's it
+          stepped, and ``scaler.unscale_``'s), computed in FP64 from the scaled sum of squares
+          (it may differ from the step's FP32 norm in the last bits);
+        - on FSDP2 (DTensor) parameters, where a rank sees only its shards and its step does
+          not report to the scaler: NaN, or after ``scaler.unscale_`` the norm of this rank's
+          shards;
+        - at most the scaler's ``telemetry_capacity`` iterations; steps without the scaler
+          (``opt.step()`` alone) are not in it.
+
+        Emits a DeprecationWarning."""
+        warnings.warn("fusedamp.optim: grad_norm_history() is deprecated: read "
+                      "scaler.telemetry()['grad_norm'] of the fusedamp.GradScaler that steps "
+                      "this optimizer", DeprecationWarning, stacklevel=2)
+        ref = self.__dict__.get("_fusedamp_scaler")
+        scaler = None if ref is None else ref()
+        if scaler is None:
+            return []
+        return list(scaler.telemetry()["grad_norm"])
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -238,7 +260,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     # ---- pickling (as torch.optim: the parameters travel with the optimizer) ------------
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_engine", "_pre_state", "_synced_options")}
+                 if k not in ("_engine", "_pre_state", "_synced_options", "_fusedamp_scaler")}
         state["_engine_state"] = self.state_dict()
         return state
 

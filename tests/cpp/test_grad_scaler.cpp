@@ -118,25 +118,31 @@ TEST_CASE("hysteresis backs off only after that many overflows in a row", "[scal
   CHECK(rig.opt.skipped_steps().item<int64_t>() == 5);
 }
 
-TEST_CASE("scale_history holds the scale after each update, oldest first", "[scaler]") {
+TEST_CASE("telemetry's scale column is the scale each update() judged, oldest first",
+          "[scaler][telemetry]") {
   fusedamp::GradScaler scaler(fusedamp::GradScalerOptions().init_scale(64).growth_interval(2));
   Rig rig;
-  std::vector<float> scales;
+  std::vector<double> after;  // the scale after each update()
   for (const bool overflow : {false, false, true, false}) {
-    scales.push_back(static_cast<float>(rig.iterate(scaler, overflow)));
+    after.push_back(rig.iterate(scaler, overflow));
   }
-  scaler.update(5.0);  // an explicit scale counts too
-  scales.push_back(5.f);
-  const auto history = scaler.scale_history();
-  REQUIRE(history.numel() == static_cast<int64_t>(scales.size()));
-  for (size_t i = 0; i < scales.size(); ++i) {
-    CHECK(history[static_cast<int64_t>(i)].item<float>() == scales[i]);
-  }
-  CHECK(scales[1] == 128.f);
-  CHECK(scales[2] == 64.f);
-  fusedamp::GradScaler quiet(fusedamp::GradScalerOptions().init_scale(64).scale_history(false));
+  CHECK(after == std::vector<double>{64, 128, 64, 64});
+  // Each iteration's row holds the scale its gradients carried: the one before the update,
+  // i.e. the previous update's result.
+  auto log = scaler.telemetry();
+  CHECK(log.scale == std::vector<double>{64, 64, 128, 64});
+  CHECK(log.found_inf == std::vector<bool>{false, false, true, false});
+  CHECK(log.step == std::vector<int64_t>{0, 1, 2, 3});
+  // An explicit scale judges no iteration: it is not a row, the next iteration carries it.
+  scaler.update(5.0);
+  CHECK(scaler.telemetry().scale.size() == 4);
+  rig.iterate(scaler, false);
+  log = scaler.telemetry();
+  REQUIRE(log.scale.size() == 5);
+  CHECK(log.scale.back() == 5.0);
+  fusedamp::GradScaler quiet(fusedamp::GradScalerOptions().init_scale(64).telemetry(false));
   rig.iterate(quiet, false);
-  CHECK(quiet.scale_history().numel() == 0);
+  CHECK(quiet.telemetry().scale.empty());
 }
 
 TEST_CASE("min_scale and max_scale bound the scale", "[scaler]") {

@@ -70,7 +70,9 @@ TEST_CASE("a declaration starts from its schema's defaults", "[ops]") {
   const fusedamp::ops::UpdateScale u;
   CHECK(u.hysteresis == 1);
   CHECK(!u.min_scale.has_value());
-  CHECK(u.scale_history_slot == 0);
+  CHECK(!u.amax_target.has_value());
+  const fusedamp::ops::AccountStep acc;
+  CHECK(!acc.grad_norm.has_value());
   CHECK(std::isnan(u.growth_factor));  // no default: NaN, which the checks refuse
   const fusedamp::ops::AdamStep a;
   CHECK(a.adopt_param_edits);

@@ -339,6 +339,34 @@ TEST_CASE("fused clipping equals clip_grad_norm_ then step", "[optim][clip]") {
   CHECK(scaler.get_scale() == 4096);
 }
 
+TEST_CASE("grad_norm() is the last step's unscaled global norm, a tensor of its own",
+          "[optim][clip]") {
+  Tensor w = at::zeros({4}).set_requires_grad(true);
+  fo::SGD opt(std::vector<Tensor>{w}, fo::SGDOptions(0.0));
+  CHECK_FALSE(opt.grad_norm().defined());  // before a step
+  fusedamp::GradScaler scaler(fusedamp::GradScalerOptions().init_scale(8));
+  w.mutable_grad() = at::full({4}, 8.f * 1.5f);  // unscaled: 1.5 each, norm 3
+  scaler.step(opt);
+  scaler.update();
+  const Tensor first = opt.grad_norm();
+  REQUIRE(first.defined());
+  CHECK(first.item<float>() == 3.f);
+  w.mutable_grad() = at::full({4}, 8.f * 0.5f);  // norm 1
+  scaler.step(opt);
+  scaler.update();
+  CHECK(opt.grad_norm().item<float>() == 1.f);
+  CHECK(first.item<float>() == 3.f);  // the next step did not write into it
+  CHECK(scaler.telemetry().grad_norm == std::vector<double>{3.0, 1.0});
+  // Unscaled by the scaler first and not clipped: the step runs no statistics pass.
+  w.mutable_grad() = at::full({4}, 8.f);
+  scaler.unscale_(opt);
+  scaler.step(opt);
+  scaler.update();
+  CHECK_FALSE(opt.grad_norm().defined());
+  opt.step();  // without a scaler (skip_nonfinite's pass): the norm of the grads as they are
+  CHECK(opt.grad_norm().item<float>() == 2.f);
+}
+
 TEST_CASE("param groups keep their own hyper-parameters; the LR hook", "[optim][groups]") {
   auto a = make_params(at::kFloat), b = copies(a);
   auto group = [](std::vector<Tensor> ps, double lr, double wd) {

@@ -3,7 +3,8 @@
 ``op_inputs(device, ...)`` builds one problem: model params (FP32, FP16 or BF16), optional FP32
 master weights, grads, the optimizer state lists (Adam moments, SGD momentum buffers, step
 counts) and the device scalars a step uses (inv_scale, found_inf, grad_sum_sq, lr_tensor, the
-loss-scale state, per-tensor flags). ``OpInputs.args(op)`` turns it into the op's positional
+loss-scale state, per-tensor flags, and what account_step_ records: step_applied,
+skipped_steps, found_inf_out, grad_norm). ``OpInputs.args(op)`` turns it into the op's positional
 arguments and keyword arguments, read from the op's registered schema: every argument named like
 a field of OpInputs takes that field, so an op argument added later only needs its field here.
 
@@ -39,6 +40,7 @@ HYPER_DEFAULTS = {
 FIELD_OF = {"sum_sq": "grad_sum_sq"}
 
 INT32_SCALARS = ("growth_tracker", "hysteresis_tracker")
+INT64_SCALARS = ("skipped_steps",)
 
 
 @dataclass
@@ -60,6 +62,10 @@ class OpInputs:
     scale: torch.Tensor | None = None
     growth_tracker: torch.Tensor | None = None
     hysteresis_tracker: torch.Tensor | None = None
+    step_applied: torch.Tensor | None = None
+    skipped_steps: torch.Tensor | None = None
+    found_inf_out: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
 
     def args(self, op, **overrides):
         """(positional args, kwargs) for ``torch.ops.fusedamp.<op>``. Each schema argument takes,
@@ -91,7 +97,8 @@ class OpInputs:
                 args.append(value)
             elif value is not None:
                 kwargs[a.name] = value
-        if kwargs.get("max_grad_norm") is None and "grad_sum_sq" not in overrides:
+        if (op in ("adam_step_", "sgd_step_") and kwargs.get("max_grad_norm") is None
+                and "grad_sum_sq" not in overrides):
             kwargs.pop("grad_sum_sq", None)
         if op == "unscale_and_check_" and "sum_sq" not in overrides:
             kwargs.pop("sum_sq", None)  # the plain unscale unless statistics are asked for
@@ -151,8 +158,8 @@ def op_inputs(device, sizes=SIZES, *, param_dtype=torch.float32, grad_dtype=None
     moments: Adam's exp_avgs and exp_avg_sqs; momentum: SGD's momentum_buffers. State starts
       at zero in FP32, laid out like the weights; steps are 0-dim zeros, one per tensor.
     scalars: {field name: start value} for the device tensors the problem uses (one element
-      each, int32 for the trackers; tensor_flags gets one element per tensor). Only these are
-      passed to the ops.
+      each, int32 for the trackers, int64 for skipped_steps; tensor_flags gets one element per
+      tensor). Only these are passed to the ops.
     loss_scale: also the loss-scale state update_scale_ keeps: scale = loss_scale, a growth
       tracker at 0 and a hysteresis tracker at `hysteresis` (where it starts).
     """
@@ -177,7 +184,8 @@ def op_inputs(device, sizes=SIZES, *, param_dtype=torch.float32, grad_dtype=None
     device_tensors = {}
     for name, value in scalars.items():
         shape = (n,) if name == "tensor_flags" else (1,)
-        dtype = torch.int32 if name in INT32_SCALARS else torch.float32
+        dtype = (torch.int32 if name in INT32_SCALARS else
+                 torch.int64 if name in INT64_SCALARS else torch.float32)
         device_tensors[name] = torch.full(shape, value, dtype=dtype, device=device)
     return OpInputs(
         params=[w.to(param_dtype, copy=master_weights) for w in weights],

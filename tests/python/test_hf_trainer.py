@@ -65,10 +65,14 @@ def test_gpt2_trains_with_fused_optimizer_and_scaler(tmp_path):
     # The loss scale was used: 2**17 overflows FP16 gradients, so the first step is skipped
     # on the device and the scale backs off; it grows after 4 good steps, backs off again at
     # the next overflow. Every backoff is a skipped step.
-    scales = scaler.scale_history()
-    assert len(scales) == 30 and scales[0] < 2.0 ** 17 and max(scales) > min(scales)
+    telemetry = scaler.telemetry()
+    carried = telemetry["scale"]  # each step's scale, before its update
+    assert len(carried) == 30 and carried[0] == 2.0 ** 17
+    scales = carried[1:] + [scaler.get_scale()]  # the scale after each update
+    assert scales[0] < 2.0 ** 17 and max(scales) > min(scales)
     backoffs = sum(b < a for a, b in zip([2.0 ** 17] + scales, scales))
     assert int(opt.skipped_steps) == backoffs >= 1
+    assert sum(telemetry["skipped"]) == backoffs
     # The Trainer's max_grad_norm (1.0 by default) is the fused step's clipping.
     assert trainer.args.max_grad_norm == 0.0
     assert all(g["max_grad_norm"] == 1.0 for g in opt.param_groups)

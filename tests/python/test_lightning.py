@@ -94,11 +94,14 @@ def test_trains_with_fused_optimizer_and_scaler(run16):
     assert state["master_param"].dtype == torch.float32  # FP32 master of the FP16 weight
     assert torch.equal(state["master_param"].half(), model.net[0].weight)
     # Loss scaling happened: INIT_SCALE overflows FP16 gradients, the scale backs off, then grows.
-    scales = plugin.scaler.scale_history()
-    assert len(scales) == 6 * STEPS_PER_EPOCH
+    telemetry = plugin.scaler.telemetry()
+    carried = telemetry["scale"]  # each step's scale, before its update
+    assert len(carried) == 6 * STEPS_PER_EPOCH and carried[0] == INIT_SCALE
+    scales = carried[1:] + [plugin.scaler.get_scale()]  # the scale after each update
     assert scales[0] < INIT_SCALE and max(scales[1:]) > min(scales)
     skipped = int(opt.skipped_steps)
     assert skipped >= 1 and skipped == sum(s2 < s1 for s1, s2 in zip([INIT_SCALE] + scales, scales))
+    assert skipped == sum(telemetry["skipped"])
     # It trained: the last epoch's loss is far below the first's.
     losses = torch.stack(model.losses).view(6, STEPS_PER_EPOCH).mean(1)
     assert losses[-1] < 0.25 * losses[0], losses
@@ -131,7 +134,8 @@ def test_matches_hand_written_fusedamp_loop(run16, record_diff):
             scaler.update()
             opt.zero_grad()
             sched.step()
-    assert scaler.scale_history() == plugin.scaler.scale_history()
+    assert scaler.telemetry()["scale"] == plugin.scaler.telemetry()["scale"]
+    assert scaler.get_scale() == plugin.scaler.get_scale()
     diff = max((a.float() - b.float()).abs().max().item()
                for a, b in zip(model.net.parameters(), ref.parameters()))
     record_diff("lightning: Trainer vs hand-written fusedamp loop (params)", diff)
@@ -139,7 +143,7 @@ def test_matches_hand_written_fusedamp_loop(run16, record_diff):
 
 
 def test_gradient_clip_val_maps_to_max_grad_norm():
-    clipped, t, _ = fit(epochs=2, gradient_clip_val=0.05)
+    clipped, t, clipped_plugin = fit(epochs=2, gradient_clip_val=0.05)
     assert all(g["max_grad_norm"] == 0.05 for g in t.optimizers[0].param_groups)
     by_plugin, t2, _ = fit(epochs=2, plugin=FusedAmpPrecision(
         "16-mixed", max_grad_norm=0.05, init_scale=INIT_SCALE, growth_interval=3))
@@ -148,7 +152,7 @@ def test_gradient_clip_val_maps_to_max_grad_norm():
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(params_of(clipped), params_of(free)))
     # The norm the step clipped by is the unscaled global one.
-    norms = t.optimizers[0].grad_norm_history()
+    norms = clipped_plugin.scaler.telemetry()["grad_norm"]
     assert len(norms) == 2 * STEPS_PER_EPOCH and all(n > 0.05 for n in norms if math.isfinite(n))
 
 
@@ -190,8 +194,8 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     assert torch.equal(sa["skipped_steps"], sb["skipped_steps"])
     assert sa["param_groups"][0]["lr"] == sb["param_groups"][0]["lr"]
     assert full_plugin.state_dict() == resumed_plugin.state_dict()
-    assert full_plugin.scaler.scale_history()[2 * STEPS_PER_EPOCH:] == \
-        resumed_plugin.scaler.scale_history()
+    assert full_plugin.scaler.telemetry()["scale"][2 * STEPS_PER_EPOCH:] == \
+        resumed_plugin.scaler.telemetry()["scale"]
 
 
 def test_unsupported_optimizer_is_named():

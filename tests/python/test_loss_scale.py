@@ -1,7 +1,6 @@
 """The loss scale: update_scale_ against torch._amp_update_scale_ and a plain-Python model
-(growth, backoff, hysteresis, bounds, float limits, the history slot it writes);
-fusedamp.GradScaler's sequence against torch.amp.GradScaler, its inverse scale against torch's,
-and the scale history it records, kept through a pickle."""
+(growth, backoff, hysteresis, bounds, float limits); fusedamp.GradScaler's sequence against
+torch.amp.GradScaler, as its telemetry records it, and its inverse scale against torch's."""
 import pytest
 import torch
 
@@ -27,7 +26,9 @@ def test_scale_sequence_matches_torch_amp(device, fused):
     ref_opt = torch.optim.SGD(ref_p, lr=0.01)
     scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=3)
     ref = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=3)
+    carried = []  # torch's scale in each iteration, before its update
     for i, overflow in enumerate(_overflow_pattern(200, seed=1)):
+        carried.append(ref.get_scale())
         for ps, sc in ((ours_p, scaler), (ref_p, ref)):
             loss = sum((p.float() ** 2).sum() for p in ps)
             sc.scale(loss).backward()
@@ -42,7 +43,8 @@ def test_scale_sequence_matches_torch_amp(device, fused):
         assert scaler.get_scale() == ref.get_scale(), i
     for p, r in zip(ours_p, ref_p):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
-    assert scaler.scale_history()[-1] == ref.get_scale()
+    # The telemetry records the scale of every iteration.
+    assert scaler.telemetry()["scale"] == carried
 
 
 def test_scale_sequence_with_default_factors_is_bit_exact_vs_torch(device):
@@ -134,43 +136,6 @@ def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
             assert scale <= max_scale
 
 
-def test_update_scale_writes_the_new_scale_into_the_history_slot(device):
-    """With scale_history, the op writes the scale it computes into scale_history_slot (a
-    ring's slot chosen by the caller) and nothing else of the ring; without it, nothing."""
-    found_seq = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    mine, ref = (op_inputs(device, [], loss_scale=2.0 ** 10) for _ in range(2))
-    history = torch.full((4,), -1.0, device=device)
-    expected = [-1.0] * 4
-    for i, f in enumerate(found_seq):
-        mine.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
-                  backoff_factor=0.5, growth_interval=2, scale_history=history,
-                  scale_history_slot=i % 4)
-        ref.call("update_scale_", found_inf=scalar(f, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2)
-        assert_bitwise_equal([mine.scale, mine.growth_tracker], [ref.scale, ref.growth_tracker])
-        expected[i % 4] = ref.scale.item()
-        assert history.tolist() == expected, i
-
-
-@pytest.mark.parametrize("case,kwargs,message", [
-    ("slot past the end", dict(scale_history_slot=3), "scale_history_slot 3 is outside"),
-    ("negative slot", dict(scale_history_slot=-1), "scale_history_slot -1 is outside"),
-    ("float64 ring", dict(scale_history="float64"), "scale_history must be float32"),
-    ("2-D ring", dict(scale_history="2-D"), "scale_history must be a contiguous 1-D"),
-])
-def test_update_scale_refuses_a_bad_history_and_changes_nothing(device, case, kwargs, message):
-    inp = op_inputs(device, [], loss_scale=2.0 ** 10)
-    history = {"float64": torch.zeros(3, dtype=torch.float64, device=device),
-               "2-D": torch.zeros(1, 3, device=device)}.get(kwargs.get("scale_history"),
-                                                          torch.zeros(3, device=device))
-    kwargs = dict(kwargs, scale_history=history)
-    before = [t.clone() for t in (inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history)]
-    with pytest.raises(RuntimeError, match=message):
-        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2, **kwargs)
-    assert_bitwise_equal([inp.scale, inp.growth_tracker, inp.hysteresis_tracker, history], before)
-
-
 def test_hysteresis_tolerates_isolated_overflows(device):
     inp = op_inputs(device, [], loss_scale=1024.0, hysteresis=3)
     for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row
@@ -242,59 +207,3 @@ def test_the_inverse_scale_is_torchs(device):
         scaler.update(s)  # ends the iteration (no step)
     for got in (via_optimizer, via_grad, via_scaler):
         assert torch.equal(torch.tensor(got, dtype=torch.float32), expected)
-
-
-def test_the_scale_history_is_each_update_s_scale_and_travels_with_a_pickle(device):
-    """scale_history(): the scale after each update(), an explicit update(new_scale) included,
-    written by the update op into the scaler's ring (no op of its own); a pickled and restored
-    scaler keeps it and goes on recording; history=False records nothing."""
-    import pickle
-
-    params = [torch.nn.Parameter(torch.randn(4, device=device).half())]
-    opt = fusedamp.optim.AdamW(params, lr=1e-3)
-    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2)
-    quiet = fusedamp.GradScaler(device, init_scale=2.0 ** 10, history=False)
-    scales = []
-    for step in range(5):
-        for s in (scaler, quiet):
-            s.scale(torch.ones((), device=device))
-            params[0].grad = torch.full((4,), float("inf") if step == 2 else 1.0,
-                                        device=device).half()
-            s.step(opt)
-            if step == 3:
-                s.update(100.0)
-            else:
-                s.update()
-        scales.append(scaler.get_scale())
-    assert scales[3] == 100.0 and scales[2] == scales[1] / 2  # the overflow's backoff
-    assert scaler.scale_history() == scales
-    assert quiet.scale_history() == []
-    restored = pickle.loads(pickle.dumps(scaler))
-    assert restored.scale_history() == scales
-    restored.scale(torch.ones((), device=device))
-    params[0].grad = torch.ones(4, device=device).half()
-    restored.step(opt)
-    restored.update()
-    assert restored.scale_history() == scales + [restored.get_scale()]
-
-
-def test_a_scaler_pickled_with_a_python_history_keeps_it(device):
-    """Pickles made while the scale history was a Python History on the scaler (13 engine
-    arguments, a `_history` entry): unpickled, the engine takes the history over, and
-    history=None there (history=False then) stays off."""
-    for recorded in ([1024.0, 512.0, 1024.0], None):
-        scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
-        state = scaler.__getstate__()
-        del state["_scale_history"]
-        state["_engine_args"] = state["_engine_args"][:-1]
-        old = None
-        if recorded is not None:
-            old = fusedamp.History()
-            for value in recorded:
-                old.record(torch.tensor([value], device=device))
-        state["_history"] = old
-        restored = fusedamp.GradScaler.__new__(fusedamp.GradScaler)
-        restored.__setstate__(state)
-        assert restored.scale_history() == (recorded or [])
-        restored.update(8.0)
-        assert restored.scale_history() == ((recorded + [8.0]) if recorded else [])

@@ -6,7 +6,8 @@ import torch
 from op_helpers import ops
 from op_inputs import op_inputs
 
-NAMES = ["unscale_and_check_", "grad_stats_", "update_scale_", "adam_step_", "sgd_step_"]
+NAMES = ["unscale_and_check_", "grad_stats_", "update_scale_", "account_step_", "adam_step_",
+         "sgd_step_"]
 
 # Per op: how its sample inputs are built, and the hyper-parameters it is called with.
 SAMPLES = {
@@ -14,6 +15,9 @@ SAMPLES = {
     "grad_stats_": (dict(scalars=dict(found_inf=0.0, grad_sum_sq=0.0, tensor_flags=0.0)), {}),
     "update_scale_": (dict(loss_scale=8.0, scalars=dict(found_inf=1.0)),
                       dict(growth_interval=3, hysteresis=1, min_scale=1.0)),
+    "account_step_": (dict(scalars=dict(step_applied=1.0, skipped_steps=2, found_inf=1.0,
+                                        found_inf_out=0.0, grad_sum_sq=9.0, inv_scale=0.5,
+                                        grad_norm=0.0)), {}),
     "adam_step_": (dict(scalars=dict(inv_scale=0.5, found_inf=0.0, grad_sum_sq=4.0,
                                      lr_tensor=1e-3)), dict(max_grad_norm=1.0)),
     "sgd_step_": (dict(moments=False, momentum=True),
@@ -57,9 +61,6 @@ def test_opcheck_telemetry_and_amax_policy(device):
                             telemetry=telemetry.clone())
     torch.library.opcheck(ops.unscale_and_check_.default, args, kwargs)
     inp = op_inputs(device, [(5,)], loss_scale=8.0, scalars=dict(found_inf=0.0))
-    args, kwargs = inp.args("update_scale_", scale_history=torch.zeros(4, device=device),
-                            scale_history_slot=2)
-    torch.library.opcheck(ops.update_scale_.default, args, kwargs)
     amax = torch.tensor([3.0], dtype=torch.float64, device=device)
     args, kwargs = inp.args("update_scale_", amax=amax, amax_target=64.0)
     torch.library.opcheck(ops.update_scale_.default, args, kwargs)

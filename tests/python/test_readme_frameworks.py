@@ -33,7 +33,7 @@ def test_lightning_snippet(tmp_path, monkeypatch):
     assert type(trainer.optimizers[0]) is fusedamp.optim.AdamW
     assert model.net[0].weight.dtype == torch.float16
     assert trainer.optimizers[0].param_groups[0]["max_grad_norm"] == 1.0
-    assert len(trainer.precision_plugin.scaler.scale_history()) == trainer.global_step
+    assert len(trainer.precision_plugin.scaler.telemetry()["scale"]) == trainer.global_step
 
 
 def test_transformers_snippet(tmp_path):
@@ -54,6 +54,6 @@ def test_transformers_snippet(tmp_path):
     import fusedamp
 
     assert trainer.optimizer.optimizer is opt and isinstance(opt, fusedamp.optim.AdamW)
-    assert trainer.accelerator.scaler is scaler and len(scaler.scale_history()) == 6
+    assert trainer.accelerator.scaler is scaler and len(scaler.telemetry()["scale"]) == 6
     assert ns["model"].transformer.wte.weight.dtype == torch.float16
     assert trainer.state.global_step == 6

@@ -25,7 +25,6 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/arg.h>
 
-#include <fusedamp/scalar_history.h>
 #include <fusedamp/telemetry.h>
 
 #include <cstdint>
@@ -82,9 +81,6 @@ struct GradScalerOptions {
   // it). unscale_ then reads the gradients once more before unscaling them.
   TORCH_ARG(bool, telemetry) = true;
   TORCH_ARG(int64_t, telemetry_capacity) = 4096;  // iterations kept
-  // Keep the scale after each update() (scale_history(): the last kScaleHistory), written by
-  // the update op itself.
-  TORCH_ARG(bool, scale_history) = true;
 };
 
 class GradScaler {
@@ -134,7 +130,9 @@ class GradScaler {
   GradTelemetrySink* telemetry_sink();
 
   // ---- telemetry ------------------------------------------------------------------------------
-  // The recorded iterations, oldest first; one synchronisation. Empty without telemetry.
+  // The recorded iterations, oldest first; one synchronisation. Empty without telemetry. It
+  // is the run's one per-step record: for each update(), the scale the iteration's gradients
+  // carried (the one before it), whether they overflowed, their unscaled norm, and the rest.
   TelemetryLog telemetry() const;
 
   // ---- state --------------------------------------------------------------------------------
@@ -146,13 +144,6 @@ class GradScaler {
   const at::Tensor& inv_scale_tensor() const;
   const at::Tensor& growth_tracker() const { return growth_tracker_; }
   const at::Tensor& hysteresis_tracker() const { return hysteresis_tracker_; }
-  // The scale after each update(), the last kScaleHistory, oldest first (FP32, on the scale's
-  // device, a tensor of its own; empty without the scale_history option or before an update).
-  static constexpr int64_t kScaleHistory = 100000;
-  at::Tensor scale_history() const;
-  // Restores it (oldest first; the last kScaleHistory kept), as a front end that rebuilds the
-  // scaler (unpickling) carries it over.
-  void set_scale_history(const at::Tensor& scales);
   // found_inf of the last update() (FP32, 0-dim: the sum over the optimizers stepped;
   // nonzero: overflow).
   const at::Tensor& found_inf() const { return found_inf_; }
@@ -201,7 +192,6 @@ class GradScaler {
   bool bound_ = false;  // state tensors are on their training device
   std::unordered_map<OptimizerKey, PerOptimizer> per_optimizer_;
   std::unique_ptr<detail::ScalerTelemetry> telemetry_;  // null without telemetry
-  ScalarHistory scale_history_{kScaleHistory};
 };
 
 }  // namespace fusedamp

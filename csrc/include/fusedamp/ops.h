@@ -45,9 +45,7 @@ FUSEDAMP_DECLARE_OP(GradStats, grad_stats_, FUSEDAMP_GRAD_STATS_ARGS);
   X(OptFloat, min_scale)              \
   X(OptFloat, max_scale)              \
   X(OptTensor, amax)                  \
-  X(OptFloat, amax_target)            \
-  X(OptTensor, scale_history)         \
-  X(Int, scale_history_slot)
+  X(OptFloat, amax_target)
 FUSEDAMP_DECLARE_OP(UpdateScale, update_scale_, FUSEDAMP_UPDATE_SCALE_ARGS);
 
 #define FUSEDAMP_RECORD_TELEMETRY_ARGS(X) \
@@ -66,8 +64,7 @@ FUSEDAMP_DECLARE_OP(RecordTelemetry, record_telemetry_, FUSEDAMP_RECORD_TELEMETR
   X(OptTensor, found_inf_out)         \
   X(OptTensor, grad_sum_sq)           \
   X(OptTensor, inv_scale)             \
-  X(OptTensor, grad_norms)            \
-  X(Int, grad_norm_slot)
+  X(OptTensor, grad_norm)
 FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
 
 #define FUSEDAMP_ADAM_STEP_ARGS(X) \

@@ -17,7 +17,6 @@
 // value on the host, so a step never synchronises.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
-#include <fusedamp/scalar_history.h>
 #include <fusedamp/telemetry.h>
 #include <torch/optim/optimizer.h>
 
@@ -112,16 +111,9 @@ class Optimizer : public torch::optim::Optimizer {
   at::Tensor grad_sum_sq() const;
   // The global norm of the unscaled gradients of this step's statistics pass (FP32[1], a
   // tensor of its own), or undefined when this step ran none (e.g. after unscale_ without
-  // clipping).
+  // clipping). The step's accounting op writes it (account_step_): no op of its own. A run's
+  // norms, step by step, are a fusedamp::GradScaler's telemetry().grad_norm.
   at::Tensor grad_norm() const;
-  // The norms of the last kGradNormHistory steps that ran a statistics pass, oldest first
-  // (FP32, on the device of the steps; empty before one). Recording costs no op of its own: the
-  // step's accounting op writes each norm into a ring (account_step_).
-  static constexpr int64_t kGradNormHistory = 100000;
-  at::Tensor grad_norm_history() const;
-  // Restores the history (oldest first; the last kGradNormHistory kept), as a front end that
-  // rebuilds the optimizer (a param group added) carries it over, with the skipped-step count.
-  void set_grad_norm_history(const at::Tensor& norms);
 
   // ---- hyper-parameters ---------------------------------------------------------------------
   // Sets a hyper-parameter of group i by name: the names of torch.optim's param groups ("lr",
@@ -214,8 +206,8 @@ class Optimizer : public torch::optim::Optimizer {
   std::unique_ptr<detail::ParamStateStore> states_;
   std::unique_ptr<detail::BucketPlan> plan_;
   std::unique_ptr<detail::DeviceStats> stats_;
-  ScalarHistory grad_norms_{kGradNormHistory};
-  bool norm_this_step_ = false;  // grad_norms_'s last value is this step's
+  at::Tensor grad_norm_;  // FP32[1] on the primary device, written by account_step_
+  bool norm_this_step_ = false;  // grad_norm_ holds this step's norm
   at::Tensor inv_scale_;  // a CPU step's inverse scale (detail::inverse_scale_reusing)
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
