@@ -66,17 +66,29 @@ void check_telemetry(const char* op, const OptTensor& telemetry, const c10::Devi
               t.sym_numel());
 }
 
+// The tensor whose device every other argument of an op must share (the first the op writes):
+// defined, and its device.
+c10::Device device_of(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  return t.device();
+}
+
+// An optional one-element tensor: checked where given.
+void check_given_scalar(const char* op, const char* name, const OptTensor& t,
+                        at::ScalarType dtype, const c10::Device& device) {
+  if (given(t)) {
+    check_scalar(op, name, *t, dtype, device);
+  }
+}
+
 }  // namespace
 
 bool unscale_and_check(const ops::UnscaleAndCheck& a) {
   const char* op = a.kName;
-  TORCH_CHECK(a.found_inf.defined(), op, ": found_inf is undefined");
-  const auto device = a.found_inf.device();
+  const auto device = device_of(op, "found_inf", a.found_inf);
   check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
   check_scalar(op, "inv_scale", a.inv_scale, at::kFloat, device);
-  if (given(a.sum_sq)) {
-    check_scalar(op, "sum_sq", *a.sum_sq, at::kFloat, device);
-  }
+  check_given_scalar(op, "sum_sq", a.sum_sq, at::kFloat, device);
   TORCH_CHECK(given(a.sum_sq) || !given(a.telemetry), op,
               ": telemetry needs sum_sq (the statistics pass gives both)");
   check_telemetry(op, a.telemetry, device);
@@ -87,8 +99,7 @@ bool per_tensor_grad(const Tensor& grad) { return is_per_tensor(facts_of(grad, g
 
 bool grad_stats(const ops::GradStats& a) {
   const char* op = a.kName;
-  TORCH_CHECK(a.found_inf.defined(), op, ": found_inf is undefined");
-  const auto device = a.found_inf.device();
+  const auto device = device_of(op, "found_inf", a.found_inf);
   check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
   check_scalar(op, "sum_sq", a.sum_sq, at::kFloat, device);
   if (given(a.tensor_flags)) {
@@ -103,8 +114,7 @@ bool grad_stats(const ops::GradStats& a) {
 
 void update_scale(const ops::UpdateScale& a) {
   const char* op = a.kName;
-  TORCH_CHECK(a.scale.defined(), op, ": scale is undefined");
-  const auto device = a.scale.device();
+  const auto device = device_of(op, "scale", a.scale);
   check_scalar(op, "scale", a.scale, at::kFloat, device);
   check_scalar(op, "growth_tracker", a.growth_tracker, at::kInt, device);
   check_scalar(op, "hysteresis_tracker", a.hysteresis_tracker, at::kInt, device);
@@ -126,8 +136,7 @@ void update_scale(const ops::UpdateScale& a) {
 void record_telemetry(const ops::RecordTelemetry& a) {
   const char* op = a.kName;
   const Tensor& ring = a.ring;
-  TORCH_CHECK(ring.defined(), op, ": ring is undefined");
-  const auto device = ring.device();
+  const auto device = device_of(op, "ring", ring);
   TORCH_CHECK(ring.layout() == at::kStrided && ring.dim() == 2 && ring.is_contiguous() &&
                   ring.scalar_type() == at::kDouble && ring.sym_size(1) == math::kTelemetryColumns,
               op, ": ring must be a contiguous float64 tensor of shape [capacity, ",
@@ -143,20 +152,15 @@ void record_telemetry(const ops::RecordTelemetry& a) {
               " elements (the telemetry slots and a sum of "
               "squares), got ",
               a.measured.sym_numel());
-  if (given(a.pass_sum_sq)) {
-    check_scalar(op, "pass_sum_sq", *a.pass_sum_sq, at::kFloat, device);
-  }
+  check_given_scalar(op, "pass_sum_sq", a.pass_sum_sq, at::kFloat, device);
 }
 
 void account_step(const ops::AccountStep& a) {
   const char* op = a.kName;
-  TORCH_CHECK(a.step_applied.defined(), op, ": step_applied is undefined");
-  const auto device = a.step_applied.device();
+  const auto device = device_of(op, "step_applied", a.step_applied);
   check_scalar(op, "step_applied", a.step_applied, at::kFloat, device);
   check_scalar(op, "skipped_steps", a.skipped_steps, at::kLong, device);
-  if (given(a.found_inf)) {
-    check_scalar(op, "found_inf", *a.found_inf, at::kFloat, device);
-  }
+  check_given_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
   if (given(a.found_inf_out)) {
     TORCH_CHECK(given(a.found_inf), op,
                 ": found_inf_out is given without found_inf (an unchecked step has no flag)");
@@ -171,9 +175,7 @@ void account_step(const ops::AccountStep& a) {
   TORCH_CHECK(given(a.grad_sum_sq), op,
               ": grad_norm needs grad_sum_sq (the sum of squares from grad_stats_)");
   check_scalar(op, "grad_sum_sq", *a.grad_sum_sq, at::kFloat, device);
-  if (given(a.inv_scale)) {
-    check_scalar(op, "inv_scale", *a.inv_scale, at::kFloat, device);
-  }
+  check_given_scalar(op, "inv_scale", a.inv_scale, at::kFloat, device);
   check_scalar(op, "grad_norm", *a.grad_norm, at::kFloat, device);
 }
 

@@ -126,28 +126,23 @@ inline WeightStore weight_store_of(at::TensorList master_params, bool adopt_para
   }
 }
 
-// A WeightStore: visits std::integral_constant<WeightStore, store>.
-struct WeightStoreSwitch {
+// A WeightStore among kStores: visits std::integral_constant<WeightStore, store>.
+template <WeightStore... kStores>
+struct WeightStoreSwitchOf {
   WeightStore store;
 
   template <typename Fn>
   void visit(Fn&& fn) const {
-    switch (store) {
-      case WeightStore::kParams:
-        return fn(std::integral_constant<WeightStore, WeightStore::kParams>{});
-      case WeightStore::kMaster:
-        return fn(std::integral_constant<WeightStore, WeightStore::kMaster>{});
-      case WeightStore::kMasterAdoptingEdits:
-        return fn(std::integral_constant<WeightStore, WeightStore::kMasterAdoptingEdits>{});
-      case WeightStore::kSplit:
-        return fn(std::integral_constant<WeightStore, WeightStore::kSplit>{});
-      case WeightStore::kKahan:
-        return fn(std::integral_constant<WeightStore, WeightStore::kKahan>{});
-      case WeightStore::kStochastic:
-        return fn(std::integral_constant<WeightStore, WeightStore::kStochastic>{});
-    }
+    const bool found =
+        ((store == kStores && (fn(std::integral_constant<WeightStore, kStores>{}), true)) || ...);
+    TORCH_INTERNAL_ASSERT(found, "fusedamp: no kernel for weight store ", int(store));
   }
 };
+
+using WeightStoreSwitch =
+    WeightStoreSwitchOf<WeightStore::kParams, WeightStore::kMaster,
+                        WeightStore::kMasterAdoptingEdits, WeightStore::kSplit,
+                        WeightStore::kKahan, WeightStore::kStochastic>;
 
 // The choices every fused step kernel makes, then the kernel's own: body(param, grad, kStore,
 // more...), where param has the params' element type (FP32, FP16 or BF16), grad the grads'

@@ -251,9 +251,10 @@ def _rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
-def _task(model_name, mode, device, seed, scaler_args=None):
+def _task(model_name, mode, device, seed, scaler_args=None, batch_size=None):
     """(setup, batch(), loss_fn, evaluate()) for one model; scaler_args go to
-    fusedamp.initialize (fusedamp set-ups)."""
+    fusedamp.initialize (fusedamp set-ups); batch_size: None for the model's own (64 digits,
+    32 sequences)."""
     g = torch.Generator().manual_seed(seed)
     if model_name == "digits-cnn":
         (xtr, ytr), (xte, yte) = digits_data(device)
@@ -261,7 +262,7 @@ def _task(model_name, mode, device, seed, scaler_args=None):
                       scaler_args=scaler_args)
 
         def batch():
-            ix = torch.randint(0, len(xtr), (64,), generator=g).to(device)
+            ix = torch.randint(0, len(xtr), (batch_size or 64,), generator=g).to(device)
             return xtr[ix], ytr[ix]
 
         def evaluate():
@@ -289,7 +290,7 @@ def _task(model_name, mode, device, seed, scaler_args=None):
                       max_grad_norm=1.0, scaler_args=scaler_args)
 
         def batch():
-            return char_batch(train, 32, context, g)
+            return char_batch(train, batch_size or 32, context, g)
 
         def evaluate():
             fwd = setup.model if model_name == "char-gpt" else (
@@ -330,7 +331,7 @@ def _load_inputs(model_name, device):
         import torchvision  # noqa: F401
 
 
-def train_run(model_name, mode, steps, seed=0, progress=False):
+def train_run(model_name, mode, steps, seed=0, progress=False, batch_size=None):
     """Trains one model under one set-up; returns curves, timings, memory and results."""
     from tqdm import tqdm
 
@@ -341,7 +342,7 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
     # fusedamp's 16-bit weights and masters) and nothing else.
     _load_inputs(model_name, device)
     rss0 = _rss_mb()
-    setup, batch, loss_fn, evaluate = _task(model_name, mode, device, seed)
+    setup, batch, loss_fn, evaluate = _task(model_name, mode, device, seed, batch_size=batch_size)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
@@ -359,6 +360,7 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
     warm = times[steps // 5:] or times
     result = {
         "model": model_name, "mode": mode, "device": device, "steps": steps,
+        "batch_size": batch_size,
         "loss_curve": losses, "scale_curve": setup.scale_curve(),
         "final_train_loss": sum(losses[-20:]) / min(20, len(losses)),
         "ms_per_step": 1e3 * sorted(warm)[len(warm) // 2],
@@ -372,7 +374,8 @@ def train_run(model_name, mode, steps, seed=0, progress=False):
     return result
 
 
-def policy_run(model_name, policy, steps, *, init_scale=2.0 ** 16, loss_factor=1.0, seed=0):
+def policy_run(model_name, policy, steps, *, init_scale=2.0 ** 16, loss_factor=1.0, seed=0,
+               batch_size=None):
     """A fusedamp FP16 run under a loss-scale policy ("torch" or "amax"), optionally with the
     loss multiplied by `loss_factor` (a deliberately tiny loss); returns the scaler's telemetry,
     the per-step losses (divided back by loss_factor) and the evaluation."""
@@ -380,7 +383,8 @@ def policy_run(model_name, policy, steps, *, init_scale=2.0 ** 16, loss_factor=1
     torch.manual_seed(seed)
     setup, batch, loss_fn, evaluate = _task(model_name, "fusedamp-fp16", device, seed,
                                             scaler_args=dict(policy=policy,
-                                                             init_scale=init_scale))
+                                                             init_scale=init_scale),
+                                            batch_size=batch_size)
 
     def scaled_loss(model, x, y):
         return loss_fn(model, x, y) * loss_factor

@@ -5,6 +5,11 @@ picture of it all (demo.png).
 
     python examples/python/demo.py [--steps-scale 1.0] [--out demo_output]
 
+On a CPU the char-GPT runs are sized to a time budget: a CPU without FP16/BF16 arithmetic
+(AVX2, or AVX-512 without AVX512-FP16/AMX) runs their matmuls more than ten times slower than
+FP32, so the demo times a few FP16 steps first and chooses the step count (20 to 120, the same
+for every set-up) that keeps its eight low-precision char-GPT runs within about two minutes.
+
 Every (model, set-up) pair runs in its own process, so peak memory is measured per run
 (torch.cuda.max_memory_allocated on a GPU, peak resident set on the CPU). The stress runs:
   "scale too high"  init_scale = 2^24, which overflows: torch's rule halves once per skipped
@@ -31,20 +36,27 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 STRESS = {"scale too high": dict(init_scale=2.0 ** 24),
           "loss too small": dict(loss_factor=1e-6)}
 POLICIES = ("torch", "amax")
+# On a CPU: the char-GPT's batch (sequences), and the seconds its low-precision runs (three
+# side-by-side set-ups, the BF16 reference and the four stress runs: eight) may take together.
+CPU_CHAR_BATCH = 8
+CPU_CHAR_BUDGET_S = 120.0
+CPU_CHAR_LOW_PRECISION_RUNS = 8
 
 
-def worker(model_name, mode, steps, out_path, seed=0):
+def worker(model_name, mode, steps, out_path, batch_size=None, seed=0):
     import amp_models as am
 
-    result = am.train_run(model_name, mode, steps, seed=seed, progress=True)
+    result = am.train_run(model_name, mode, steps, seed=seed, progress=True,
+                          batch_size=batch_size)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
 
-def stress_worker(steps, out_path):
+def stress_worker(steps, out_path, batch_size=None):
     import amp_models as am
 
-    runs = {name: {policy: am.policy_run("char-gpt", policy, steps, **kwargs)
+    runs = {name: {policy: am.policy_run("char-gpt", policy, steps, batch_size=batch_size,
+                                         **kwargs)
                    for policy in POLICIES}
             for name, kwargs in STRESS.items()}
     with open(out_path, "w") as f:
@@ -76,12 +88,13 @@ def main():
     ap.add_argument("--steps-scale", type=float, default=1.0)
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "STEPS", "OUT"))
     ap.add_argument("--stress-worker", nargs=2, metavar=("STEPS", "OUT"))
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3])
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.worker[3], args.batch)
         return
     if args.stress_worker:
-        stress_worker(int(args.stress_worker[0]), args.stress_worker[1])
+        stress_worker(int(args.stress_worker[0]), args.stress_worker[1], args.batch)
         return
 
     from amp_models import MODES, TORCH_AMP_BF16, reference_run
@@ -95,7 +108,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     # A CPU has no fast FP16 kernels (torch.amp and fusedamp FP16 alike run FP16 convolutions
     # and matmuls slowly there), so the CPU run is short; a GPU trains longer.
-    base = (600, 600) if torch.cuda.is_available() else (150, 120)
+    batch = {}
+    if torch.cuda.is_available():
+        base = (600, 600)
+    else:
+        batch["char-gpt"] = CPU_CHAR_BATCH
+        base = (150, char_gpt_steps_for_cpu(args.out))
     plan = [("digits-cnn", int(base[0] * args.steps_scale)),
             ("char-gpt", int(base[1] * args.steps_scale))]
     print(f"fusedamp demo: {len(plan) * len(modes)} training runs "
@@ -106,7 +124,8 @@ def main():
             path = os.path.join(args.out, f"{model_name}_{mode}.json")
             print(f"  {model_name} / {mode} ...", flush=True)
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model_name,
-                            mode, str(steps), path], check=True)
+                            mode, str(steps), path, *batch_args(batch.get(model_name))],
+                           check=True)
             with open(path) as f:
                 results.append(json.load(f))
 
@@ -132,7 +151,8 @@ def main():
           f"{' / '.join(STRESS)} x policy {' / '.join(POLICIES)} ...", flush=True)
     stress_path = os.path.join(args.out, "stress.json")
     subprocess.run([sys.executable, os.path.abspath(__file__), "--stress-worker",
-                    str(stress_steps), stress_path], check=True)
+                    str(stress_steps), stress_path, *batch_args(batch.get("char-gpt"))],
+                   check=True)
     with open(stress_path) as f:
         stress = json.load(f)
     table = "\n".join(lines) + "\n\nStress runs (char-gpt, fusedamp FP16):\n\n" + \
@@ -144,6 +164,26 @@ def main():
         json.dump(results, f)
     plot(results, stress, os.path.join(args.out, "demo.png"))
     print(f"\nplot: {os.path.join(args.out, 'demo.png')}   table: {os.path.join(args.out, 'demo_table.md')}")
+
+
+def batch_args(batch_size):
+    return [] if batch_size is None else ["--batch", str(batch_size)]
+
+
+def char_gpt_steps_for_cpu(out):
+    """The char-GPT's step count on this CPU: five FP16 steps timed (their median after the
+    first), then as many steps as fit CPU_CHAR_BUDGET_S for all low-precision runs."""
+    path = os.path.join(out, "char-gpt_timing.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "char-gpt",
+                    "fusedamp-fp16", "5", path, *batch_args(CPU_CHAR_BATCH)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(path) as f:
+        ms = json.load(f)["ms_per_step"]
+    steps = int(CPU_CHAR_BUDGET_S * 1e3 / (ms * CPU_CHAR_LOW_PRECISION_RUNS))
+    steps = max(20, min(120, steps))
+    print(f"  char-gpt: an FP16 step takes {ms:.0f} ms on this CPU (batch {CPU_CHAR_BATCH}): "
+          f"{steps} steps per run", flush=True)
+    return steps
 
 
 def smoothed(curve, k=10):

@@ -72,14 +72,17 @@ def test_the_written_tensors_versions_are_bumped(device):
 
 def _bad_cases(device):
     """(what, keyword changes to a valid call, message fragment)."""
-    return [
-        ("int32 skipped_steps", dict(skipped_steps=torch.zeros(1, dtype=torch.int32,
-                                                                device=device)),
-         "skipped_steps"),
-        ("float64 step_applied", dict(step_applied=torch.zeros(1, dtype=torch.float64,
-                                                                device=device)),
-         "step_applied"),
-        ("two-element found_inf", dict(found_inf=torch.zeros(2, device=device)), "found_inf"),
+    def zeros(n, dtype=torch.float32, on=device):
+        return torch.zeros(n, dtype=dtype, device=on)
+
+    wrong_dtypes = [("skipped_steps", torch.int32, "skipped_steps"),
+                    ("step_applied", torch.float64, "step_applied"),
+                    ("grad_norm", torch.float16, "grad_norm must be Float, got Half"),
+                    ("grad_norm", torch.float64, "grad_norm must be Float, got Double")]
+    cases = [(f"{dtype} {name}", {name: zeros(1, dtype)}, message)
+             for name, dtype, message in wrong_dtypes]
+    return cases + [
+        ("two-element found_inf", dict(found_inf=zeros(2)), "found_inf"),
         ("found_inf_out without found_inf", dict(found_inf=None),
          "found_inf_out is given without found_inf"),
         ("grad_norm without grad_sum_sq", dict(grad_sum_sq=None),
@@ -89,20 +92,13 @@ def _bad_cases(device):
          "given"),
         ("inv_scale without grad_norm", dict(grad_norm=None, grad_sum_sq=None),
          "only make the norm written into grad_norm"),
-        ("three-element grad_norm", dict(grad_norm=torch.zeros(3, device=device)),
+        ("three-element grad_norm", dict(grad_norm=zeros(3)),
          "grad_norm must have exactly one element, got 3"),
-        ("empty grad_norm", dict(grad_norm=torch.zeros(0, device=device)),
+        ("empty grad_norm", dict(grad_norm=zeros(0)),
          "grad_norm must have exactly one element, got 0"),
-        ("float16 grad_norm", dict(grad_norm=torch.zeros(1, dtype=torch.float16,
-                                                          device=device)),
-         "grad_norm must be Float, got Half"),
-        ("float64 grad_norm", dict(grad_norm=torch.zeros(1, dtype=torch.float64,
-                                                          device=device)),
-         "grad_norm must be Float, got Double"),
-        ("grad_norm on the meta device", dict(grad_norm=torch.zeros(1, device="meta")),
+        ("grad_norm on the meta device", dict(grad_norm=zeros(1, on="meta")),
          "grad_norm is on meta but the other tensors are on"),
-        ("found_inf on the meta device", dict(found_inf=torch.zeros(1, device="meta")),
-         "found_inf"),
+        ("found_inf on the meta device", dict(found_inf=zeros(1, on="meta")), "found_inf"),
     ]
 
 
@@ -160,6 +156,7 @@ def test_a_rebuilt_engine_goes_on_with_the_telemetry(device):
     scaler.update()
     opt.add_param_group({"params": [q]})
     scaler.scale(torch.ones((), device=device))
+    p.grad = torch.full((3,), 4.0 * 2.0, device=device)  # the step left it unscaled
     q.grad = torch.full((4,), 4.0 * 3.0, device=device)
     scaler.step(opt)
     scaler.update()

@@ -67,6 +67,18 @@ FUSEDAMP_DECLARE_OP(RecordTelemetry, record_telemetry_, FUSEDAMP_RECORD_TELEMETR
   X(OptTensor, grad_norm)
 FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
 
+// The arguments both step ops take, at the same place in their schemas (after the
+// algorithm's hyper-parameters): the device lr, the loss scaler's inputs, clipping, and how
+// the weights and the gradients are written.
+#define FUSEDAMP_STEP_SHARED_ARGS(X) \
+  X(OptTensor, lr_tensor)            \
+  X(OptTensor, inv_scale)            \
+  X(OptTensor, found_inf)            \
+  X(OptTensor, grad_sum_sq)          \
+  X(OptFloat, max_grad_norm)         \
+  X(Bool, adopt_param_edits)         \
+  X(Bool, write_back_grads)
+
 #define FUSEDAMP_ADAM_STEP_ARGS(X) \
   X(Tensors, params)               \
   X(Tensors, master_params)        \
@@ -81,13 +93,7 @@ FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
   X(Float, weight_decay)           \
   X(Bool, decoupled_weight_decay)  \
   X(Bool, maximize)                \
-  X(OptTensor, lr_tensor)          \
-  X(OptTensor, inv_scale)          \
-  X(OptTensor, found_inf)          \
-  X(OptTensor, grad_sum_sq)        \
-  X(OptFloat, max_grad_norm)       \
-  X(Bool, adopt_param_edits)       \
-  X(Bool, write_back_grads)        \
+  FUSEDAMP_STEP_SHARED_ARGS(X)     \
   X(OptTensors, max_exp_avg_sqs)   \
   X(OptInts, rounding_seeds)
 FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
@@ -104,13 +110,7 @@ FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
   X(Float, weight_decay)          \
   X(Bool, nesterov)               \
   X(Bool, maximize)               \
-  X(OptTensor, lr_tensor)         \
-  X(OptTensor, inv_scale)         \
-  X(OptTensor, found_inf)         \
-  X(OptTensor, grad_sum_sq)       \
-  X(OptFloat, max_grad_norm)      \
-  X(Bool, adopt_param_edits)      \
-  X(Bool, write_back_grads)       \
+  FUSEDAMP_STEP_SHARED_ARGS(X)    \
   X(OptInts, rounding_seeds)
 FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 

@@ -10,24 +10,13 @@ namespace fusedamp::math {
 
 template <typename V>
 struct LaneOps {
-  static C10_HOST_DEVICE inline V sqrt(V x) {
-#if defined(__CUDA_ARCH__)
-    return ::sqrtf(x);
-#else
-    return std::sqrt(x);
-#endif
-  }
+  // std::sqrt and std::fabs of a float are also CUDA device functions (sqrtf, fabsf).
+  static C10_HOST_DEVICE inline V sqrt(V x) { return std::sqrt(x); }
   // Per lane: the larger, NaN if either is NaN (torch.maximum's rule).
   static C10_HOST_DEVICE inline V max(V x, V y) {
     return (x != x || y != y) ? x + y : (x > y ? x : y);
   }
-  static C10_HOST_DEVICE inline V abs(V x) {
-#if defined(__CUDA_ARCH__)
-    return ::fabsf(x);
-#else
-    return std::fabs(x);
-#endif
-  }
+  static C10_HOST_DEVICE inline V abs(V x) { return std::fabs(x); }
   // Per lane: candidate where it is finite and larger than acc, otherwise acc.
   static C10_HOST_DEVICE inline V max_finite(V acc, V candidate) {
     return (candidate > acc && candidate - candidate == V(0.f)) ? candidate : acc;
