@@ -44,10 +44,11 @@ using AdamPositions = AdamLists<has_store_list(kStore), kAmsgrad>;
 template <WeightStore kStore, bool kAmsgrad>
 using AdamBatch = TensorBatch<AdamPositions<kStore, kAmsgrad>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 struct AdamOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG> grads;
+  StepGrads<TG, kWriteGrads> grads;
   TS* m;
   TS* v;
   TS* v_max;  // AMSGrad's running maximum of v; nullptr without
@@ -90,10 +91,11 @@ struct AdamOp {
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
-                StepScalarPointers s, bool write_grads) {
+                StepScalarPointers s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -109,9 +111,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kStore, kAmsgrad, TS> op{
+  AdamOp<TP, TG, kStore, kWriteGrads, kAmsgrad, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG), write_grads},
+      {list_at<TG>(b, ch, true, Pos::kG)},
       list_at<TS>(b, ch, true, Pos::kM),
       list_at<TS>(b, ch, true, Pos::kV),
       list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
@@ -123,7 +125,8 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
+          typename TS>
 void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   auto lists = step_lists_of<Pos, kStore>(step);
@@ -134,9 +137,8 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   }
   apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
                      [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-                       adam_kernel<TP, TG, kStore, kAmsgrad, TS>
-                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s,
-                                                             step.write_back_grads);
+                       adam_kernel<TP, TG, kStore, kWriteGrads, kAmsgrad, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s);
                      });
 }
 
@@ -146,11 +148,13 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   step_switch(
       step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
-        launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
+      [&](auto param, auto grad, auto kept, auto amsgrad, auto state, auto write_grads) {
+        launch<decltype(param), decltype(grad), kept, write_grads, amsgrad,
+               decltype(state)>(step, s);
       },
       BoolSwitch{step.state.count == 3},
-      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
+      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()},
+      BoolSwitch{step.write_back_grads});
   advance_steps(step.steps, s.found_inf);
 }
 

@@ -39,10 +39,11 @@ using SgdPositions = SgdLists<has_store_list(kStore), kMomentum>;
 template <WeightStore kStore, bool kMomentum>
 using SgdBatch = TensorBatch<SgdPositions<kStore, kMomentum>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 struct SgdOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG> grads;
+  StepGrads<TG, kWriteGrads> grads;
   TS* buf;
   math::SgdHyper h;
   float lr;
@@ -85,10 +86,11 @@ struct SgdOp {
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const __grid_constant__ SgdBatch<kStore, kMomentum> b, math::SgdHyper h,
-               StepScalarPointers s, bool write_grads) {
+               StepScalarPointers s) {
   using Pos = SgdPositions<kStore, kMomentum>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -97,9 +99,9 @@ __global__ void __launch_bounds__(kThreads)
   const float lr = s.learning_rate();
   const float mult = s.grad_multiplier();
   const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
-  SgdOp<TP, TG, kStore, kMomentum, TS> op{
+  SgdOp<TP, TG, kStore, kWriteGrads, kMomentum, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG), write_grads},
+      {list_at<TG>(b, ch, true, Pos::kG)},
       list_at<TS>(b, ch, kMomentum, Pos::kBuf),
       h,
       lr,
@@ -109,7 +111,8 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
+          typename TS>
 void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   using Pos = SgdPositions<kStore, kMomentum>;
   auto lists = step_lists_of<Pos, kStore>(step);
@@ -118,9 +121,8 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   }
   apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
                      [&](const SgdBatch<kStore, kMomentum>& b, unsigned blocks, auto stream) {
-                       sgd_kernel<TP, TG, kStore, kMomentum, TS>
-                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s,
-                                                             step.write_back_grads);
+                       sgd_kernel<TP, TG, kStore, kWriteGrads, kMomentum, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s);
                      });
 }
 
@@ -132,10 +134,12 @@ void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
   step_switch(
       step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto has_momentum, auto state) {
-        launch<decltype(param), decltype(grad), kept, has_momentum, decltype(state)>(step, s);
+      [&](auto param, auto grad, auto kept, auto has_momentum, auto state, auto write_grads) {
+        launch<decltype(param), decltype(grad), kept, write_grads, has_momentum,
+               decltype(state)>(step, s);
       },
-      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype},
+      BoolSwitch{step.write_back_grads});
   advance_steps(step.steps, s.found_inf);
 }
 

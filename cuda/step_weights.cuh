@@ -159,13 +159,13 @@ __device__ __forceinline__ StepWeights<TP, kStore> step_weights_at(const Batch& 
   return w;
 }
 
-// The grads a step reads and, with write, writes back: the multiplied (unscaled, clipped)
-// gradient the update used, as torch's fused optimizers leave .grad. write is a kernel argument,
-// the same for every thread (a uniform branch), not a template one: half the kernels to compile.
-template <typename TG>
+// The grads a step reads and, with kWriteGrads, writes back: the multiplied (unscaled, clipped)
+// gradient the update used, as torch's fused optimizers leave .grad. A template argument here,
+// unlike on the CPU: as a runtime flag it keeps every lane's gradient live through the update,
+// and two AdamW kernels then spill registers.
+template <typename TG, bool kWriteGrads>
 struct StepGrads {
   TG* grad;
-  bool write;
 
   template <int L>
   __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
@@ -173,7 +173,7 @@ struct StepGrads {
   }
   template <int L>
   __device__ __forceinline__ void store(int i, const float (&lanes)[L]) const {
-    if (write) {
+    if constexpr (kWriteGrads) {
       store_lanes<L>(grad + i, lanes);
     }
   }
