@@ -73,6 +73,14 @@ c10::Device device_of(const char* op, const char* name, const Tensor& t) {
   return t.device();
 }
 
+// The same for a one-element tensor of the given dtype, which is checked as such.
+c10::Device scalar_device_of(const char* op, const char* name, const Tensor& t,
+                             at::ScalarType dtype) {
+  const auto device = device_of(op, name, t);
+  check_scalar(op, name, t, dtype, device);
+  return device;
+}
+
 // An optional one-element tensor: checked where given.
 void check_given_scalar(const char* op, const char* name, const OptTensor& t,
                         at::ScalarType dtype, const c10::Device& device) {
@@ -85,8 +93,7 @@ void check_given_scalar(const char* op, const char* name, const OptTensor& t,
 
 bool unscale_and_check(const ops::UnscaleAndCheck& a) {
   const char* op = a.kName;
-  const auto device = device_of(op, "found_inf", a.found_inf);
-  check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
+  const auto device = scalar_device_of(op, "found_inf", a.found_inf, at::kFloat);
   check_scalar(op, "inv_scale", a.inv_scale, at::kFloat, device);
   check_given_scalar(op, "sum_sq", a.sum_sq, at::kFloat, device);
   TORCH_CHECK(given(a.sum_sq) || !given(a.telemetry), op,
@@ -99,8 +106,7 @@ bool per_tensor_grad(const Tensor& grad) { return is_per_tensor(facts_of(grad, g
 
 bool grad_stats(const ops::GradStats& a) {
   const char* op = a.kName;
-  const auto device = device_of(op, "found_inf", a.found_inf);
-  check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
+  const auto device = scalar_device_of(op, "found_inf", a.found_inf, at::kFloat);
   check_scalar(op, "sum_sq", a.sum_sq, at::kFloat, device);
   if (given(a.tensor_flags)) {
     const Tensor& f = *a.tensor_flags;
@@ -114,8 +120,7 @@ bool grad_stats(const ops::GradStats& a) {
 
 void update_scale(const ops::UpdateScale& a) {
   const char* op = a.kName;
-  const auto device = device_of(op, "scale", a.scale);
-  check_scalar(op, "scale", a.scale, at::kFloat, device);
+  const auto device = scalar_device_of(op, "scale", a.scale, at::kFloat);
   check_scalar(op, "growth_tracker", a.growth_tracker, at::kInt, device);
   check_scalar(op, "hysteresis_tracker", a.hysteresis_tracker, at::kInt, device);
   check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
@@ -157,8 +162,7 @@ void record_telemetry(const ops::RecordTelemetry& a) {
 
 void account_step(const ops::AccountStep& a) {
   const char* op = a.kName;
-  const auto device = device_of(op, "step_applied", a.step_applied);
-  check_scalar(op, "step_applied", a.step_applied, at::kFloat, device);
+  const auto device = scalar_device_of(op, "step_applied", a.step_applied, at::kFloat);
   check_scalar(op, "skipped_steps", a.skipped_steps, at::kLong, device);
   check_given_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
   if (given(a.found_inf_out)) {
