@@ -1,5 +1,5 @@
 // The one place where fusedamp's operators are *defined*. Backends only implement them
-// (cpu/register_cpu.cpp, meta/register_meta.cpp, ../cuda/register_cuda.cu).
+// (cpu/register_cpu.cpp, meta/register_meta.cpp, ../cuda/register_cuda.cpp).
 // Every mutated list or tensor is annotated (a!) and every op returns (): the ops update
 // gradients, optimizer state and the loss-scale state in place, on the device they live on.
 #include <torch/library.h>

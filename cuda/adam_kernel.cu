@@ -9,7 +9,7 @@
 // multiplied grads are written back, and, per block of kChunk elements, the device scalars and
 // the tensor's step count.
 // If *found_inf != 0 every block returns before touching memory; the step counts are
-// advanced afterwards by advance_steps (step_count.cu), which makes the same test.
+// advanced afterwards by advance_steps (bookkeeping.cu), which makes the same test.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -44,11 +44,10 @@ using AdamPositions = AdamLists<has_store_list(kStore), kAmsgrad>;
 template <WeightStore kStore, bool kAmsgrad>
 using AdamBatch = TensorBatch<AdamPositions<kStore, kAmsgrad>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 struct AdamOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG, kWriteGrads> grads;
+  StepGrads<TG> grads;
   TS* m;
   TS* v;
   TS* v_max;  // AMSGrad's running maximum of v; nullptr without
@@ -71,10 +70,10 @@ struct AdamOp {
     }
   }
   template <int L>
-  __device__ __forceinline__ void apply(Regs<L>& r) const {
+  __device__ __forceinline__ void apply(int i, Regs<L>& r) const {
+    grads.multiply_and_write_back(i, r.g, mult);
 #pragma unroll
     for (int l = 0; l < L; ++l) {
-      r.g[l] = r.g[l] * mult;
       math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l], h, c,
                         kAmsgrad ? &r.v_max[kAmsgrad ? l : 0] : nullptr);
     }
@@ -87,15 +86,13 @@ struct AdamOp {
       store_lanes<L>(v_max + i, r.v_max);
     }
     weights.store(i, r.p);
-    grads.store(i, r.g);
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
-                StepScalarPointers s) {
+                StepScalarPointers s, bool write_back_grads) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -111,9 +108,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = s.grad_multiplier();
   __syncthreads();
-  AdamOp<TP, TG, kStore, kWriteGrads, kAmsgrad, TS> op{
+  AdamOp<TP, TG, kStore, kAmsgrad, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG)},
+      {list_at<TG>(b, ch, true, Pos::kG), write_back_grads},
       list_at<TS>(b, ch, true, Pos::kM),
       list_at<TS>(b, ch, true, Pos::kV),
       list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
@@ -125,8 +122,7 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kAmsgrad,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   auto lists = step_lists_of<Pos, kStore>(step);
@@ -137,8 +133,8 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   }
   apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
                      [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-                       adam_kernel<TP, TG, kStore, kWriteGrads, kAmsgrad, TS>
-                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s);
+                       adam_kernel<TP, TG, kStore, kAmsgrad, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
                      });
 }
 
@@ -148,13 +144,11 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   step_switch(
       step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto amsgrad, auto state, auto write_grads) {
-        launch<decltype(param), decltype(grad), kept, write_grads, amsgrad,
-               decltype(state)>(step, s);
+      [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
+        launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
       },
       BoolSwitch{step.state.count == 3},
-      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()},
-      BoolSwitch{step.write_back_grads});
+      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
   advance_steps(step.steps, s.found_inf);
 }
 

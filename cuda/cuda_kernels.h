@@ -1,6 +1,6 @@
 #pragma once
-// Host-side entry points of the CUDA kernels (one .cu file per kernel concept). Arguments have
-// been validated (ops/checks.h) and the device guard set by register_cuda.cu before any of these
+// Host-side entry points of the CUDA kernels (one .cu file per family of kernels). Arguments have
+// been validated (ops/checks.h) and the device guard set by register_cuda.cpp before any of these
 // is called. Everything is enqueued on the current stream; nothing waits for the device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -36,20 +36,16 @@ void grad_stats(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
                 const std::optional<at::Tensor>& tensor_flags,
                 const std::optional<at::Tensor>& telemetry);
 
-// record_telemetry.cu
+// bookkeeping.cu: the one-thread kernels of the telemetry row, the step account and the loss
+// scale; and the per-tensor step counts: steps[i] += 1 for every i, unless *found_inf != 0
+// (found_inf may be nullptr).
 void record_telemetry(const ops::RecordTelemetry& op);
-
-// account_step.cu
 void account_step(const ops::AccountStep& op);
-
-// update_scale.cu
 void update_scale(const ops::UpdateScale& op, const math::ScaleHyper& h);
+void advance_steps(at::TensorList steps, const float* found_inf);
 
 // adam_kernel.cu, sgd_kernel.cu: a step (ops/step_lists.h) with its scalars' device pointers.
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
 void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
-
-// step_count.cu: steps[i] += 1 for every i, unless *found_inf != 0 (found_inf may be nullptr).
-void advance_steps(at::TensorList steps, const float* found_inf);
 
 }  // namespace fusedamp::cuda

@@ -206,7 +206,7 @@ constexpr int vec_width_of() {
 // Op is a per-thread object with, for any lane count L (W on the vector path, 1 otherwise):
 //   template <int L> struct Regs;                       registers of one vector of L lanes
 //   template <int L> void load(int i, Regs<L>&);         elements [i, i + L) of the chunk
-//   template <int L> void apply(Regs<L>&);               the element math, lane by lane
+//   template <int L> void apply(int i, Regs<L>&);        the element math, lane by lane
 //   template <int L> void store(int i, const Regs<L>&);  write back (may do nothing)
 // All loads of an iteration are issued before any math, so kElems elements of every list are
 // in flight per thread (kernels with many lists use fewer, to stay within the registers).
@@ -230,7 +230,7 @@ __device__ __forceinline__ void chunk_loop(Op& op, int n, bool aligned) {
       for (int j = 0; j < ILP; ++j) {
         const int v = v0 + j * kThreads;
         if (v < nvec) {
-          op.template apply<W>(r[j]);
+          op.template apply<W>(v * W, r[j]);
           op.template store<W>(v * W, r[j]);
         }
       }
@@ -239,7 +239,7 @@ __device__ __forceinline__ void chunk_loop(Op& op, int n, bool aligned) {
     for (int i = nvec * W + tid; i < n; i += kThreads) {
       typename Op::template Regs<1> r;
       op.template load<1>(i, r);
-      op.template apply<1>(r);
+      op.template apply<1>(i, r);
       op.template store<1>(i, r);
     }
   } else {
@@ -256,7 +256,7 @@ __device__ __forceinline__ void chunk_loop(Op& op, int n, bool aligned) {
       for (int j = 0; j < kElems; ++j) {
         const int i = i0 + j * kThreads;
         if (i < n) {
-          op.template apply<1>(r[j]);
+          op.template apply<1>(i, r[j]);
           op.template store<1>(i, r[j]);
         }
       }

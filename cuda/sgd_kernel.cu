@@ -39,11 +39,10 @@ using SgdPositions = SgdLists<has_store_list(kStore), kMomentum>;
 template <WeightStore kStore, bool kMomentum>
 using SgdBatch = TensorBatch<SgdPositions<kStore, kMomentum>::kCount, extra_slots_of(kStore)>;
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 struct SgdOp {
   StepWeights<TP, kStore> weights;
-  StepGrads<TG, kWriteGrads> grads;
+  StepGrads<TG> grads;
   TS* buf;
   math::SgdHyper h;
   float lr;
@@ -65,10 +64,10 @@ struct SgdOp {
     }
   }
   template <int L>
-  __device__ __forceinline__ void apply(Regs<L>& r) const {
+  __device__ __forceinline__ void apply(int i, Regs<L>& r) const {
+    grads.multiply_and_write_back(i, r.g, mult);
 #pragma unroll
     for (int l = 0; l < L; ++l) {
-      r.g[l] = r.g[l] * mult;
       if constexpr (kMomentum) {
         math::sgd_update(r.p[l], r.b[l], r.g[l], h, lr, first_step);
       } else {
@@ -82,15 +81,13 @@ struct SgdOp {
       store_lanes<L>(buf + i, r.b);
     }
     weights.store(i, r.p);
-    grads.store(i, r.g);
   }
 };
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const __grid_constant__ SgdBatch<kStore, kMomentum> b, math::SgdHyper h,
-               StepScalarPointers s) {
+               StepScalarPointers s, bool write_back_grads) {
   using Pos = SgdPositions<kStore, kMomentum>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -99,9 +96,9 @@ __global__ void __launch_bounds__(kThreads)
   const float lr = s.learning_rate();
   const float mult = s.grad_multiplier();
   const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
-  SgdOp<TP, TG, kStore, kWriteGrads, kMomentum, TS> op{
+  SgdOp<TP, TG, kStore, kMomentum, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG)},
+      {list_at<TG>(b, ch, true, Pos::kG), write_back_grads},
       list_at<TS>(b, ch, kMomentum, Pos::kBuf),
       h,
       lr,
@@ -111,8 +108,7 @@ __global__ void __launch_bounds__(kThreads)
   chunk_loop<W>(op, ch.n, ch.aligned);
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kWriteGrads, bool kMomentum,
-          typename TS>
+template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   using Pos = SgdPositions<kStore, kMomentum>;
   auto lists = step_lists_of<Pos, kStore>(step);
@@ -121,8 +117,8 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   }
   apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
                      [&](const SgdBatch<kStore, kMomentum>& b, unsigned blocks, auto stream) {
-                       sgd_kernel<TP, TG, kStore, kWriteGrads, kMomentum, TS>
-                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s);
+                       sgd_kernel<TP, TG, kStore, kMomentum, TS>
+                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
                      });
 }
 
@@ -134,12 +130,10 @@ void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
   step_switch(
       step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto has_momentum, auto state, auto write_grads) {
-        launch<decltype(param), decltype(grad), kept, write_grads, has_momentum,
-               decltype(state)>(step, s);
+      [&](auto param, auto grad, auto kept, auto has_momentum, auto state) {
+        launch<decltype(param), decltype(grad), kept, has_momentum, decltype(state)>(step, s);
       },
-      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype},
-      BoolSwitch{step.write_back_grads});
+      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
   advance_steps(step.steps, s.found_inf);
 }
 

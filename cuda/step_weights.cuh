@@ -159,21 +159,29 @@ __device__ __forceinline__ StepWeights<TP, kStore> step_weights_at(const Batch& 
   return w;
 }
 
-// The grads a step reads and, with kWriteGrads, writes back: the multiplied (unscaled, clipped)
-// gradient the update used, as torch's fused optimizers leave .grad. A template argument here,
-// unlike on the CPU: as a runtime flag it keeps every lane's gradient live through the update,
-// and two AdamW kernels then spill registers.
-template <typename TG, bool kWriteGrads>
+// The grads a step reads, multiplies (unscale and clipping) and, where asked, writes back: the
+// multiplied gradient the update uses, as torch's fused optimizers leave .grad. The write-back
+// is a runtime flag (one uniform branch per vector, half the kernels to compile) taken before
+// the update (multiply_and_write_back, first thing in the op's apply): every load of the
+// iteration is in flight by then, and no lane's gradient has to stay live through the update
+// for a store after it (which made two AdamW kernels spill).
+template <typename TG>
 struct StepGrads {
   TG* grad;
+  bool write_back;
 
   template <int L>
   __device__ __forceinline__ void load(int i, float (&lanes)[L]) const {
     load_lanes<L>(grad + i, lanes);
   }
   template <int L>
-  __device__ __forceinline__ void store(int i, const float (&lanes)[L]) const {
-    if constexpr (kWriteGrads) {
+  __device__ __forceinline__ void multiply_and_write_back(int i, float (&lanes)[L],
+                                                          float mult) const {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      lanes[l] = lanes[l] * mult;
+    }
+    if (write_back) {
       store_lanes<L>(grad + i, lanes);
     }
   }

@@ -66,7 +66,7 @@ struct UnscaleOp : GradLanes<T> {
   template <int L>
   using Regs = typename GradLanes<T>::template Regs<L>;
   template <int L>
-  __device__ __forceinline__ void apply(Regs<L>& r) {
+  __device__ __forceinline__ void apply(int, Regs<L>& r) {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
       bad = math::accumulate_nonfinite(bad, r.x[l]);
@@ -105,7 +105,7 @@ struct StatsOp : GradLanes<std::conditional_t<kUnscale, T, const T>> {
   template <int L>
   using Regs = typename Lanes::template Regs<L>;
   template <int L>
-  __device__ __forceinline__ void apply(Regs<L>& r) {
+  __device__ __forceinline__ void apply(int, Regs<L>& r) {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
       bad = math::accumulate_nonfinite(bad, r.x[l]);

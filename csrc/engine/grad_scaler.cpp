@@ -19,7 +19,6 @@
 
 namespace fusedamp {
 namespace {
-constexpr const char* kWho = "fusedamp::GradScaler";
 
 std::vector<at::Tensor> params_with_grads(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;

@@ -13,10 +13,6 @@
 
 namespace fusedamp {
 
-namespace {
-constexpr const char* kWho = "fusedamp::GradScaler";
-}  // namespace
-
 void GradScaler::check_positive_finite(const char* name, double v) {
   TORCH_CHECK(std::isfinite(v) && v > 0.0, kWho, ": ", name, " must be finite and > 0, got ",
               v);

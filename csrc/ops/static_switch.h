@@ -148,9 +148,9 @@ using WeightStoreSwitch =
 // more...), where param has the params' element type (FP32, FP16 or BF16), grad the grads'
 // (FP32 or the params') and kStore is how the weights are kept (WeightStore; only the
 // combinations weight_store_fits allows are instantiated). Whether the multiplied gradients are
-// written back is the kernels' own choice: a runtime flag on the CPU (one predictable branch
-// per vector, half the kernels to compile), a switch of its own on CUDA (cuda/step_weights.cuh
-// StepGrads). The lists have been checked (ops/checks.h); empty ones have nothing to run.
+// written back is a runtime flag of the kernels on both backends (one predictable branch per
+// vector, half the kernels to compile; cuda/step_weights.cuh StepGrads). The lists have been
+// checked (ops/checks.h); empty ones have nothing to run.
 template <typename Body, typename... More>
 void step_switch(at::TensorList params, at::TensorList grads, WeightStore store, Body&& body,
                  const More&... more) {

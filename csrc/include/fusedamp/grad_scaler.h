@@ -167,6 +167,9 @@ class GradScaler {
                   int64_t hysteresis_tracker);
 
  private:
+  // The name every error of the scaler starts with.
+  static constexpr const char* kWho = "fusedamp::GradScaler";
+
   enum class Stage { kReady, kUnscaled, kStepped };
   struct PerOptimizer {
     Stage stage = Stage::kReady;
