@@ -131,11 +131,12 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   if constexpr (kAmsgrad) {
     lists[Pos::kVMax] = step.state.lists[2];
   }
-  apply_step<kStore>(lists, vec_width_of<TP, TG, TS>(), step,
-                     [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-                       adam_kernel<TP, TG, kStore, kAmsgrad, TS>
-                           <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
-                     });
+  apply_step<Pos, kStore>(
+      lists, vec_width_of<TP, TG, TS>(), step, step.write_back_grads,
+      [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
+        adam_kernel<TP, TG, kStore, kAmsgrad, TS>
+            <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+      });
 }
 
 }  // namespace

@@ -272,12 +272,15 @@ inline int64_t chunks_of(int64_t numel) {
 
 // Fills TensorBatch launches for lists[0..kLists) (all of one length, tensor i of every list
 // with the same numel) and calls launch(batch, blocks) for each. Empty tensors are skipped.
+// written: bit l set if the kernel writes list l. Those lists' addresses are taken with
+// mutable_data_ptr(), which gives a copy-on-write tensor its own storage first (writing through
+// const_data_ptr() would change the tensor it was cloned from too); the others are only read.
 // extra(i, slot_pointers) fills the kExtra per-tensor pointers of tensor i.
 // elem_w is the kernel's W: tensor i takes the vector path if, for every list, its pointer is
 // aligned to the width of one access of that list.
 template <int kLists, int kExtra, typename ExtraFn, typename LaunchFn>
-void multi_tensor_apply(const std::array<at::TensorList, kLists>& lists, int elem_w,
-                        const ExtraFn& extra, const LaunchFn& launch) {
+void multi_tensor_apply(const std::array<at::TensorList, kLists>& lists, uint32_t written,
+                        int elem_w, const ExtraFn& extra, const LaunchFn& launch) {
   using Batch = TensorBatch<kLists, kExtra>;
   static_assert(sizeof(Batch) <= static_cast<size_t>(kArgBytes), "metadata too large");
   Batch b;
@@ -309,7 +312,8 @@ void multi_tensor_apply(const std::array<at::TensorList, kLists>& lists, int ele
     bool aligned = true;
     for (int l = 0; l < kLists; ++l) {
       const at::Tensor& x = lists[l][i];
-      void* p = const_cast<void*>(x.const_data_ptr());
+      const bool writes = ((written >> l) & 1u) != 0;
+      void* p = writes ? x.mutable_data_ptr() : const_cast<void*>(x.const_data_ptr());
       b.ptr[l][t] = p;
       const int64_t access =
           std::min<int64_t>(kMaxVecBytes, static_cast<int64_t>(elem_w) * x.element_size());

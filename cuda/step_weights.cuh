@@ -209,15 +209,18 @@ std::array<at::TensorList, Pos::kCount> step_lists_of(const StepLists& step) {
   return lists;
 }
 
-// multi_tensor_apply over a step's lists with the per-tensor slots every step kernel reads (the
-// step count; under stochastic rounding the tensor's seed); kernel(batch, blocks, stream)
-// enqueues one launch.
-template <WeightStore kStore, size_t kLists, typename Kernel>
-void apply_step(const std::array<at::TensorList, kLists>& lists, int vec_width,
-                const StepLists& step, const Kernel& kernel) {
+// multi_tensor_apply over a step's lists (positions Pos) with the per-tensor slots every step
+// kernel reads (the step count; under stochastic rounding the tensor's seed); kernel(batch,
+// blocks, stream) enqueues one launch. Every list is written but the grads, which are written
+// only when written back.
+template <typename Pos, WeightStore kStore, typename Kernel>
+void apply_step(const std::array<at::TensorList, Pos::kCount>& lists, int vec_width,
+                const StepLists& step, bool write_back_grads, const Kernel& kernel) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  multi_tensor_apply<static_cast<int>(kLists), extra_slots_of(kStore)>(
-      lists, vec_width,
+  const uint32_t all = (1u << Pos::kCount) - 1u;
+  const uint32_t written = write_back_grads ? all : all & ~(1u << Pos::kG);
+  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
+      lists, written, vec_width,
       [&](size_t i, void** slots) {
         slots[0] = const_cast<void*>(step.steps[i].const_data_ptr());
         if constexpr (kStore == WeightStore::kStochastic) {

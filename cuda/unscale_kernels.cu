@@ -15,9 +15,10 @@
 // far from overflow.
 //
 // Telemetry (when asked for) is reduced per block and combined with one FP64 atomic per slot:
-// max of non-negative doubles and min of non-negative positions as 64-bit integer max/min of
-// their bits (same order), counts as sums of integers below 2^53 — exact, so the result does
-// not depend on the order the blocks finish in.
+// max of non-negative doubles and min of non-negative positions as signed 64-bit integer
+// max/min of their bits (the same order, also against the negative values a slot may hold;
+// atomic_max_of_nonnegative), counts as sums of integers below 2^53 — exact, so the result
+// does not depend on the order the blocks finish in.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -126,11 +127,17 @@ struct StatsOp : GradLanes<std::conditional_t<kUnscale, T, const T>> {
   }
 };
 
-__device__ __forceinline__ unsigned long long* as_bits(double* p) {
-  return reinterpret_cast<unsigned long long*>(p);
+// Max and min of doubles by 64-bit integer atomics on their bits. The value combined in is never
+// negative (an amax, a position), while the slot may hold a negative double (a position from an
+// earlier pass, shifted back by the parameters walked since; a seed below zero). Read as
+// *signed* integers, a non-negative double's bits keep its order against every double: the
+// negative ones read as negative integers. (As unsigned integers they would read as larger than
+// every non-negative one.)
+__device__ __forceinline__ void atomic_max_of_nonnegative(double* slot, double x) {
+  atomicMax(reinterpret_cast<long long*>(slot), __double_as_longlong(x));
 }
-__device__ __forceinline__ unsigned long long bits_of(double x) {
-  return static_cast<unsigned long long>(__double_as_longlong(x));
+__device__ __forceinline__ void atomic_min_of_nonnegative(double* slot, double x) {
+  atomicMin(reinterpret_cast<long long*>(slot), __double_as_longlong(x));
 }
 
 // inv_scale: nullptr for grad_stats_ (read only), the scale's inverse to unscale as well.
@@ -161,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if constexpr (kTelemetry) {
-      atomicMax(as_bits(telemetry + math::kAmax), bits_of(static_cast<double>(amax)));
+      atomic_max_of_nonnegative(telemetry + math::kAmax, static_cast<double>(amax));
       if (n_small > n_zero) {
         atomicAdd(telemetry + math::kSubnormal, static_cast<double>(n_small - n_zero));
       }
@@ -170,8 +177,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (bad) {
         const auto position = reinterpret_cast<uintptr_t>(m.extra[1][c.t]);
-        atomicMin(as_bits(telemetry + math::kFirstNonfinite),
-                  bits_of(static_cast<double>(position)));
+        atomic_min_of_nonnegative(telemetry + math::kFirstNonfinite,
+                                  static_cast<double>(position));
       }
     }
   }
@@ -294,7 +301,8 @@ void stats_pass(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
       static_switch(
           [&](auto unscale, auto with_telemetry) {
             multi_tensor_apply<1, 2>(
-                {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), extra,
+                {at::TensorList(grp.tensors)}, decltype(unscale)::value ? 1u : 0u,
+                vec_width<scalar_t>(), extra,
                 [&](const StatsBatch& b, int64_t blocks) {
                   grad_stats_kernel<scalar_t, decltype(unscale)::value,
                                     decltype(with_telemetry)::value>
@@ -325,7 +333,7 @@ void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
   for (const auto& grp : group_by_dtype(grads)) {
     FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_unscale_and_check_cuda", [&] {
       multi_tensor_apply<1, 0>(
-          {at::TensorList(grp.tensors)}, vec_width<scalar_t>(), no_extra,
+          {at::TensorList(grp.tensors)}, 1u, vec_width<scalar_t>(), no_extra,
           [&](const UnscaleBatch& b, int64_t blocks) {
             unscale_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
                 b, fi, is);

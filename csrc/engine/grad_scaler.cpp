@@ -238,6 +238,13 @@ void GradScaler::update() {
   if (!opts_.enabled()) {
     return;
   }
+  const bool amax_policy =
+      telemetry_ && opts_.policy() == ScalePolicy::kAmax && telemetry_->measured();
+  TORCH_CHECK(!amax_policy || opts_.amax_target() < telemetry_->dtype_max(), kWho,
+              "::update: amax_target ", opts_.amax_target(),
+              " is not below the largest finite value of the gradients' dtype (",
+              telemetry_ ? telemetry_->dtype_max() : 0.0,
+              "): every step at the scale it aims for would overflow");
   bool any = false;
   for (const auto& [key, r] : per_optimizer_) {
     if (!r.found_inf.defined()) {
@@ -265,7 +272,7 @@ void GradScaler::update() {
   std::optional<double> amax_target;
   if (telemetry_) {
     // No pass this iteration (a sharded optimizer's step): nothing measured, torch's rule.
-    if (opts_.policy() == ScalePolicy::kAmax && telemetry_->measured()) {
+    if (amax_policy) {
       amax = telemetry_->amax();
       amax_target = opts_.amax_target();
     }
@@ -285,6 +292,30 @@ void GradScaler::update(double new_scale) {
   check_positive_finite("new_scale", new_scale);
   ensure_state(opts_.device().value_or(c10::Device(c10::kCPU)));
   scale_.fill_(new_scale);
+  end_iteration();
+  if (telemetry_) {
+    telemetry_->discard();
+  }
+}
+
+void GradScaler::update(const at::Tensor& new_scale) {
+  if (!opts_.enabled()) {
+    return;
+  }
+  TORCH_CHECK(new_scale.defined() && new_scale.numel() == 1 && new_scale.is_floating_point() &&
+                  !new_scale.requires_grad(),
+              kWho,
+              "::update: new_scale must be a float or a one-element floating-point tensor "
+              "without requires_grad, got ",
+              new_scale.defined() ? new_scale.toString() : std::string("an undefined tensor"),
+              new_scale.defined() ? " of " + std::to_string(new_scale.numel()) + " elements"
+                                  : std::string());
+  const auto target = opts_.device().value_or(scale_.defined() ? scale_.device()
+                                                               : new_scale.device());
+  TORCH_CHECK(new_scale.device().type() == target.type(), kWho,
+              "::update: new_scale is on ", new_scale.device(), ", the scale on ", target);
+  ensure_state(target);
+  scale_.copy_(new_scale.reshape({1}), /*non_blocking=*/true);
   end_iteration();
   if (telemetry_) {
     telemetry_->discard();

@@ -40,7 +40,7 @@ namespace {
 constexpr const char* kModes =
     "True (an FP32 master copy), False (none), \"split\" (BF16 weight + int16 remainder = the "
     "FP32 master exactly), \"kahan\" (a 16-bit compensation buffer) or \"stochastic\" (BF16 "
-    "stochastic rounding)";
+    "stochastic rounding); True may also be named \"fp32\" or \"float32\", False \"off\"";
 }  // namespace
 
 MasterWeights MasterWeights::from_code(double code) {
@@ -53,7 +53,7 @@ MasterWeights MasterWeights::from_name(const std::string& name) {
   if (name == "split") return kSplit;
   if (name == "kahan") return kKahan;
   if (name == "stochastic") return kStochastic;
-  if (name == "fp32") return kFp32;
+  if (name == "fp32" || name == "float32") return kFp32;
   if (name == "off") return kOff;
   TORCH_CHECK_VALUE(false, "fusedamp: master_weights must be ", kModes, "; got '", name, "'");
 }

@@ -20,6 +20,20 @@ constexpr int64_t kSumSq = math::kTelemetrySlots;  // current_'s slot after the 
 static_assert(math::kColumnSumSq - math::kColumnMeasured == kSumSq,
               "a ring row holds current_ from kColumnMeasured on");
 
+// The ceiling a gradient of this dtype overflows above (the scaled gradients' limit).
+double largest_finite(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf:
+      return static_cast<double>(std::numeric_limits<c10::Half>::max());
+    case at::kBFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+    case at::kFloat:
+      return static_cast<double>(std::numeric_limits<float>::max());
+    default:
+      return std::numeric_limits<double>::max();
+  }
+}
+
 }  // namespace
 
 ScalerTelemetry::ScalerTelemetry(int64_t capacity) : capacity_(capacity) {
@@ -27,6 +41,7 @@ ScalerTelemetry::ScalerTelemetry(int64_t capacity) : capacity_(capacity) {
               capacity);
   ring_layouts_.resize(static_cast<size_t>(capacity));
   ring_elements_.resize(static_cast<size_t>(capacity));
+  ring_dtype_max_.resize(static_cast<size_t>(capacity));
 }
 
 void ScalerTelemetry::begin_iteration(const c10::Device& device) {
@@ -133,18 +148,29 @@ void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
   const size_t pass = layouts_.size();
   ParamList list = list_of(params);
   double pass_elements = 0.0;
+  double pass_dtype_max = std::numeric_limits<double>::infinity();
   if (pass < last_layouts_.size() && list == last_layouts_[pass].params) {
     // The same parameters as this pass of the last record: the same element count (a grad has
-    // its parameter's shape), without reading every gradient's metadata again.
+    // its parameter's shape) and dtypes, without reading every gradient's metadata again.
     pass_elements = last_layouts_[pass].elements;
+    pass_dtype_max = last_layouts_[pass].dtype_max;
   } else {
     for (const auto& g : grads) {
       pass_elements += static_cast<double>(g.numel());
+      pass_dtype_max = std::min(pass_dtype_max, largest_finite(g.scalar_type()));
     }
   }
-  layouts_.push_back(PassLayout{std::move(list), walked_, pass_elements});
+  layouts_.push_back(PassLayout{std::move(list), walked_, pass_elements, pass_dtype_max});
   walked_ += static_cast<int64_t>(grads.size());
   elements_ += pass_elements;
+}
+
+double ScalerTelemetry::dtype_max() const {
+  double m = std::numeric_limits<double>::infinity();
+  for (const auto& pass : layouts_) {
+    m = std::min(m, pass.dtype_max);
+  }
+  return m;
 }
 
 at::Tensor ScalerTelemetry::amax() const {
@@ -160,6 +186,8 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
                           !layouts_.empty() ? std::optional<at::Tensor>(pass_sum_sq_)
                                             : std::nullopt});
   ring_elements_[static_cast<size_t>(slot)] = elements_;
+  ring_dtype_max_[static_cast<size_t>(slot)] =
+      layouts_.empty() ? std::numeric_limits<double>::quiet_NaN() : dtype_max();
   last_layouts_ = std::move(layouts_);
   layouts_.clear();
   ring_layouts_[static_cast<size_t>(slot)] = last_layouts_;
@@ -191,6 +219,7 @@ TelemetryLog ScalerTelemetry::read() const {
     log.underflow_fraction.push_back(
         elements > 0 ? (measured[math::kSubnormal] + measured[math::kZero]) / elements : none);
     log.subnormal_fraction.push_back(elements > 0 ? measured[math::kSubnormal] / elements : none);
+    log.dtype_max.push_back(ring_dtype_max_[static_cast<size_t>(slot)]);
     at::Tensor param;
     const double first = measured[math::kFirstNonfinite];
     if (std::isfinite(first)) {

@@ -31,6 +31,9 @@ class ScalerTelemetry final : public GradTelemetrySink {
   void record(const at::Tensor& scale, const at::Tensor& found_inf);
   // Whether a gradient pass measured this iteration (amax() means something).
   bool measured() const { return elements_ > 0; }
+  // The largest finite value of the narrowest gradient dtype this iteration's passes walked
+  // (what the scaled gradients overflow above); infinity before any pass.
+  double dtype_max() const;
   // Drops the open record (update(new_scale): the iteration's outcome is not judged).
   void discard() { open_ = false; }
   TelemetryLog read() const;
@@ -45,6 +48,7 @@ class ScalerTelemetry final : public GradTelemetrySink {
     ParamList params;
     int64_t base;  // position of params->front() among the iteration's walked gradients
     double elements;  // gradient elements the pass walked
+    double dtype_max;  // largest finite value of the narrowest gradient dtype it walked
   };
   // The last iteration's list for this iteration's next pass if it holds the same parameters,
   // else a new one.
@@ -67,6 +71,7 @@ class ScalerTelemetry final : public GradTelemetrySink {
   // the op's telemetry slots, their first-non-finite slot, and the sum of squares.
   at::Tensor current_slots_, current_first_, current_sum_sq_;
   std::vector<double> ring_elements_;  // per ring row: the gradient elements walked
+  std::vector<double> ring_dtype_max_;  // per ring row: the passes' smallest dtype_max
   std::vector<PassLayout> layouts_;                 // this iteration's passes
   std::vector<std::vector<PassLayout>> ring_layouts_;  // per ring row
   std::vector<PassLayout> last_layouts_;            // the last recorded iteration's

@@ -80,6 +80,7 @@ void bind_grad_scaler(py::module_& m) {
              out["amax"] = log.amax;
              out["underflow_fraction"] = log.underflow_fraction;
              out["subnormal_fraction"] = log.subnormal_fraction;
+             out["dtype_max"] = log.dtype_max;
              out["first_nonfinite"] = first;
              return out;
            })
@@ -91,6 +92,7 @@ void bind_grad_scaler(py::module_& m) {
       .def("has_telemetry", [](GradScaler& s) { return s.telemetry_sink() != nullptr; })
       .def("update", py::overload_cast<>(&GradScaler::update))
       .def("update_to", py::overload_cast<double>(&GradScaler::update))
+      .def("update_to_tensor", py::overload_cast<const at::Tensor&>(&GradScaler::update))
       .def("get_scale", &GradScaler::get_scale)
       .def("scale_tensor", [](const GradScaler& s) { return s.scale_tensor(); })
       // Whether the scale exists yet, without handing a tensor to Python (every step asks).

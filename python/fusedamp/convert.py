@@ -6,7 +6,8 @@ Batch norm runs natively on low-precision input with its FP32 weights; the other
 receive FP32 inputs and hand the low-precision dtype on, so the model runs end to end in
 FP16/BF16 with FP32 islands where they matter. The model's floating inputs are cast
 at its entry and its floating outputs are returned as FP32, so a loss computed from them is
-an FP32 scalar, as a scaler expects.
+an FP32 scalar, as a scaler expects. The casts follow the dtypes the parameters have at each
+forward: a converted model cast again (``model.float()``, ``.to(torch.bfloat16)``) still runs.
 """
 from __future__ import annotations
 
@@ -58,18 +59,68 @@ def _cast_floating(obj, dtype):
     return obj
 
 
-class _CastHooks:
-    """Forward hooks that cast a module's floating inputs and outputs: a norm layer's (FP32 in,
-    the model's dtype out) and the root module's (the model's dtype in, FP32 out)."""
+class _ModelDtypes:
+    """The dtypes the casts follow, read from the model's parameters at each forward (not fixed
+    when the model was converted), so that an initialized model cast again — ``model.float()``
+    or ``.to(torch.bfloat16)`` for evaluation or export — still runs: while the model's
+    low-precision parameters keep the dtype they were converted to and its norm layers'
+    are FP32, the model runs as trained (its dtype in, FP32 out, norm layers in FP32); once
+    cast to one dtype, it runs as a plain model of that dtype (only its inputs are cast).
+    A model without norm layers in its converted dtype cannot be told from the trained one:
+    it runs as trained."""
 
-    def __init__(self, inputs_to, outputs_to):
-        self.inputs_to, self.outputs_to = inputs_to, outputs_to
+    def __init__(self, model, norms, dtype):
+        self.converted = dtype
+        self.reference = self._first_floating(m for m in model.modules() if m not in norms)
+        self.norm_reference = self._first_floating(m for m in model.modules() if m in norms)
+
+    @staticmethod
+    def _first_floating(modules):
+        return next((p for m in modules for p in m.parameters(recurse=False)
+                     if p.is_floating_point()), None)
+
+    def compute(self):
+        return self.reference.dtype if self.reference is not None else self.converted
+
+    def as_trained(self):
+        """The low-precision parameters have the converted dtype and the norm layers' are FP32."""
+        return self.compute() == self.converted and (
+            self.norm_reference is None or self.norm_reference.dtype == torch.float32)
+
+
+class _BoundaryCasts:
+    """The model's entry and exit: floating inputs to the model's dtype; floating outputs to
+    FP32 while it runs as trained (a loss computed from them is an FP32 scalar)."""
+
+    def __init__(self, dtypes):
+        self.dtypes = dtypes
 
     def pre(self, module, args, kwargs):
-        return _cast_floating(args, self.inputs_to), _cast_floating(kwargs, self.inputs_to)
+        dtype = self.dtypes.compute()
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
 
     def post(self, module, args, kwargs, output):
-        return _cast_floating(output, self.outputs_to)
+        return _cast_floating(output, torch.float32) if self.dtypes.as_trained() else output
+
+
+class _NormCasts:
+    """A norm layer's: inputs to the dtype of its own parameters (FP32 as trained), outputs to
+    the model's dtype."""
+
+    def __init__(self, dtypes, norm):
+        self.dtypes = dtypes
+        self.own = next((t for t in list(norm.parameters(recurse=False))
+                         + list(norm.buffers(recurse=False)) if t.is_floating_point()), None)
+
+    def pre(self, module, args, kwargs):
+        if self.own is not None:
+            dtype = self.own.dtype
+        else:  # no parameters of its own: FP32 as trained, else the model's dtype
+            dtype = torch.float32 if self.dtypes.as_trained() else self.dtypes.compute()
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+    def post(self, module, args, kwargs, output):
+        return _cast_floating(output, self.dtypes.compute())
 
 
 def check_convertible(model: nn.Module, dtype: torch.dtype) -> None:
@@ -103,16 +154,17 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
             if b is not None and b.is_floating_point() and b.dtype != target:
                 module._buffers[name] = b.to(target)
     handles = []
+    dtypes = _ModelDtypes(model, norms, dtype)
     for module in norm_layers:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             # Native batch norm takes FP16/BF16 input with FP32 weights and statistics (CPU and
             # cuDNN) and returns the input's dtype: no cast, so no FP32 copy of the activation
             # is saved for backward.
             continue
-        hooks = _CastHooks(torch.float32, dtype)
+        hooks = _NormCasts(dtypes, module)
         handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         handles.append(module.register_forward_hook(hooks.post, with_kwargs=True))
-    boundary = _CastHooks(dtype, torch.float32)
+    boundary = _BoundaryCasts(dtypes)
     if cast_inputs:
         handles.append(model.register_forward_pre_hook(boundary.pre, with_kwargs=True))
     if fp32_outputs:

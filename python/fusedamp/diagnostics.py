@@ -248,7 +248,10 @@ def write_tensorboard(telemetry, writer, *, start=0, prefix="fusedamp"):
     steps = run.get("step") or range(start, start + len(run["scale"]))
     written = 0
     for i, step in enumerate(steps):
-        for key in ("scale", "grad_norm", "amax", "underflow_fraction", "found_inf", "skipped"):
+        for key in ("scale", "grad_norm", "amax", "underflow_fraction", "subnormal_fraction",
+                    "found_inf", "skipped"):
+            if key not in run:  # subnormal_fraction: optional in a record made by hand
+                continue
             value = run[key][i]
             if key in ("found_inf", "skipped"):
                 value = int(bool(value))

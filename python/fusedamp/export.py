@@ -2,8 +2,13 @@
 ``zero_to_fp32`` give their users.
 
 The FP32 master weights carry the bits below the FP16/BF16 model weights, and the model's
-weights are the truth: where a weight no longer equals the rounding of its master (the user
-edited the model after the last step: loaded a snapshot, clamped, pruned), the weight wins.
+weights are the truth: where a weight no longer equals the rounding of its FP32 master copy
+(the user edited the model after the last step: loaded a snapshot, clamped, pruned), the
+weight wins. The other modes keep no copy of the weight, only the bits below it (the "split"
+remainder, the Kahan compensation): their FP32 value is rebuilt from the model's current
+weight, so it always starts from the truth and needs no such test (which, made by rounding
+to nearest even, would also wrongly reject the "split" weights that round a tie away from
+zero).
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ __all__ = ["master_weights", "fp32_state_dict"]
 
 
 def _masters_by_param(optimizer):
-    """{id(param): FP32 master} of the parameters that have one (a collective for a
-    ShardedOptimizer: call it on every rank)."""
+    """{id(param): (FP32 master, whether it is a separate copy)} of the parameters that have
+    one (a collective for a ShardedOptimizer: call it on every rank). A separate copy (the
+    state's master_param) may be stale against an edited weight; one rebuilt from the weight
+    (split, Kahan) is not."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if isinstance(optimizer, ShardedOptimizer):
         # The engine rebuilds the FP32 master from whatever store the gathered state holds.
@@ -30,31 +37,37 @@ def _masters_by_param(optimizer):
             if state.get(i):
                 _, fp32 = _C.convert_param_state(p.detach(), state[i], True, torch.float32, i)
                 if "master_param" in fp32:
-                    out[id(p)] = fp32["master_param"]
+                    out[id(p)] = (fp32["master_param"], "master_param" in state[i])
         return out
     out = {}
     engine = getattr(optimizer, "_engine", None)
     for p in params:
         # The engine rebuilds it from whatever the mode keeps (split pair, Kahan compensation).
-        master = (engine.master_weight(p) if engine is not None
-                  else optimizer.state[p].get("master_param"))
+        if engine is not None:
+            master = engine.master_weight(p)
+            separate = master is not None and "master_param" in engine.param_state(p)
+        else:
+            master = optimizer.state[p].get("master_param")
+            separate = True
         if master is not None:
-            out[id(p)] = master
+            out[id(p)] = (master, separate)
     return out
 
 
 @torch.no_grad()
 def master_weights(model: torch.nn.Module, optimizer) -> dict:
-    """{parameter name: FP32 tensor}: each parameter's master weight where it has one and the
-    model weight is still its rounding, else the parameter itself in FP32."""
+    """{parameter name: FP32 tensor}: each parameter's master weight where it has one (and,
+    for a separate FP32 copy, the model weight is still its rounding), else the parameter
+    itself in FP32."""
     masters = _masters_by_param(optimizer)
     out = {}
     for name, p in model.named_parameters():
         value = p.detach().float()
-        master = masters.get(id(p))
-        if master is not None:
+        if id(p) in masters:
+            master, separate = masters[id(p)]
             master = master.to(p.device).reshape(p.shape)
-            value = torch.where(master.to(p.dtype) == p.detach(), master, value)
+            value = (torch.where(master.to(p.dtype) == p.detach(), master, value) if separate
+                     else master)
         out[name] = value.clone()
     return out
 

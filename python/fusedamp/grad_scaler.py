@@ -71,6 +71,9 @@ class GradScaler:
             warnings.warn("fusedamp.GradScaler(history=...) is deprecated and has no effect: "
                           "the scale of every iteration is in scaler.telemetry()['scale']",
                           DeprecationWarning, stacklevel=2)
+        if amax_target is not None and policy != "amax":
+            raise ValueError(f"fusedamp.GradScaler: amax_target is the target of policy='amax'; "
+                             f"with policy={policy!r} it would be ignored")
         device = torch.device(device)
         if enabled and device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("fusedamp.GradScaler is enabled, but CUDA is not available. "
@@ -177,10 +180,9 @@ class GradScaler:
             self._engine.update()
         else:
             if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1:
-                    raise ValueError("new_scale should be a 1-element tensor")
-                new_scale = new_scale.item()
-            self._engine.update_to(float(new_scale))
+                self._engine.update_to_tensor(new_scale)  # copied on the device, no sync
+            else:
+                self._engine.update_to(float(new_scale))
 
     # ---- reading the state (syncs only where it says so) ----------------------------------
     def get_scale(self):
@@ -227,8 +229,11 @@ class GradScaler:
         subnormal ones alone: zeros may be structural, e.g. unused embedding rows or dead
         units, subnormals have certainly lost precision), ``first_nonfinite`` (the name
         of the first parameter whose gradient held inf/NaN, from ``model``'s
-        named_parameters(), else ``"param<k>"``; None where none did); and ``dtype_max`` and
-        ``amax_target``. One synchronisation. Feed it to ``fusedamp.diagnostics.plot``."""
+        named_parameters(), else ``"param<k>"``; None where none did); and ``dtype_max`` (the
+        largest finite value of the narrowest gradient dtype the recorded iterations walked,
+        which the scaled gradients overflow above; None before any) and ``amax_target``.
+        ``grad_norm`` of an iteration that overflowed is inf or NaN, as the gradients were.
+        One synchronisation. Feed it to ``fusedamp.diagnostics.plot``."""
         log = self._engine.telemetry() if self._enabled else {
             k: [] for k in ("step", "scale", "found_inf", "grad_norm", "amax",
                             "underflow_fraction", "subnormal_fraction", "first_nonfinite")}
@@ -244,7 +249,10 @@ class GradScaler:
                 first.append(names.get(id(p), f"param<{tuple(p.shape)}>"))
         log["first_nonfinite"] = first
         log["skipped"] = list(log["found_inf"])
-        log["dtype_max"] = float(torch.finfo(torch.float16).max)
+        # The limit the scaled gradients overflow above: the largest finite value of the
+        # narrowest gradient dtype walked (65504 for FP16, ~3.4e38 for BF16); None if none was.
+        walked = [m for m in log.pop("dtype_max", []) if m == m]
+        log["dtype_max"] = min(walked) if walked else None
         log["amax_target"] = (self._engine.options_amax_target()
                               if self._engine.options_policy() == "amax" else None)
         return log

@@ -240,7 +240,12 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             if len(mine["params"]) != len(theirs["params"]):
                 raise ValueError("fusedamp: loaded state dict contains a parameter group that "
                                  "doesn't match the size of optimizer's group")
-        merged = [dict(mine, **{k: v for k, v in theirs.items() if k != "params"})
+        # torch's rule (the checkpoint's hyper-parameters replace the group's) except for how
+        # the state is stored: master_weights and state_dtype stay the ones this optimizer was
+        # built with (the memory the user chose), and the loaded state is converted to them
+        # (docs/master_weights.md).
+        kept = ("params",) + _STORAGE_OPTIONS
+        merged = [dict(mine, **{k: v for k, v in theirs.items() if k not in kept})
                   for mine, theirs in zip(self.param_groups, groups)]
         for group in merged:
             self.check_group(group)
@@ -269,6 +274,10 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         super().__setstate__(state)
         self._build_engine()
         self.load_state_dict(engine_state)
+
+
+# Group options that say how the state is stored, not what the algorithm does.
+_STORAGE_OPTIONS = ("master_weights", "state_dtype")
 
 
 def _from_torch_state(state):

@@ -207,3 +207,50 @@ def test_the_inverse_scale_is_torchs(device):
         scaler.update(s)  # ends the iteration (no step)
     for got in (via_optimizer, via_grad, via_scaler):
         assert torch.equal(torch.tensor(got, dtype=torch.float32), expected)
+
+
+def _stepped_scaler(device, param):
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
+    opt = fusedamp.optim.SGD([param], lr=0.1)
+    scaler.scale(torch.ones((), device=device))  # the iteration starts with scale()
+    param.grad = torch.ones_like(param)
+    scaler.step(opt)
+    return scaler
+
+
+def test_update_with_a_tensor_copies_on_the_device_without_reading_it(device, monkeypatch):
+    """update(new_scale=<tensor>) sets the scale as torch's does, by a device copy: the value
+    is never read on the host (no .item(), which would synchronise with the GPU)."""
+    param = torch.nn.Parameter(torch.zeros(4, device=device))
+    scaler = _stepped_scaler(device, param)
+    new_scale = torch.tensor([512.0], device=device)
+
+    def no_host_read(self):
+        raise AssertionError("update(new_scale=<tensor>) read the tensor on the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    scaler.update(new_scale=new_scale)
+    monkeypatch.undo()
+    assert scaler.get_scale() == 512.0
+    new_scale.fill_(3.0)  # a copy, not the caller's tensor
+    assert scaler.get_scale() == 512.0
+    # the iteration is over, as after update(float)
+    scaler.scale(torch.ones((), device=device))
+    param.grad = torch.ones_like(param)
+    scaler.step(fusedamp.optim.SGD([param], lr=0.1))
+    scaler.update()
+
+
+@pytest.mark.parametrize("bad", [
+    torch.tensor([1.0, 2.0]),                    # two elements
+    torch.tensor([4], dtype=torch.int32),        # not floating point
+    torch.tensor([4.0], requires_grad=True),     # requires grad
+])
+def test_update_with_a_bad_tensor_is_refused_and_changes_nothing(device, bad):
+    param = torch.nn.Parameter(torch.zeros(4, device=device))
+    scaler = _stepped_scaler(device, param)
+    with pytest.raises(RuntimeError, match="new_scale must be a float or a one-element"):
+        scaler.update(new_scale=bad.to(device))
+    assert scaler.get_scale() == 2.0 ** 10
+    scaler.update()  # the iteration is still open: its step is still there to update from
+    assert scaler.get_scale() == 2.0 ** 10

@@ -363,18 +363,15 @@ def test_checkpoint_converts_fp32_split_fp32_exactly(device):
     train(fp32_opt, 5)
     saved = copy.deepcopy(fp32_opt.state_dict())
     split_opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-2, master_weights="split")
-    split_opt.load_state_dict(saved)  # restores the groups' options too, as torch does
-    assert split_opt.param_groups[0]["master_weights"] is True
-    for group in split_opt.param_groups:
-        group["master_weights"] = "split"
+    split_opt.load_state_dict(saved)  # keeps the mode it was built with
+    assert split_opt.param_groups[0]["master_weights"] == "split"
     skipped_step(split_opt)
     split_saved = copy.deepcopy(split_opt.state_dict())
     assert all("param_remainder" in s and "master_param" not in s
                for s in split_saved["state"].values())
     back = fusedamp.optim.AdamW(model.parameters(), lr=1e-2)
     back.load_state_dict(split_saved)
-    for group in back.param_groups:
-        group["master_weights"] = True
+    assert back.param_groups[0]["master_weights"] is True
     skipped_step(back)
     for k, s in back.state_dict()["state"].items():
         assert torch.equal(s["master_param"].view(torch.int32),
@@ -474,3 +471,87 @@ def test_fp32_export_rebuilds_the_master_of_every_mode(device, mode):
             expected = p.detach().float() + state["kahan_compensation"].float()
         assert torch.equal(exported[name].view(torch.int32), expected.view(torch.int32)), name
         assert not torch.equal(exported[name], p.detach().float()), name  # bits below the weight
+
+
+@pytest.mark.parametrize("name,same_as", [("fp32", True), ("float32", True), ("off", False)])
+def test_master_weight_mode_names_are_aliases(device, name, same_as):
+    """The documented names of True and False: the same state and the same weights."""
+    def run(mode):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, device=device).to(torch.bfloat16))
+        opt = fusedamp.optim.AdamW([p], lr=1e-2, master_weights=mode)
+        for step in range(3):
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(step)).to(
+                device, torch.bfloat16)
+            opt.step()
+        return p.detach().clone(), sorted(opt.state[p])
+
+    assert_equal_runs = run(name), run(same_as)
+    (w_a, keys_a), (w_b, keys_b) = assert_equal_runs
+    assert torch.equal(w_a, w_b) and keys_a == keys_b
+
+
+def test_an_unknown_master_weight_mode_is_refused():
+    with pytest.raises(ValueError, match="master_weights must be"):
+        fusedamp.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], master_weights="float64")
+
+
+@pytest.mark.parametrize("weight", [1.0, 1.0078125, -3.0, 0.0])  # even, odd, negative, zero
+def test_split_export_is_the_pair_for_every_remainder(device, weight):
+    """fusedamp.master_weights under "split" is the stored pair (weight bits << 16 plus the
+    int16 remainder) for every one of the 65,536 remainders, the ties (-32768) included, where
+    the weight rounds the master with ties away from zero; below a zero weight it is the
+    weight itself (math/split_math.h)."""
+    model = nn.Linear(1, 65536, bias=False).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(weight)
+    opt = fusedamp.optim.SGD(model.parameters(), lr=0.0, master_weights="split")
+    model.weight.grad = torch.zeros_like(model.weight)
+    opt.step()
+    remainders = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(65536, 1)
+    opt.state[model.weight]["param_remainder"].copy_(remainders.to(device))
+    exported = fusedamp.master_weights(model, opt)["weight"].cpu()
+    high = model.weight.detach().cpu().view(torch.int16).to(torch.int32) << 16
+    want = (high + remainders.to(torch.int32)).view(torch.float32)
+    if weight == 0.0:  # a remainder below zero would wrap into the other sign: the weight
+        want = torch.where(remainders < 0, torch.zeros_like(want), want)
+    assert torch.equal(exported.view(torch.int32), want.view(torch.int32))
+
+
+_MODES = [True, False, "split", "kahan", "stochastic"]
+_STORE_KEY = {True: "master_param", "split": "param_remainder", "kahan": "kahan_compensation"}
+
+
+def _trained(device, mode, steps=3):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(256, device=device).to(torch.bfloat16))
+    opt = fusedamp.optim.AdamW([p], lr=1e-2, master_weights=mode)
+    for step in range(steps):
+        p.grad = torch.randn(256, generator=torch.Generator().manual_seed(step)).to(
+            device, torch.bfloat16)
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("saved,built", [(a, b) for a in _MODES for b in _MODES if a != b],
+                         ids=str)
+def test_a_checkpoint_of_another_mode_takes_the_mode_the_optimizer_was_built_with(
+        device, saved, built):
+    """The memory the user chose stays chosen: loading a checkpoint of another master-weight
+    mode keeps the optimizer's own mode and converts the state to it (FP32 master <-> split
+    exactly: the same FP32 value)."""
+    p_saved, opt_saved = _trained(device, saved)
+    p = nn.Parameter(p_saved.detach().clone())
+    opt = fusedamp.optim.AdamW([p], lr=1e-2, master_weights=built)
+    opt.load_state_dict(opt_saved.state_dict())
+    assert opt.param_groups[0]["master_weights"] == built
+    p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        opt.param_groups[0]["lr"] = 0.0
+    opt.step()  # converts; with lr=0 and zero grads the FP32 value stays
+    store_keys = set(_STORE_KEY.values()) & set(opt.state[p])
+    assert store_keys == ({_STORE_KEY[built]} if built in _STORE_KEY else set())
+    if {saved, built} == {True, "split"}:
+        before = fusedamp.master_weights(nn.ParameterDict({"w": p_saved}), opt_saved)["w"]
+        after = fusedamp.master_weights(nn.ParameterDict({"w": p}), opt)["w"]
+        assert torch.equal(before, after)

@@ -447,3 +447,40 @@ def test_scaled_step_leaves_unscaled_clipped_grads(device, clip, write_back):
             torch.testing.assert_close(p.grad, (g * coef).half(), rtol=1e-3, atol=1e-6)
         else:
             assert torch.equal(p.grad, g_scaled)
+
+
+def _norm_net(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.GroupNorm(4, 16),
+        torch.nn.Linear(16, 3)).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_initialized_model_cast_again_runs_as_that_dtype(device, dtype):
+    """Evaluation and export after training: model.float(), .to(bf16) and .half() of an
+    initialized model run (the casts follow the parameters' dtypes), equal to a plain model of
+    the same weights, and the model runs as trained again once cast back."""
+    model = _norm_net(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt, scaler = fusedamp.initialize(model, opt, dtype)
+    x = torch.randn(8, 6, device=device)
+    scaler.scale(model(x).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    model.eval()
+    for cast in (torch.float32, torch.bfloat16, torch.float16):
+        model.to(cast)
+        plain = _norm_net(device).to(cast).eval()
+        plain.load_state_dict(model.state_dict())
+        out = model(x)
+        assert out.dtype == cast
+        assert torch.equal(out, plain(x.to(cast)))
+    exported = torch.export.export(model.float(), (x,))
+    assert torch.equal(exported.module()(x), model(x))
+    model.to(dtype)  # as trained: its dtype inside, FP32 out, norm layers FP32 again
+    for m in model.modules():
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d)):
+            m.float()
+    assert model(x).dtype == torch.float32

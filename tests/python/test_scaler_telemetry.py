@@ -100,7 +100,7 @@ def test_record_matches_reference(device, path):
     assert any(w["found_inf"] for w in wants) and not all(w["found_inf"] for w in wants)
     for k, want in enumerate(wants):
         check_record(log, k, want)
-    assert log["dtype_max"] == 65504.0 and log["amax_target"] is None
+    assert log["dtype_max"] == float(torch.finfo(dtype).max) and log["amax_target"] is None
 
 
 def test_several_optimizers_one_iteration(device):
@@ -271,3 +271,51 @@ def test_record_does_not_keep_parameters_alive(device):
     assert alive() is None
     assert scaler.telemetry()["first_nonfinite"] == [None]
     assert scaler.telemetry()["found_inf"] == [True]
+
+
+@pytest.mark.parametrize("dtypes,want", [
+    ((torch.float16,), 65504.0),
+    ((torch.bfloat16,), float(torch.finfo(torch.bfloat16).max)),
+    ((torch.float32,), float(torch.finfo(torch.float32).max)),
+    ((torch.bfloat16, torch.float16), 65504.0),  # the narrowest dtype overflows first
+])
+def test_dtype_max_is_the_limit_of_the_gradients_dtype(device, dtypes, want):
+    """dtype_max is what the scaled gradients overflow above: the largest finite value of the
+    narrowest gradient dtype walked, not FP16's whatever the model's dtype."""
+    params = [torch.nn.Parameter(torch.ones(8, device=device, dtype=d)) for d in dtypes]
+    opt = fusedamp.optim.SGD(params, lr=0.1)
+    scaler = fusedamp.GradScaler(device, init_scale=4.0)
+    assert scaler.telemetry()["dtype_max"] is None  # nothing walked yet
+    scaler.scale(torch.ones((), device=device))
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.telemetry()["dtype_max"] == want
+
+
+def test_amax_target_without_the_amax_policy_is_refused():
+    with pytest.raises(ValueError, match="amax_target is the target of policy='amax'"):
+        fusedamp.GradScaler("cpu", policy="torch", amax_target=16.0)
+
+
+def _amax_scaler_after_a_step(device, grad_dtype, amax_target):
+    param = torch.nn.Parameter(torch.ones(8, device=device, dtype=grad_dtype))
+    opt = fusedamp.optim.SGD([param], lr=0.1)
+    scaler = fusedamp.GradScaler(device, init_scale=4.0, policy="amax", amax_target=amax_target)
+    scaler.scale(torch.ones((), device=device))
+    param.grad = torch.full_like(param, 0.5)
+    scaler.step(opt)
+    return scaler
+
+
+def test_amax_target_at_or_above_the_gradients_limit_is_refused_and_changes_nothing(device):
+    """FP16 gradients overflow above 65504: a target there aims every step at an overflow."""
+    scaler = _amax_scaler_after_a_step(device, torch.float16, 65504.0)
+    with pytest.raises(RuntimeError, match="amax_target 65504 is not below"):
+        scaler.update()
+    assert scaler.get_scale() == 4.0 and scaler.telemetry()["step"] == []
+    # The same target is fine for BF16 gradients, whose limit is ~3.4e38.
+    scaler = _amax_scaler_after_a_step(device, torch.bfloat16, 65504.0)
+    scaler.update()
+    assert scaler.get_scale() > 4.0  # moved up toward the target

@@ -201,3 +201,11 @@ def test_draw_panel_on_a_figure_of_ones_own(tmp_path):
     assert scale_ax.get_yscale() == "log" and len(scale_ax.get_lines()) >= 2
     with pytest.raises(ValueError, match="key must be one of"):
         diagnostics.draw_panel(axes[0], runs, "temperature")
+
+
+def test_write_tensorboard_writes_the_subnormal_fraction():
+    tele = {"scale": [8.0], "found_inf": [False], "skipped": [False], "grad_norm": [1.0],
+            "amax": [2.0], "underflow_fraction": [0.5], "subnormal_fraction": [0.125]}
+    writer = FakeWriter()
+    assert write_tensorboard(tele, writer, start=3) == 7
+    assert ("fusedamp/subnormal_fraction", 0.125, 3) in writer.calls

@@ -107,6 +107,9 @@ class GradScaler {
   void update();
   // Sets the scale to `new_scale` instead (trackers unchanged), like torch's update(new_scale).
   void update(double new_scale);
+  // The same from a one-element floating-point tensor on the scale's kind of device, copied on
+  // the device: no synchronisation, so its value is not checked (as in torch's update).
+  void update(const at::Tensor& new_scale);
 
   // ---- the same stages for front ends that own the optimizer objects (the Python package) ---
   // `key` identifies an optimizer within an iteration; `params` are its parameters that have a

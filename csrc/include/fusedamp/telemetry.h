@@ -39,6 +39,8 @@ struct TelemetryLog {
                                            // lost precision; zeros may also be structural)
   std::vector<at::Tensor> first_nonfinite;  // the parameter whose gradient overflowed first,
                                             // undefined where none did (or it no longer exists)
+  std::vector<double> dtype_max;  // largest finite value of the narrowest gradient dtype the
+                                  // iteration walked (65504 for FP16), NaN where none
 };
 
 }  // namespace fusedamp

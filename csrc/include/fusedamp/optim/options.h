@@ -60,7 +60,8 @@ class MasterWeights {
   const char* name() const;
   // From the number set_group_option and archives carry (0..4); throws c10::ValueError.
   static MasterWeights from_code(double code);
-  // From "split", "kahan", "stochastic" (and "fp32", "off"); throws c10::ValueError.
+  // From "split", "kahan", "stochastic", "fp32" or "float32" (= true) and "off" (= false);
+  // throws c10::ValueError.
   static MasterWeights from_name(const std::string& name);
 
  private:
