@@ -34,13 +34,14 @@ TORCH_LIBRARY(fusedamp, m) {
       "float? amax_target=None) -> ()");
 
   // A loss scaler's telemetry record of one iteration (math/telemetry_math.h's columns): ring
-  // (FP64 [capacity, 7]) row `slot` = [scale, found_inf, measured[0..3], measured[4] +
-  // pass_sum_sq], where measured (FP64[5]) holds grad_stats_'s four telemetry slots and a sum
-  // of squares, and pass_sum_sq (FP32) is a pass's sum not yet added (absent: 0). The slot is
-  // chosen on the host, so recording needs no index op. All on one device.
+  // (FP64 [capacity, 7]) row `position mod capacity` = [scale, found_inf, measured[0..3],
+  // measured[4] + pass_sum_sq], then position (int64, one element: the records taken) += 1.
+  // measured (FP64[5]) holds grad_stats_'s four telemetry slots and a sum of squares, and
+  // pass_sum_sq (FP32) is a pass's sum not yet added (absent: 0). The row is chosen on the
+  // device, so a replayed CUDA graph writes the next one. All on one device.
   m.def(
-      "record_telemetry_(Tensor(a!) ring, int slot, Tensor scale, Tensor found_inf, "
-      "Tensor measured, Tensor? pass_sum_sq=None) -> ()");
+      "record_telemetry_(Tensor(a!) ring, Tensor(b!) position, Tensor scale, "
+      "Tensor found_inf, Tensor measured, Tensor? pass_sum_sq=None) -> ()");
 
   // What a master-weight optimizer records after a step, in one kernel (math/
   // step_account_math.h): with found_inf (the step's flag), step_applied = 1 if it is 0 else 0,

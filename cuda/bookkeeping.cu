@@ -84,16 +84,20 @@ void account_step(const ops::AccountStep& op) {
 // kernel: one launch where the record took three copy kernels (and the pass's sum an add).
 namespace {
 
-__global__ void record_telemetry_kernel(double* row, const float* scale, const float* found_inf,
+__global__ void record_telemetry_kernel(double* ring, int64_t rows, int64_t* position,
+                                        const float* scale, const float* found_inf,
                                         const double* measured, const float* pass_sum_sq) {
-  math::write_telemetry_row(row, *scale, *found_inf, measured, pass_sum_sq);
+  const int64_t p = *position;
+  math::write_telemetry_row(ring + math::telemetry_row(p, rows) * math::kTelemetryColumns,
+                            *scale, *found_inf, measured, pass_sum_sq);
+  *position = p + 1;
 }
 
 }  // namespace
 
 void record_telemetry(const ops::RecordTelemetry& op) {
   record_telemetry_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
-      op.ring.data_ptr<double>() + op.slot * math::kTelemetryColumns,
+      op.ring.data_ptr<double>(), op.ring.size(0), op.position.data_ptr<int64_t>(),
       op.scale.const_data_ptr<float>(), op.found_inf.const_data_ptr<float>(),
       op.measured.const_data_ptr<double>(), input_or_null<float>(op.pass_sum_sq));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -188,12 +188,15 @@ struct CpuOps {
   }
 
   static void record_telemetry(const ops::RecordTelemetry& op) {
+    int64_t& position = *op.position.data_ptr<int64_t>();
+    const int64_t row = math::telemetry_row(position, op.ring.size(0));
     math::write_telemetry_row(
-        op.ring.data_ptr<double>() + op.slot * math::kTelemetryColumns,
+        op.ring.data_ptr<double>() + row * math::kTelemetryColumns,
         *op.scale.const_data_ptr<float>(), *op.found_inf.const_data_ptr<float>(),
         op.measured.const_data_ptr<double>(),
         op.pass_sum_sq && op.pass_sum_sq->defined() ? op.pass_sum_sq->const_data_ptr<float>()
                                                      : nullptr);
+    position += 1;
   }
 
   static void account_step(const ops::AccountStep& op) {

@@ -88,6 +88,15 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
       master = held_fp32();
       if (!master.defined()) {
         master = fp32_like(param, param.detach());
+      } else if (!s.master_param.defined()) {
+        // Rebuilt exactly from a split or Kahan pair. Beside an FP32 master the weight is the
+        // master's rounding to nearest even (as the step stores it): where the master lies
+        // exactly halfway and the old weight is the other neighbour ("split" rounds ties away
+        // from zero; a Kahan compensation may be half an ulp), the weight moves by that ulp and
+        // the value stays, instead of the next step taking the weight for an edit and dropping
+        // the master's half ulp.
+        at::NoGradGuard no_grad;
+        param.detach().copy_(master.to(param.scalar_type()));
       }
       break;
     case MasterWeights::kSplit:

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace fusedamp::detail {
@@ -53,7 +54,12 @@ void ScalerTelemetry::begin_iteration(const c10::Device& device) {
     current_first_ = current_slots_.narrow(0, math::kFirstNonfinite, 1);
     current_sum_sq_ = current_.narrow(0, kSumSq, 1);
     pass_sum_sq_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device));
-    ring_ = at::zeros({capacity_, math::kTelemetryColumns}, f64);
+    // The ring's rows and then its position (int64, viewed in the last 8 bytes), so that read()
+    // brings both back in one copy.
+    const int64_t cells = capacity_ * math::kTelemetryColumns;
+    ring_and_position_ = at::zeros({cells + 1}, f64);
+    ring_ = ring_and_position_.narrow(0, 0, cells).view({capacity_, math::kTelemetryColumns});
+    position_ = ring_and_position_.narrow(0, cells, 1).view(at::kLong);
     recorded_ = 0;
   }
   copy_small(current_, fresh_);
@@ -181,8 +187,12 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
   if (!open_) {
     return;
   }
+  // The device chooses the row (position_); the host keeps what only it knows (element counts,
+  // the parameters walked) under the same index, which is the device's as long as every record
+  // was enqueued here. Rows a replayed CUDA graph adds have no host record of their own: read()
+  // gives them the captured one, the last.
   const int64_t slot = recorded_ % capacity_;
-  ops::record_telemetry_({ring_, slot, scale, found_inf, current_,
+  ops::record_telemetry_({ring_, position_, scale, found_inf, current_,
                           !layouts_.empty() ? std::optional<at::Tensor>(pass_sum_sq_)
                                             : std::nullopt});
   ring_elements_[static_cast<size_t>(slot)] = elements_;
@@ -197,20 +207,27 @@ void ScalerTelemetry::record(const at::Tensor& scale, const at::Tensor& found_in
 
 TelemetryLog ScalerTelemetry::read() const {
   TelemetryLog log;
-  const int64_t n = std::min(recorded_, capacity_);
-  if (n == 0) {
+  if (recorded_ == 0) {
     return log;
   }
-  const at::Tensor host = ring_.to(at::kCPU).contiguous();  // the one synchronisation
+  // The one synchronisation: the ring and the records taken on the device (replays of a
+  // captured step included).
+  const at::Tensor host = ring_and_position_.to(at::kCPU);
   const double* rows = host.const_data_ptr<double>();
-  const int64_t start = recorded_ - n;
+  int64_t taken = 0;
+  std::memcpy(&taken, rows + capacity_ * math::kTelemetryColumns, sizeof(taken));
+  const int64_t n = std::min(taken, capacity_);
+  const int64_t start = taken - n;
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t slot = (start + k) % capacity_;
+    const int64_t iteration = start + k;
+    const int64_t slot = math::telemetry_row(iteration, capacity_);
+    const auto meta =
+        static_cast<size_t>(iteration < recorded_ ? slot : (recorded_ - 1) % capacity_);
     const double* r = rows + slot * math::kTelemetryColumns;
     const double* measured = r + math::kColumnMeasured;  // current_ as it was recorded
-    const double elements = ring_elements_[static_cast<size_t>(slot)];
+    const double elements = ring_elements_[meta];
     const double none = std::numeric_limits<double>::quiet_NaN();  // nothing was measured
-    log.step.push_back(start + k);
+    log.step.push_back(iteration);
     log.scale.push_back(r[math::kColumnScale]);
     log.found_inf.push_back(r[math::kColumnFoundInf] != 0.0);
     log.grad_norm.push_back(elements > 0 ? std::sqrt(measured[kSumSq]) / r[math::kColumnScale]
@@ -219,12 +236,12 @@ TelemetryLog ScalerTelemetry::read() const {
     log.underflow_fraction.push_back(
         elements > 0 ? (measured[math::kSubnormal] + measured[math::kZero]) / elements : none);
     log.subnormal_fraction.push_back(elements > 0 ? measured[math::kSubnormal] / elements : none);
-    log.dtype_max.push_back(ring_dtype_max_[static_cast<size_t>(slot)]);
+    log.dtype_max.push_back(ring_dtype_max_[meta]);
     at::Tensor param;
     const double first = measured[math::kFirstNonfinite];
     if (std::isfinite(first)) {
       const auto position = static_cast<int64_t>(first);
-      for (const auto& pass : ring_layouts_[static_cast<size_t>(slot)]) {
+      for (const auto& pass : ring_layouts_[meta]) {
         if (position >= pass.base &&
             position < pass.base + static_cast<int64_t>(pass.params->size())) {
           // Undefined if the parameter no longer exists.

@@ -67,6 +67,8 @@ class ScalerTelemetry final : public GradTelemetrySink {
   // same-dtype copy per step instead of a cast and an add.
   at::Tensor pass_sum_sq_;
   at::Tensor ring_;     // FP64[capacity, 7]: a row per update() (math::TelemetryColumn)
+  at::Tensor position_;  // int64[1] on the device: the records taken (the next row, mod capacity)
+  at::Tensor ring_and_position_;  // the memory of both (FP64[capacity * 7 + 1])
   // Views of current_ made with it (each narrow() is an ATen call: a fixed cost per pass):
   // the op's telemetry slots, their first-non-finite slot, and the sum of squares.
   at::Tensor current_slots_, current_first_, current_sum_sq_;
@@ -77,7 +79,7 @@ class ScalerTelemetry final : public GradTelemetrySink {
   std::vector<PassLayout> last_layouts_;            // the last recorded iteration's
   double elements_ = 0.0;  // gradient elements walked this iteration
   int64_t walked_ = 0;     // gradients walked this iteration
-  int64_t recorded_ = 0;   // iterations recorded
+  int64_t recorded_ = 0;   // iterations recorded on the host (a graph replay adds none)
   bool open_ = false;
 };
 

@@ -147,8 +147,8 @@ void record_telemetry(const ops::RecordTelemetry& a) {
               op, ": ring must be a contiguous float64 tensor of shape [capacity, ",
               int64_t{math::kTelemetryColumns}, "], got ", ring.scalar_type(), " of shape ",
               ring.sym_sizes());
-  TORCH_CHECK(a.slot >= 0 && a.slot < ring.sym_size(0), op, ": slot ", a.slot, " is outside ring (",
-              ring.sym_size(0), " rows)");
+  TORCH_CHECK(ring.sym_size(0) >= 1, op, ": ring must have at least one row");
+  check_scalar(op, "position", a.position, at::kLong, device);
   check_scalar(op, "scale", a.scale, at::kFloat, device);
   check_scalar(op, "found_inf", a.found_inf, at::kFloat, device);
   check_vector(op, "measured", a.measured, at::kDouble, "float64", device, "ring");

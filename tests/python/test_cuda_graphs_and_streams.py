@@ -107,3 +107,51 @@ def test_op_runs_on_the_current_side_stream_and_matches_the_default_stream(op):
     changed = [not torch.equal(a, b) for a, (_, b) in zip(before, inp.named_tensors())]
     assert any(changed), "the op changed nothing: the comparison below would prove nothing"
     assert_all_tensors_equal(inp, default_run)
+
+
+@needs_cuda
+def test_a_captured_scaler_step_writes_one_telemetry_row_per_replay():
+    """scaler.step(opt) + scaler.update() captured once and replayed: each replay records the
+    next telemetry row (the ring's position lives on the device), and the record, the scale and
+    the weights equal the same iterations run eagerly, an overflowing one included."""
+    import fusedamp
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(1000, device="cuda").to(torch.float16))
+        opt = fusedamp.optim.SGD([p], lr=0.1)
+        return p, opt, fusedamp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=2)
+
+    def iteration(scaler, opt):
+        scaler.scale(torch.ones((), device="cuda"))  # an iteration starts with scale()
+        scaler.step(opt)
+        scaler.update()
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(1000, generator=gen).to("cuda", torch.float16) for _ in range(8)]
+    grads[4][17] = float("inf")
+    p_eager, opt_eager, eager = make()
+    p_graph, opt_graph, graphed = make()
+    p_graph.grad = grads[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up iteration, off the capture stream
+        iteration(graphed, opt_graph)
+    torch.cuda.current_stream().wait_stream(side)
+    p_eager.grad = grads[0].clone()
+    iteration(eager, opt_eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration(graphed, opt_graph)
+    for g in grads[1:]:
+        p_graph.grad.copy_(g)
+        graph.replay()
+        p_eager.grad = g.clone()
+        iteration(eager, opt_eager)
+    torch.cuda.synchronize()
+    want, got = eager.telemetry(), graphed.telemetry()
+    assert got["step"] == want["step"] == list(range(8))
+    for key in ("scale", "found_inf", "amax", "underflow_fraction"):
+        assert got[key] == want[key], key
+    assert want["found_inf"][4] and graphed.get_scale() == eager.get_scale()
+    assert torch.equal(p_graph, p_eager)

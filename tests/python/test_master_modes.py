@@ -555,3 +555,29 @@ def test_a_checkpoint_of_another_mode_takes_the_mode_the_optimizer_was_built_wit
         before = fusedamp.master_weights(nn.ParameterDict({"w": p_saved}), opt_saved)["w"]
         after = fusedamp.master_weights(nn.ParameterDict({"w": p}), opt)["w"]
         assert torch.equal(before, after)
+    if (saved, built) == ("kahan", True):  # the exact sum, half-ulp compensations included
+        exact = (p_saved.detach().double()
+                 + opt_saved.state[p_saved]["kahan_compensation"].double()).float()
+        assert torch.equal(opt.state[p]["master_param"], exact)
+
+
+def test_kahan_to_fp32_keeps_a_half_ulp_compensation_of_an_odd_weight(device):
+    """An odd BF16 weight with a compensation of exactly half an ulp: the FP32 master made from
+    the pair is the exact sum, a tie; the weight becomes its rounding (the even neighbour), so
+    the step does not take the weight for an edit and drop the half ulp."""
+    w = torch.tensor([1.0078125, -3.015625], dtype=torch.bfloat16, device=device)  # odd
+    half_ulp = torch.tensor([2.0 ** -8, -(2.0 ** -7)], dtype=torch.bfloat16, device=device)
+    p_saved = nn.Parameter(w.clone())
+    opt_saved = fusedamp.optim.SGD([p_saved], lr=0.0, master_weights="kahan")
+    p_saved.grad = torch.zeros_like(p_saved)
+    opt_saved.step()
+    opt_saved.state[p_saved]["kahan_compensation"].copy_(half_ulp)
+    p = nn.Parameter(w.clone())
+    opt = fusedamp.optim.SGD([p], lr=0.0, master_weights=True)
+    opt.load_state_dict(opt_saved.state_dict())
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    exact = w.double() + half_ulp.double()
+    assert torch.equal(opt.state[p]["master_param"].double(), exact)
+    # beside an FP32 master the weight is its rounding to nearest even: the even neighbour
+    assert torch.equal(p.detach(), exact.to(torch.bfloat16)) and not torch.equal(p.detach(), w)

@@ -92,6 +92,21 @@ def test_telemetry_accumulates_over_calls(device):
     assert got[3] == 0.0
 
 
+def test_telemetry_seeded_below_zero_combines_by_value(device):
+    """Slots may hold negative values (the engine shifts an earlier pass's first non-finite
+    position below zero): max and min compare them as numbers on every device (on CUDA the
+    atomics compare the doubles' bits as signed integers, which keeps that order)."""
+    grads = grads_with_extremes(device, torch.float16, [100, 300], seed=4)
+    grads[1][5] = INF
+    got, found = run(grads, device, seed_telemetry=[-1.0, 0.0, 0.0, -7.0])
+    want = reference(grads)
+    assert found == 1.0 and want[0] > 0
+    assert got[0] == want[0]  # the measured amax, not the seed below zero
+    assert got[3] == -7.0     # the earlier pass's position stays the first
+    got, _ = run(grads, device, seed_telemetry=[-1.0, 0.0, 0.0, INF])
+    assert got[3] == 1.0      # a fresh record: this pass's first
+
+
 def test_telemetry_mixed_dtypes_and_per_tensor_grads(device):
     """FP64 and non-dense grads take the per-tensor path; positions stay the list's."""
     fp16 = grads_with_extremes(device, torch.float16, [50, 60], seed=4)

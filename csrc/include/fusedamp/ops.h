@@ -50,7 +50,7 @@ FUSEDAMP_DECLARE_OP(UpdateScale, update_scale_, FUSEDAMP_UPDATE_SCALE_ARGS);
 
 #define FUSEDAMP_RECORD_TELEMETRY_ARGS(X) \
   X(Tensor, ring)                         \
-  X(Int, slot)                            \
+  X(Tensor, position)                     \
   X(Tensor, scale)                        \
   X(Tensor, found_inf)                    \
   X(Tensor, measured)                     \

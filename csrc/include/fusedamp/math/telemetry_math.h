@@ -71,6 +71,14 @@ enum TelemetryColumn : int64_t {
   kTelemetryColumns,
 };
 
+// The ring row an iteration's record goes to: the ring's position (how many records it has
+// taken, kept on the device and advanced by the record itself, so that a replayed CUDA graph
+// writes the next row) modulo its rows. Any position names a row, a negative one included.
+C10_HOST_DEVICE inline int64_t telemetry_row(int64_t position, int64_t rows) {
+  const int64_t row = position % rows;
+  return row < 0 ? row + rows : row;
+}
+
 // measured: the slots and then the sum of squares so far (FP64[kTelemetrySlots + 1]);
 // pass_sum_sq (or nullptr): a pass's FP32 sum not yet added to it. Every input is read before
 // the row is written (the row may overlap them).
