@@ -10,6 +10,7 @@ through the `device` fixture; these cover what only the GPU path has):
   replayed, bit-identical to the same step run eagerly.
 """
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -275,6 +276,30 @@ def test_sgd_matches_cpu(pdtype, grad_fp32, master, unaligned):
         assert_same(cuda.steps, cpu.steps, exact=True)
 
 
+@pytest.mark.parametrize("pdtype", LOW, ids=dtype_id)
+def test_edit_adoption_is_bit_exact_against_cpu(pdtype):
+    """Masters whose weights were edited between steps (clamped, zeroed, replaced): the CUDA step
+    takes the same edits into the same masters as the CPU, bit for bit (SGD with lr=1 and no
+    momentum or decay: one subtraction, no contraction for the compilers to differ on)."""
+    gen = torch.Generator().manual_seed(17)
+    sizes = [(40_000,), (33, 17), (5,)]
+    weights = [rand(s, torch.float32, gen) for s in sizes]
+    grads = [rand(s, pdtype, gen, scale=1e-3) for s in sizes]
+    base = op_inputs("cpu", param_dtype=pdtype, master_weights=True, momentum=False,
+                     weights=weights, grads=grads, scalars=dict(found_inf=0.0))
+    cpu, cuda = on_both(base)
+    for inp in (cpu, cuda):
+        with torch.no_grad():
+            inp.params[0].clamp_(-0.5, 0.5)
+            inp.params[1][::3] = 0.0
+            inp.params[2].copy_(torch.tensor([1.0, -2.0, 3.0, 0.0, 0.25]).to(pdtype))
+    for _ in range(2):
+        cpu.call("sgd_step_", lr=1.0, inv_scale=None, lr_tensor=None)
+        cuda_call(cuda.call, "sgd_step_", lr=1.0, inv_scale=None, lr_tensor=None)
+    assert_same(cuda.master_params, cpu.master_params, exact=True)
+    assert_same(cuda.params, cpu.params, exact=True)
+
+
 # ------------------------------------------------------------ many tensors
 def test_more_tensors_than_one_launch_holds():
     # 5000 tensors exceed every kernel's per-launch metadata (the largest holds ~1100 tensors,
@@ -343,6 +368,66 @@ def test_update_scale_matches_cpu_and_torch():
         torch._amp_update_scale_(ref.scale, ref.growth_tracker, founds["cuda"][i], 1.7, 0.3, 3)
     assert torch.equal(mine.scale, ref.scale)
     assert torch.equal(mine.growth_tracker, ref.growth_tracker)
+
+
+def test_telemetry_of_1e8_elements_is_exact_and_repeatable():
+    """grad_stats_'s telemetry over 10^8 FP16 elements (3,052 chunks, every block's atomics):
+    two runs bitwise equal, counts exact against torch's own reductions."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    sizes = [60_000_000, 40_000_000]
+    grads = [torch.randn(n, generator=gen, device="cuda").to(torch.float16) for n in sizes]
+    grads[0][::7] = 0.0
+    grads[1][::5] = 2.0 ** -20  # subnormal in FP16
+    runs = []
+    for _ in range(2):
+        telemetry = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64,
+                                 device="cuda")
+        cuda_call(ops.grad_stats_, grads, torch.zeros(1, device="cuda"),
+                  torch.zeros(1, device="cuda"), None, telemetry)
+        runs.append(telemetry.cpu())
+    assert torch.equal(runs[0], runs[1])
+    tiny = 2.0 ** -14  # FP16's smallest normal
+    zeros = sum(int((g == 0).sum()) for g in grads)
+    subnormal = sum(int(((g != 0) & (g.abs() < tiny)).sum()) for g in grads)
+    amax = max(float(g.abs().max()) for g in grads)
+    assert runs[0].tolist() == [amax, float(subnormal), float(zeros), float("inf")]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_telemetry_of_grads_on_another_gpu_than_the_scaler():
+    """The scaler's state on cuda:0, the parameters and grads on cuda:1: the record is the
+    gradients' own statistics (the pass runs on cuda:1 and is combined on cuda:0)."""
+    import fusedamp
+
+    gen = torch.Generator().manual_seed(23)
+    grad = (torch.randn(5000, generator=gen) * 8.0).to(torch.float16)
+    grad[::9] = 0.0
+    p = torch.nn.Parameter(torch.zeros(5000, dtype=torch.float16, device="cuda:1"))
+    opt = fusedamp.optim.SGD([p], lr=0.1)
+    scaler = fusedamp.GradScaler("cuda:0", init_scale=8.0)
+    scaler.scale(torch.ones((), device="cuda:0"))
+    p.grad = grad.to("cuda:1")
+    scaler.step(opt)
+    scaler.update()
+    log = scaler.telemetry()
+    assert log["amax"] == [grad.abs().max().item()]
+    assert log["underflow_fraction"] == [float((grad.abs() < 2.0 ** -14).sum()) / 5000]
+    assert log["found_inf"] == [False]
+
+
+@pytest.mark.parametrize("amax", [0.0, 2.0 ** -30, 1.0, 70000.0])
+@pytest.mark.parametrize("found", [0.0, 1.0])
+def test_amax_policy_matches_cpu(amax, found):
+    """The amax policy's scale update on CUDA against the CPU op, at amax 0 (all gradients
+    zero), tiny, ordinary and above FP16's 65504, with and without an overflow."""
+    st = {dev: op_inputs(dev, [], loss_scale=2.0 ** 12) for dev in ["cpu", "cuda"]}
+    for dev, s in st.items():
+        call = s.call if dev == "cpu" else functools.partial(cuda_call, s.call)
+        call("update_scale_", found_inf=torch.full((1,), found, device=dev), growth_factor=2.0,
+             backoff_factor=0.5, growth_interval=2000,
+             amax=torch.tensor([amax], dtype=torch.float64, device=dev), amax_target=256.0)
+    for (name, a), (_, b) in zip(st["cuda"].named_tensors(), st["cpu"].named_tensors()):
+        assert torch.equal(a.cpu(), b), name
 
 
 # ------------------------------------------------------------ devices and streams

@@ -581,3 +581,43 @@ def test_kahan_to_fp32_keeps_a_half_ulp_compensation_of_an_odd_weight(device):
     assert torch.equal(opt.state[p]["master_param"].double(), exact)
     # beside an FP32 master the weight is its rounding to nearest even: the even neighbour
     assert torch.equal(p.detach(), exact.to(torch.bfloat16)) and not torch.equal(p.detach(), w)
+
+
+def _kahan_pair(device, weights, compensations):
+    """A BF16 parameter under "kahan" (SGD, lr=0) holding the given weight/compensation pairs."""
+    p = nn.Parameter(torch.tensor(weights, device=device).to(torch.bfloat16))
+    opt = fusedamp.optim.SGD([p], lr=0.0, master_weights="kahan")
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.state[p]["kahan_compensation"].copy_(torch.tensor(compensations).to(torch.bfloat16))
+    return p, opt
+
+
+def _kahan_value(p, opt):
+    return p.detach().double() + opt.state[p]["kahan_compensation"].double()
+
+
+def test_kahan_edit_keeps_a_compensation_that_still_rounds_to_the_new_weight(device):
+    """docs/master_weights.md: after an edit the compensation stays where the new weight is
+    still the rounding of weight + compensation (under half an ulp of it), else it is dropped;
+    the edited weight itself is always taken."""
+    p, opt = _kahan_pair(device, [1.0, 1.0], [2.0 ** -10, 2.0 ** -10])
+    with torch.no_grad():
+        p[0] = 1.0078125  # nearby: 2^-10 is under half its ulp (2^-8): kept
+        p[1] = 0.0078125  # small: 2^-10 is more than half its ulp (2^-15): dropped
+    opt.step()  # lr=0: the value the step starts from is what it keeps
+    value = _kahan_value(p, opt)
+    assert value[0].item() == 1.0078125 + 2.0 ** -10
+    assert value[1].item() == 0.0078125
+
+
+def test_kahan_step_at_a_half_ulp_tie_moves_the_weight_not_the_value(device):
+    """docs/master_weights.md: a compensation of exactly half an ulp of an odd weight is a tie;
+    the step's round-to-nearest-even store moves the weight to its even neighbour and the
+    compensation to the other side, even with lr=0; the value weight + compensation stays."""
+    p, opt = _kahan_pair(device, [1.0078125], [2.0 ** -8])  # odd weight, half its ulp
+    before = _kahan_value(p, opt)
+    opt.step()
+    assert p.item() == 1.015625  # the even neighbour
+    assert opt.state[p]["kahan_compensation"].item() == -(2.0 ** -8)
+    assert torch.equal(_kahan_value(p, opt), before)
