@@ -621,3 +621,21 @@ def test_kahan_step_at_a_half_ulp_tie_moves_the_weight_not_the_value(device):
     assert p.item() == 1.015625  # the even neighbour
     assert opt.state[p]["kahan_compensation"].item() == -(2.0 ** -8)
     assert torch.equal(_kahan_value(p, opt), before)
+
+
+@pytest.mark.parametrize("saved,built", [(torch.float32, torch.bfloat16),
+                                         (torch.bfloat16, torch.float32)], ids=str)
+def test_a_checkpoint_of_another_state_dtype_takes_the_optimizers(device, saved, built):
+    """state_dtype, like master_weights, stays the optimizer's own: the loaded moments are
+    converted to it at the next step."""
+    p_saved = nn.Parameter(torch.randn(64, device=device).to(torch.bfloat16))
+    opt_saved = fusedamp.optim.AdamW([p_saved], lr=1e-2, state_dtype=saved)
+    p_saved.grad = torch.randn(64, device=device).to(torch.bfloat16)
+    opt_saved.step()
+    p = nn.Parameter(p_saved.detach().clone())
+    opt = fusedamp.optim.AdamW([p], lr=1e-2, state_dtype=built)
+    opt.load_state_dict(opt_saved.state_dict())
+    assert opt.param_groups[0]["state_dtype"] == built
+    p.grad = torch.randn(64, device=device).to(torch.bfloat16)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == built and opt.state[p]["exp_avg_sq"].dtype == built
