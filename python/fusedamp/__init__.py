@@ -7,6 +7,8 @@
 - ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer;
   ``fusedamp.restore(model)`` undoes it; ``fusedamp.master_weights(model, optimizer)`` /
   ``fp32_state_dict`` give the FP32 model behind a master-weight run.
+- ``fusedamp.lr_scheduler``: schedules counted in applied optimizer steps (a skipped step does
+  not advance them), computed on the device.
 - ``fusedamp.distributed.ShardedOptimizer``: ZeRO stage-1 master-weight optimizer over
   torch.distributed.
 - The operators: ``torch.ops.fusedamp.*``, and ``fusedamp.ops.*``: the same operators from
@@ -15,6 +17,7 @@
 
 from ._library import _C, cmake_prefix_path, library_path  # noqa: F401
 from . import optim  # noqa: F401
+from . import lr_scheduler  # noqa: F401
 from . import distributed  # noqa: F401
 from . import ops  # noqa: F401
 from .convert import convert_module, is_norm_layer, restore  # noqa: F401
