@@ -25,7 +25,15 @@ import math
 import torch
 
 __all__ = ["AppliedStepSchedule", "ConstantLR", "LinearLR", "StepLR", "ExponentialLR",
-           "PolynomialLR", "CosineAnnealingLR", "WarmupCosine", "InverseSqrt", "SequentialLR"]
+           "PolynomialLR", "CosineAnnealingLR", "OneCycleLR", "WarmupCosine", "InverseSqrt",
+           "SequentialLR"]
+
+
+def _check_reports_applied_steps(optimizer):
+    if not hasattr(type(optimizer), "last_step_applied"):
+        raise TypeError(f"fusedamp.lr_scheduler: {type(optimizer).__name__} does not report "
+                        "which steps it applied; use a fusedamp.optim optimizer (or torch's "
+                        "schedulers, which count calls)")
 
 
 class AppliedStepSchedule:
@@ -33,10 +41,7 @@ class AppliedStepSchedule:
     (an FP64 device scalar). Subclasses define ``lr_at`` with torch operations on t."""
 
     def __init__(self, optimizer):
-        if not hasattr(type(optimizer), "last_step_applied"):
-            raise TypeError(f"fusedamp.lr_scheduler: {type(optimizer).__name__} does not report "
-                            "which steps it applied; use a fusedamp.optim optimizer (or torch's "
-                            "schedulers, which count calls)")
+        _check_reports_applied_steps(optimizer)
         self.optimizer = optimizer
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
@@ -173,6 +178,63 @@ class CosineAnnealingLR(AppliedStepSchedule):
     def lr_at(self, t, base_lr):
         return self.eta_min + (base_lr - self.eta_min) * (
             1.0 + torch.cos(math.pi * t / self.T_max)) / 2.0
+
+
+class OneCycleLR(AppliedStepSchedule):
+    """torch.optim.lr_scheduler.OneCycleLR, lr only: from max_lr / div_factor up to max_lr over
+    pct_start of total_steps, then down to that / final_div_factor (three_phase: back to the
+    start first), by cosine or linear annealing. torch also cycles momentum by default; these
+    schedules write only the lr, so cycle_momentum must be False. After total_steps applied
+    steps the lr stays at its last value (torch raises instead)."""
+
+    def __init__(self, optimizer, max_lr, total_steps, pct_start=0.3, anneal_strategy="cos",
+                 cycle_momentum=True, div_factor=25.0, final_div_factor=1e4,
+                 three_phase=False):
+        _check_reports_applied_steps(optimizer)  # before initial_lr is written below
+        if cycle_momentum:
+            raise ValueError("fusedamp.lr_scheduler.OneCycleLR writes the lr only: pass "
+                             "cycle_momentum=False (or use torch's OneCycleLR, which cycles "
+                             "the momentum on the host)")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError("fusedamp.lr_scheduler: anneal_strategy must be 'cos' or 'linear'")
+        if not 0.0 < pct_start < 1.0:
+            raise ValueError("fusedamp.lr_scheduler: pct_start must be in (0, 1)")
+        self.total_steps = _positive_int("total_steps", total_steps)
+        groups = len(optimizer.param_groups)
+        max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * groups
+        if len(max_lrs) != groups:
+            raise ValueError(f"fusedamp.lr_scheduler: {len(max_lrs)} max_lr for {groups} groups")
+        self.max_lrs = [float(m) for m in max_lrs]
+        self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
+        self.cosine = anneal_strategy == "cos"
+        ends = [float(pct_start * total_steps) - 1, total_steps - 1]
+        if three_phase:
+            ends = [ends[0], float(2 * pct_start * total_steps) - 2, total_steps - 1]
+        self.phase_ends = ends
+        self.three_phase = bool(three_phase)
+        for group, top in zip(optimizer.param_groups, self.max_lrs):
+            group["initial_lr"] = top / self.div_factor  # as torch's OneCycleLR sets it
+        super().__init__(optimizer)
+
+    def _anneal(self, start, end, pct):
+        if self.cosine:
+            return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1.0)
+        return (end - start) * pct + start
+
+    def lr_at(self, t, base_lr):
+        initial = base_lr
+        top = initial * self.div_factor
+        low = initial / self.final_div_factor
+        levels = ([initial, top, initial, low] if self.three_phase else [initial, top, low])
+        t = torch.clamp(t, max=self.total_steps - 1)
+        lr = None
+        start = 0.0
+        for k, end in enumerate(self.phase_ends):
+            pct = (t - start) / (end - start)
+            value = self._anneal(levels[k], levels[k + 1], pct)
+            lr = value if lr is None else torch.where(t <= previous_end, lr, value)
+            previous_end, start = end, end
+        return lr
 
 
 class WarmupCosine(AppliedStepSchedule):

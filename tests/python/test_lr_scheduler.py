@@ -75,6 +75,17 @@ CASES = {
     "InverseSqrt": (lambda o: fs.InverseSqrt(o, warmup_steps=4),
                     lambda o: torch.optim.lr_scheduler.LambdaLR(
                         o, lambda t: t / 4 if t < 4 else math.sqrt(4 / t))),
+    "OneCycleLR": (lambda o: fs.OneCycleLR(o, max_lr=[0.5, 0.05], total_steps=40,
+                                           cycle_momentum=False),
+                   lambda o: torch.optim.lr_scheduler.OneCycleLR(
+                       o, max_lr=[0.5, 0.05], total_steps=40, cycle_momentum=False)),
+    "OneCycleLR-three-phase-linear": (
+        lambda o: fs.OneCycleLR(o, max_lr=0.3, total_steps=32, pct_start=0.25,
+                                anneal_strategy="linear", three_phase=True,
+                                cycle_momentum=False),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.3, total_steps=32, pct_start=0.25, anneal_strategy="linear",
+            three_phase=True, cycle_momentum=False)),
     "SequentialLR": (lambda o: fs.SequentialLR(
                          o, [fs.LinearLR(o, start_factor=0.2, total_iters=4),
                              fs.ExponentialLR(o, gamma=0.8)], milestones=[6]),
@@ -151,6 +162,9 @@ def test_refusals(device):
     torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(TypeError, match="does not report which steps it applied"):
         fs.StepLR(torch_opt, step_size=2)
+    with pytest.raises(TypeError, match="does not report which steps it applied"):
+        fs.OneCycleLR(torch_opt, max_lr=1.0, total_steps=10, cycle_momentum=False)
+    assert torch_opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in torch_opt.param_groups[0]
     opt = _fused(device)
     with pytest.raises(ValueError, match="warmup_steps < total_steps"):
         fs.WarmupCosine(opt, warmup_steps=10, total_steps=10)
@@ -159,3 +173,5 @@ def test_refusals(device):
     sched = fs.StepLR(opt, step_size=2)
     with pytest.raises(RuntimeError, match="before the optimizer's first step"):
         sched.step()
+    with pytest.raises(ValueError, match="cycle_momentum=False"):
+        fs.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # torch's default cycles momentum
