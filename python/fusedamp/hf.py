@@ -14,7 +14,8 @@ Trainer's checkpoints save and restore the scaler (``scaler.pt``) with the optim
 weights included). The Trainer's own clipping (``max_grad_norm``, default 1.0) would clip the
 still-scaled gradients outside the step: it becomes the optimizer's fused ``max_grad_norm``
 instead. As with torch.amp and a fused optimizer, the Trainer cannot see a skipped step (the
-skip happens on the device), so the LR scheduler steps every iteration.
+skip happens on the device), so a torch LR scheduler steps every iteration; a
+``fusedamp.lr_scheduler`` schedule handed in the same way counts only the applied steps.
 
 Tested with transformers 5.24 and accelerate 1.15.
 """

@@ -104,3 +104,20 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     for p, q in zip(full_model.parameters(), model.parameters()):
         for k, v in full_opt.state[p].items():
             assert torch.equal(v, opt.state[q][k]), k
+
+
+def test_a_fusedamp_schedule_counts_only_the_applied_steps(tmp_path):
+    """Handed in through optimizers=(opt, sched), a fusedamp.lr_scheduler schedule does not move
+    on the iterations the step was skipped (the first ones here: 2**17 overflows FP16)."""
+    trainer, model, opt, scaler = recipe(str(tmp_path), max_steps=12)
+    sched = fusedamp.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+    trainer.lr_scheduler = sched
+    trainer.train()
+    skipped = scaler.telemetry()["skipped"]
+    assert skipped[0] and not all(skipped)
+    assert float(sched.applied_steps) == 12 - int(opt.skipped_steps) == skipped.count(False)
+    # The lr each iteration logged is the one its step used: from the steps applied before it.
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    applied_before = [skipped[:i].count(False) for i in range(12)]
+    want = [1e-2 * (0.1 + 0.9 * min(a, 3) / 3) for a in applied_before]
+    assert logged == pytest.approx(want, rel=1e-6)
