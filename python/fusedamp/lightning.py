@@ -46,6 +46,7 @@ except ImportError:  # the unified `lightning` package
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from . import lr_scheduler
 from ._library import _C
 from .convert import convert_module as _convert_module
 from .grad_scaler import GradScaler
@@ -74,6 +75,9 @@ class FusedAmpPrecision(Precision):
         scaler: a ``fusedamp.GradScaler`` to use instead of the one built from ``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale``.
         skip_nonfinite: skip a step whose gradients hold inf/NaN even without a scaler.
+        skip_aware_lr: replace the LR schedulers ``configure_optimizers`` returns by their
+            ``fusedamp.lr_scheduler`` counterparts (``from_torch``), which count only the
+            applied steps: a skipped step no longer advances the schedule.
     """
 
     def __init__(self, precision: str = "16-mixed", max_grad_norm: Optional[float] = None,
@@ -82,7 +86,7 @@ class FusedAmpPrecision(Precision):
                  init_scale: float = 2.0 ** 16, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: Optional[float] = None, max_scale: Optional[float] = None,
                  skip_nonfinite: bool = True, state_dtype: torch.dtype = torch.float32,
-                 rounding_seed: int = 0) -> None:
+                 rounding_seed: int = 0, skip_aware_lr: bool = False) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"FusedAmpPrecision(precision={precision!r}): precision must be "
                              "'16-mixed' or 'bf16-mixed'")
@@ -103,6 +107,7 @@ class FusedAmpPrecision(Precision):
         self.rounding_seed = rounding_seed
         self.autocast = autocast
         self.skip_nonfinite = skip_nonfinite
+        self.skip_aware_lr = bool(skip_aware_lr)
         self.scaler = scaler
         self._scaler_args = dict(init_scale=init_scale, growth_interval=growth_interval,
                                  hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -142,11 +147,18 @@ class FusedAmpPrecision(Precision):
         trainer = getattr(lightning_module, "_trainer", None)
         if trainer is not None:
             self._check_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        if self.skip_aware_lr:  # every scheduler checked before anything is converted
+            for config in lr_schedulers:
+                lr_scheduler.check_convertible(getattr(config, "scheduler", config))
         fused = [self._fuse(opt) for opt in optimizers]
         for old, new in zip(optimizers, fused):
             if new is not old:
                 for config in lr_schedulers:
                     _move_scheduler(getattr(config, "scheduler", config), old, new)
+        if self.skip_aware_lr:
+            for config in lr_schedulers:
+                config.scheduler = lr_scheduler.from_torch(config.scheduler,
+                                                           config.scheduler.optimizer)
         self._ensure_scaler()
         return model, fused, lr_schedulers
 

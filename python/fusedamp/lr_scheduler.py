@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["AppliedStepSchedule", "ConstantLR", "LinearLR", "StepLR", "ExponentialLR",
            "PolynomialLR", "CosineAnnealingLR", "OneCycleLR", "WarmupCosine", "InverseSqrt",
-           "SequentialLR"]
+           "SequentialLR", "from_torch", "check_convertible"]
 
 
 def _check_reports_applied_steps(optimizer):
@@ -297,3 +297,69 @@ class SequentialLR(AppliedStepSchedule):
             lr = torch.where(t < self.milestones[k],
                              self.schedules[k].lr_at(t - start, base_lr), lr)
         return lr
+
+
+def from_torch(scheduler, optimizer):
+    """The schedule of ``optimizer`` (a fusedamp.optim optimizer) that gives ``scheduler``'s lr
+    (a freshly made torch scheduler: its construction step only) counted in applied steps.
+    torch's StepLR, ExponentialLR, LinearLR, ConstantLR, PolynomialLR, CosineAnnealingLR,
+    OneCycleLR (cycle_momentum=False) and SequentialLR of those; anything else is refused with
+    a ValueError (nothing is changed)."""
+    check_convertible(scheduler)
+    return _converted(scheduler, optimizer)
+
+
+def _converted(scheduler, optimizer):
+    if isinstance(scheduler, torch.optim.lr_scheduler.SequentialLR):
+        parts = [_converted(s, optimizer) for s in scheduler._schedulers]
+        return SequentialLR(optimizer, parts, milestones=list(scheduler._milestones))
+    kind = type(scheduler).__name__
+    if kind == "StepLR":
+        return StepLR(optimizer, scheduler.step_size, scheduler.gamma)
+    if kind == "ExponentialLR":
+        return ExponentialLR(optimizer, scheduler.gamma)
+    if kind == "LinearLR":
+        return LinearLR(optimizer, scheduler.start_factor, scheduler.end_factor,
+                        scheduler.total_iters)
+    if kind == "ConstantLR":
+        return ConstantLR(optimizer, scheduler.factor, scheduler.total_iters)
+    if kind == "PolynomialLR":
+        return PolynomialLR(optimizer, scheduler.total_iters, scheduler.power)
+    if kind == "CosineAnnealingLR":
+        return CosineAnnealingLR(optimizer, scheduler.T_max, scheduler.eta_min)
+    # OneCycleLR (cycle_momentum=False, checked): the groups hold the levels it was made with,
+    # its phases the exact step where each ends.
+    groups = optimizer.param_groups
+    phases = scheduler._schedule_phases
+    ours = OneCycleLR(optimizer, max_lr=[g["max_lr"] for g in groups],
+                      total_steps=scheduler.total_steps,
+                      pct_start=(phases[0]["end_step"] + 1) / scheduler.total_steps,
+                      anneal_strategy="cos" if scheduler._anneal_func_type == "cos" else "linear",
+                      cycle_momentum=False,
+                      div_factor=groups[0]["max_lr"] / groups[0]["initial_lr"],
+                      final_div_factor=groups[0]["initial_lr"] / groups[0]["min_lr"],
+                      three_phase=len(phases) == 3)
+    ours.phase_ends = [float(phase["end_step"]) for phase in phases]
+    ours._write()
+    return ours
+
+
+_CONVERTIBLE = ("StepLR", "ExponentialLR", "LinearLR", "ConstantLR", "PolynomialLR",
+                "CosineAnnealingLR", "OneCycleLR", "SequentialLR")
+
+
+def check_convertible(scheduler, inner=False):
+    """Raises ValueError (changing nothing) unless from_torch can convert `scheduler`."""
+    kind = type(scheduler).__name__
+    # A SequentialLR undoes its later parts' construction step (their last_epoch is -1).
+    fresh = (-1, 0) if inner else (0,)
+    if (kind not in _CONVERTIBLE or type(scheduler).__module__ != "torch.optim.lr_scheduler"
+            or getattr(scheduler, "last_epoch", None) not in fresh):
+        raise ValueError(f"fusedamp.lr_scheduler: no skip-aware counterpart of {kind} "
+                         f"(convertible: torch's {', '.join(_CONVERTIBLE)}, before their first "
+                         "step())")
+    if kind == "OneCycleLR" and getattr(scheduler, "cycle_momentum", False):
+        raise ValueError("fusedamp.lr_scheduler: OneCycleLR(cycle_momentum=True) cycles the "
+                         "momentum too; these schedules write only the lr")
+    for part in getattr(scheduler, "_schedulers", ()) or ():
+        check_convertible(part, inner=True)

@@ -247,3 +247,19 @@ def test_bf16_mixed_with_split_master_weights_and_bf16_moments():
     for mode in ("split", "stochastic"):
         with pytest.raises(ValueError, match="keeps bfloat16 weights; use precision='bf16-mixed'"):
             FusedAmpPrecision("16-mixed", master_weights=mode)
+
+
+def test_skip_aware_lr_counts_only_the_applied_steps():
+    """FusedAmpPrecision(skip_aware_lr=True): configure_optimizers' StepLR becomes fusedamp's,
+    which moves with the applied steps only (INIT_SCALE makes the first steps overflow)."""
+    plugin = FusedAmpPrecision("16-mixed", init_scale=INIT_SCALE, growth_interval=3,
+                               skip_aware_lr=True)
+    model, t, plugin = fit(epochs=2, plugin=plugin)
+    opt = t.optimizers[0]
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert isinstance(sched, fusedamp.lr_scheduler.StepLR) and sched.optimizer is opt
+    skipped = int(opt.skipped_steps)
+    applied = 2 * STEPS_PER_EPOCH - skipped
+    assert skipped >= 1 and float(sched.applied_steps) == applied
+    want = LR * 0.7 ** (applied // STEPS_PER_EPOCH)
+    assert math.isclose(float(opt.param_groups[0]["lr"]), want, rel_tol=1e-6)

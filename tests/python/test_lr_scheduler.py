@@ -175,3 +175,29 @@ def test_refusals(device):
         sched.step()
     with pytest.raises(ValueError, match="cycle_momentum=False"):
         fs.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # torch's default cycles momentum
+
+
+TORCH_CONVERTIBLE = ["ConstantLR", "LinearLR", "StepLR", "ExponentialLR", "PolynomialLR",
+                     "CosineAnnealingLR", "OneCycleLR", "OneCycleLR-three-phase-linear",
+                     "SequentialLR"]
+
+
+@pytest.mark.parametrize("name", TORCH_CONVERTIBLE)
+def test_from_torch_gives_torchs_lr_at_the_applied_step(device, name):
+    """A torch scheduler made on a fusedamp optimizer, converted: torch's lr at the applied
+    step (the Lightning plugin's skip_aware_lr does this for configure_optimizers' schedulers)."""
+    _, make_torch = CASES[name]
+    ours = _fused_lrs(device, lambda o: fs.from_torch(make_torch(o), o), 30)
+    want = _torch_lrs(make_torch, 30)
+    for applied, lrs in ours:
+        assert lrs == pytest.approx(want[applied], rel=2.0 ** -23, abs=1e-12), applied
+
+
+def test_from_torch_refuses_what_has_no_counterpart(device):
+    opt = _fused(device)
+    for sched in (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0),
+                  torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)):
+        lrs = [g["lr"] for g in opt.param_groups]
+        with pytest.raises(ValueError, match="no skip-aware counterpart|cycles the momentum"):
+            fs.from_torch(sched, opt)
+        assert [g["lr"] for g in opt.param_groups] == lrs
