@@ -155,3 +155,50 @@ def test_a_captured_scaler_step_writes_one_telemetry_row_per_replay():
         assert got[key] == want[key], key
     assert want["found_inf"][4] and graphed.get_scale() == eager.get_scale()
     assert torch.equal(p_graph, p_eager)
+
+
+@needs_cuda
+def test_a_captured_step_with_a_skip_aware_schedule_equals_eager():
+    """opt.step() + sched.step() (fusedamp.lr_scheduler) captured once and replayed under a
+    scaler: the schedule moves with the applied steps on the device, equal to eager, the
+    overflowing iteration included."""
+    import fusedamp
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(1000, device="cuda").to(torch.float16))
+        opt = fusedamp.optim.AdamW([p], lr=1e-2)
+        sched = fusedamp.lr_scheduler.WarmupCosine(opt, warmup_steps=2, total_steps=8)
+        return p, opt, sched, fusedamp.GradScaler("cuda", init_scale=2.0 ** 10)
+
+    def iteration(scaler, opt, sched):
+        scaler.scale(torch.ones((), device="cuda"))
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(1000, generator=gen).to("cuda", torch.float16) for _ in range(8)]
+    grads[3][5] = float("inf")
+    p_eager, opt_eager, sched_eager, eager = make()
+    p_graph, opt_graph, sched_graph, graphed = make()
+    p_graph.grad = grads[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        iteration(graphed, opt_graph, sched_graph)
+    torch.cuda.current_stream().wait_stream(side)
+    p_eager.grad = grads[0].clone()
+    iteration(eager, opt_eager, sched_eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration(graphed, opt_graph, sched_graph)
+    for g in grads[1:]:
+        p_graph.grad.copy_(g)
+        graph.replay()
+        p_eager.grad = g.clone()
+        iteration(eager, opt_eager, sched_eager)
+    torch.cuda.synchronize()
+    assert float(sched_graph.applied_steps) == float(sched_eager.applied_steps) == 7.0
+    assert torch.equal(opt_graph.param_groups[0]["lr"], opt_eager.param_groups[0]["lr"])
+    assert torch.equal(p_graph, p_eager)
