@@ -204,7 +204,6 @@ class OneCycleLR(AppliedStepSchedule):
         max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * groups
         if len(max_lrs) != groups:
             raise ValueError(f"fusedamp.lr_scheduler: {len(max_lrs)} max_lr for {groups} groups")
-        self.max_lrs = [float(m) for m in max_lrs]
         self.div_factor, self.final_div_factor = float(div_factor), float(final_div_factor)
         self.cosine = anneal_strategy == "cos"
         ends = [float(pct_start * total_steps) - 1, total_steps - 1]
@@ -212,8 +211,8 @@ class OneCycleLR(AppliedStepSchedule):
             ends = [ends[0], float(2 * pct_start * total_steps) - 2, total_steps - 1]
         self.phase_ends = ends
         self.three_phase = bool(three_phase)
-        for group, top in zip(optimizer.param_groups, self.max_lrs):
-            group["initial_lr"] = top / self.div_factor  # as torch's OneCycleLR sets it
+        for group, top in zip(optimizer.param_groups, max_lrs):
+            group["initial_lr"] = float(top) / self.div_factor  # as torch's OneCycleLR sets it
         super().__init__(optimizer)
 
     def _anneal(self, start, end, pct):
