@@ -243,8 +243,10 @@ void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_i
     return;
   }
   if (grad_scale.defined() || !found_inf.defined() || any_group(clips)) {
-    // Scaled gradients are checked here, in the pass that also gives the clipping norm.
-    compute_grad_stats(found_inf, telemetry);
+    // Scaled gradients are checked here, in the pass that also gives the clipping norm. It
+    // records for the scaler's telemetry only while they are scaled: unscale_ recorded them
+    // before unscaling them, and a second record would count them twice.
+    compute_grad_stats(found_inf, grad_scale.defined() ? telemetry : nullptr);
   } else {
     stats_->seed(found_inf);  // unscaled and already checked by the caller: no pass needed
   }

@@ -103,6 +103,28 @@ def test_record_matches_reference(device, path):
     assert log["dtype_max"] == float(torch.finfo(dtype).max) and log["amax_target"] is None
 
 
+def test_unscale_then_a_clipping_step_records_the_gradients_once(device):
+    """A clipping optimizer's step reads the gradients again after scaler.unscale_ (for the
+    norm); the record keeps the pass unscale_ made, of the scaled gradients. At scale 1 a
+    second record of the same gradients would show as a norm sqrt(2) too large."""
+    model = make_model(device, torch.float32)
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1e9)
+    scaler = fusedamp.GradScaler(device, init_scale=1.0)
+    wants = []
+    for step in range(3):
+        x, y, f = batch(device, torch.float32, step)
+        scaler.scale(loss_of(model, x, y, f)).backward()
+        wants.append(reference([(n, p.grad) for n, p in model.named_parameters()],
+                               scaler.get_scale()))
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    log = scaler.telemetry(model)
+    for k, want in enumerate(wants):
+        check_record(log, k, want)
+
+
 def test_several_optimizers_one_iteration(device):
     """Positions of the first non-finite gradient stay right across the passes of one iteration
     (a fusedamp optimizer and a torch one), and amax/underflow combine over both."""
