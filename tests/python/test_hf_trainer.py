@@ -31,7 +31,12 @@ class Counting(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def recipe(out_dir, max_steps=30, init_scale=2.0 ** 17, **args):
+# A scale at which this GPT-2's first FP16 gradients overflow: at 2**17 their largest
+# magnitude is about 18,000 (transformers 5.24), at 2**20 about 145,000, above FP16's 65504.
+INIT_SCALE = 2.0 ** 20
+
+
+def recipe(out_dir, max_steps=30, init_scale=INIT_SCALE, **args):
     """The README's recipe (fusedamp.initialize, optimizers=(opt, sched), scaler=scaler)."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
@@ -62,15 +67,15 @@ def test_gpt2_trains_with_fused_optimizer_and_scaler(tmp_path):
     assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.float16
     assert model.transformer.h[0].ln_1.weight.dtype == torch.float32
     assert opt.state[model.transformer.wte.weight]["master_param"].dtype == torch.float32
-    # The loss scale was used: 2**17 overflows FP16 gradients, so the first step is skipped
+    # The loss scale was used: INIT_SCALE overflows FP16 gradients, so the first step is skipped
     # on the device and the scale backs off; it grows after 4 good steps, backs off again at
     # the next overflow. Every backoff is a skipped step.
     telemetry = scaler.telemetry()
     carried = telemetry["scale"]  # each step's scale, before its update
-    assert len(carried) == 30 and carried[0] == 2.0 ** 17
+    assert len(carried) == 30 and carried[0] == INIT_SCALE
     scales = carried[1:] + [scaler.get_scale()]  # the scale after each update
-    assert scales[0] < 2.0 ** 17 and max(scales) > min(scales)
-    backoffs = sum(b < a for a, b in zip([2.0 ** 17] + scales, scales))
+    assert scales[0] < INIT_SCALE and max(scales) > min(scales)
+    backoffs = sum(b < a for a, b in zip([INIT_SCALE] + scales, scales))
     assert int(opt.skipped_steps) == backoffs >= 1
     assert sum(telemetry["skipped"]) == backoffs
     # The Trainer's max_grad_norm (1.0 by default) is the fused step's clipping.
@@ -108,7 +113,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
 
 def test_a_fusedamp_schedule_counts_only_the_applied_steps(tmp_path):
     """Handed in through optimizers=(opt, sched), a fusedamp.lr_scheduler schedule does not move
-    on the iterations the step was skipped (the first ones here: 2**17 overflows FP16)."""
+    on the iterations the step was skipped (the first ones here: INIT_SCALE overflows FP16)."""
     trainer, model, opt, scaler = recipe(str(tmp_path), max_steps=12)
     sched = fusedamp.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
     trainer.lr_scheduler = sched
