@@ -204,12 +204,12 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         # the engine and is exposed as the tensors themselves (no copies).
         if getattr(self, "_engine", None) is None:
             return self.__dict__.setdefault("_pre_state", defaultdict(dict))
-        out = defaultdict(dict)
+        out = _EngineState(self._engine)
         for g in self.param_groups:
             for p in g["params"]:
                 s = self._engine.param_state(p)
                 if s:
-                    out[p] = s
+                    dict.__setitem__(out, p, s)
         return out
 
     @state.setter
@@ -274,6 +274,25 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         super().__setstate__(state)
         self._build_engine()
         self.load_state_dict(engine_state)
+
+
+class _EngineState(defaultdict):
+    """``optimizer.state``: each parameter's state as the engine holds it (the tensors
+    themselves). Assigning a parameter's entry, as torch.optim's dict takes it (torch's
+    ZeroRedundancyOptimizer.load_state_dict loads its local optimizer that way), hands the
+    state to the engine, which checks it and converts it to the group's master-weight mode and
+    state dtype before anything changes. A copy is a plain dict."""
+
+    def __init__(self, engine):
+        super().__init__(dict)
+        self._engine = engine
+
+    def __setitem__(self, param, value):
+        self._engine.set_param_state(param, _from_torch_state(value))
+        super().__setitem__(param, self._engine.param_state(param))
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter(self.items())
 
 
 # Group options that say how the state is stored, not what the algorithm does.

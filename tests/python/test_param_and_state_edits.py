@@ -144,6 +144,34 @@ def test_a_state_tensor_given_memory_of_another_shape_is_refused(device, kind):
             assert torch.equal(value, st[name]), name
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_state_entry_assigned_like_torchs_dict_reaches_the_engine(device, kind):
+    """`opt.state[p] = {...}` as torch.optim's dict takes it (torch's ZeroRedundancyOptimizer
+    loads its local optimizer that way): the next step uses it, as a twin that loads the same
+    state through load_state_dict; an entry that does not fit is refused, changing nothing."""
+    params, opt = _fp16_optimizer(device, kind, [(5,), (4, 2)])
+    twin_params, twin = _fp16_optimizer(device, kind, [(5,), (4, 2)])
+    for p in params + twin_params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    twin.step()
+    moment = MOMENT[kind]
+    given = {k: (v * 3 if k == moment else v.clone()) for k, v in opt.state[params[0]].items()}
+    opt.state[params[0]] = given
+    assert torch.equal(opt.state[params[0]][moment], given[moment])
+    loaded = twin.state_dict()
+    loaded["state"][0] = {k: v.clone() for k, v in given.items()}
+    twin.load_state_dict(loaded)
+    bad = dict(given, **{moment: torch.zeros(3, device=device)})
+    before = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    with pytest.raises(RuntimeError):
+        opt.state[params[1]] = bad
+    assert all(torch.equal(v, before[k]) for k, v in opt.state[params[1]].items())
+    opt.step()
+    twin.step()
+    _assert_same("after", params, opt, twin_params, twin)
+
+
 @pytest.mark.parametrize("new_shape", [(2, 3), (8,)])
 def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_shape):
     """A parameter given memory of another shape after the engine has stepped it (its state was
