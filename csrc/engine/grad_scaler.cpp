@@ -147,14 +147,27 @@ GradScaler::PerOptimizer& GradScaler::record_step(OptimizerKey key) {
 // ---- stages by key ----------------------------------------------------------------------------
 
 void GradScaler::unscale_(OptimizerKey key, at::TensorList params) {
+  unscale_through(key, params, telemetry_.get());
+}
+
+void GradScaler::unscale_(OptimizerKey key, at::TensorList params, ShardedGradStats& shards) {
+  unscale_through(key, params, &shards);
+  if (opts_.enabled() && !shards.has_pass()) {
+    // No gradient the fused pass takes (the flag came from the per-tensor check alone): the
+    // collectives still need this process's flag.
+    shards.seed(per_optimizer_.at(key).found_inf);
+  }
+}
+
+void GradScaler::unscale_through(OptimizerKey key, at::TensorList params,
+                                 GradTelemetrySink* sink) {
   if (!opts_.enabled()) {
     return;
   }
   auto& r = record_unscale(key);
   begin_iteration(first_device(params, c10::Device(c10::kCPU)));
   at::NoGradGuard no_grad;
-  r.found_inf = detail::unscale_grads(params, inv_scale_tensor(), scale_.device(),
-                                      telemetry_.get());
+  r.found_inf = detail::unscale_grads(params, inv_scale_tensor(), scale_.device(), sink);
   r.stage = Stage::kUnscaled;
 }
 

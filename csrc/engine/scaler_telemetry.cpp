@@ -119,56 +119,92 @@ template <typename RunPass>
 void ScalerTelemetry::record_pass(at::TensorList params, at::TensorList grads,
                                   const at::Tensor& found_inf, const at::Tensor& sum_sq,
                                   const RunPass& run_pass) {
+  if (found_inf.device() != current_.device()) {
+    // A pass on another device than the scaler's: its own slots, combined as the op would.
+    const at::Tensor telemetry =
+        fresh_.narrow(0, 0, math::kTelemetrySlots).to(found_inf.device());
+    run_pass(telemetry);
+    add_slots(telemetry);
+    add_layout(layout_of(params, grads), sum_sq);
+    return;
+  }
   // The op gives the first non-finite grad's position in *its* list; the record keeps positions
   // among all gradients the iteration walked. Shifting the running minimum down by the number
   // walked before and back up afterwards makes the op's min() do that without another tensor:
   // an earlier pass's position turns negative and stays the minimum; inf stays inf.
-  const bool here = found_inf.device() == current_.device();
-  at::Tensor telemetry = here ? current_slots_
-                              : fresh_.narrow(0, 0, math::kTelemetrySlots).to(found_inf.device());
-  at::Tensor first = here ? current_first_ : telemetry.narrow(0, math::kFirstNonfinite, 1);
-  if (here && walked_ > 0) {
-    first.sub_(static_cast<double>(walked_));
-  }
-  run_pass(telemetry);
   if (walked_ > 0) {
-    first.add_(static_cast<double>(walked_));
+    current_first_.sub_(static_cast<double>(walked_));
   }
-  if (!here) {  // a pass on another device than the scaler's: combine as the op would
-    const auto local = telemetry.to(current_.device(), /*non_blocking=*/true);
-    auto amax = current_.narrow(0, math::kAmax, 1);
-    amax.copy_(at::maximum(amax, local.narrow(0, math::kAmax, 1)));
-    current_.narrow(0, math::kSubnormal, 2).add_(local.narrow(0, math::kSubnormal, 2));
-    auto own_first = current_.narrow(0, math::kFirstNonfinite, 1);
-    own_first.copy_(at::minimum(own_first, local.narrow(0, math::kFirstNonfinite, 1)));
+  run_pass(current_slots_);
+  if (walked_ > 0) {
+    current_first_.add_(static_cast<double>(walked_));
   }
+  add_layout(layout_of(params, grads), sum_sq);
+}
+
+void ScalerTelemetry::add_pass(at::TensorList params, at::TensorList grads,
+                               const at::Tensor& slots, const at::Tensor& sum_sq,
+                               double elements) {
+  TORCH_CHECK(slots.numel() == math::kTelemetrySlots && slots.scalar_type() == at::kDouble,
+              "fusedamp::GradScaler: a pass's telemetry slots are FP64[", math::kTelemetrySlots,
+              "], got ", slots.scalar_type(), "[", slots.numel(), "]");
+  TORCH_CHECK(params.size() == grads.size(), "fusedamp::GradScaler: a pass's ", params.size(),
+              " parameters and ", grads.size(), " gradients differ in number");
+  if (!open_) {
+    return;
+  }
+  add_slots(slots);
+  PassLayout layout = layout_of(params, grads);
+  layout.elements = elements;  // the caller's count: every process's shards
+  add_layout(std::move(layout), sum_sq);
+}
+
+void ScalerTelemetry::add_slots(const at::Tensor& slots) {
+  const auto local = slots.to(current_.device(), /*non_blocking=*/true);
+  auto amax = current_.narrow(0, math::kAmax, 1);
+  amax.copy_(at::maximum(amax, local.narrow(0, math::kAmax, 1)));
+  current_.narrow(0, math::kSubnormal, 2).add_(local.narrow(0, math::kSubnormal, 2));
+  // The pass's position counts in its own list: shifted past the gradients walked before.
+  at::Tensor first = local.narrow(0, math::kFirstNonfinite, 1);
+  if (walked_ > 0) {
+    first = first + static_cast<double>(walked_);
+  }
+  current_first_.copy_(at::minimum(current_first_, first));
+}
+
+ScalerTelemetry::PassLayout ScalerTelemetry::layout_of(at::TensorList params,
+                                                        at::TensorList grads) const {
+  PassLayout layout{list_of(params), walked_, 0.0, std::numeric_limits<double>::infinity()};
+  const size_t pass = layouts_.size();
+  if (pass < last_layouts_.size() && layout.params == last_layouts_[pass].params) {
+    // The same parameters as this pass of the last record: the same element count (a grad has
+    // its parameter's shape) and dtypes, without reading every gradient's metadata again.
+    layout.elements = last_layouts_[pass].elements;
+    layout.dtype_max = last_layouts_[pass].dtype_max;
+    return layout;
+  }
+  for (const auto& g : grads) {
+    layout.elements += static_cast<double>(g.numel());
+    layout.dtype_max = std::min(layout.dtype_max, largest_finite(g.scalar_type()));
+  }
+  return layout;
+}
+
+void ScalerTelemetry::add_layout(PassLayout layout, const at::Tensor& sum_sq) {
   // The passes' sums are [1] (no reshape op on every step); a 0-dim one broadcasts as well.
   const at::Tensor sum_sq_one = sum_sq.dim() <= 1 ? sum_sq : sum_sq.reshape({1});
   const at::Tensor sum_sq_here =
-      here ? sum_sq_one : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
+      sum_sq_one.device() == current_.device()
+          ? sum_sq_one
+          : sum_sq_one.to(current_.device(), /*non_blocking=*/true);
   if (layouts_.empty()) {
     copy_small(pass_sum_sq_, sum_sq_here);  // the iteration's first pass: the record op adds it
   } else {
     current_sum_sq_.add_(sum_sq_here);  // FP32 into FP64, in place
   }
-  const size_t pass = layouts_.size();
-  ParamList list = list_of(params);
-  double pass_elements = 0.0;
-  double pass_dtype_max = std::numeric_limits<double>::infinity();
-  if (pass < last_layouts_.size() && list == last_layouts_[pass].params) {
-    // The same parameters as this pass of the last record: the same element count (a grad has
-    // its parameter's shape) and dtypes, without reading every gradient's metadata again.
-    pass_elements = last_layouts_[pass].elements;
-    pass_dtype_max = last_layouts_[pass].dtype_max;
-  } else {
-    for (const auto& g : grads) {
-      pass_elements += static_cast<double>(g.numel());
-      pass_dtype_max = std::min(pass_dtype_max, largest_finite(g.scalar_type()));
-    }
-  }
-  layouts_.push_back(PassLayout{std::move(list), walked_, pass_elements, pass_dtype_max});
-  walked_ += static_cast<int64_t>(grads.size());
-  elements_ += pass_elements;
+  walked_ += static_cast<int64_t>(layout.params->size());
+  elements_ += layout.elements;
+  layouts_.push_back(std::move(layout));
 }
 
 double ScalerTelemetry::dtype_max() const {

@@ -24,6 +24,8 @@ class ScalerTelemetry final : public GradTelemetrySink {
                   const at::Tensor& sum_sq) override;
   void unscale_and_check(at::TensorList params, at::TensorList grads,
                          const at::Tensor& found_inf, const at::Tensor& inv_scale) override;
+  void add_pass(at::TensorList params, at::TensorList grads, const at::Tensor& slots,
+                const at::Tensor& sum_sq, double elements) override;
   // This iteration's largest finite |scaled gradient| so far: FP64[1] on the scaler's device
   // (0 before any pass: "no measurement").
   at::Tensor amax() const;
@@ -57,6 +59,11 @@ class ScalerTelemetry final : public GradTelemetrySink {
   template <typename RunPass>
   void record_pass(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
                    const at::Tensor& sum_sq, const RunPass& run_pass);
+  // The pieces of a pass's record: its slots combined into this iteration's (max, sum, min),
+  // and its layout (the last record's for the same parameters) with its sum of squares.
+  void add_slots(const at::Tensor& slots);
+  PassLayout layout_of(at::TensorList params, at::TensorList grads) const;
+  void add_layout(PassLayout layout, const at::Tensor& sum_sq);
 
   int64_t capacity_;
   at::Tensor fresh_;    // what a record starts as (see current_)

@@ -10,6 +10,23 @@ namespace fusedamp::python {
 namespace py = pybind11;
 
 void bind_grad_scaler(py::module_& m) {
+  // A gradient pass over FSDP2 shards, which fsdp.py reduces across the processes between the
+  // engine's phases. It keeps the scaler whose record it adds to alive.
+  py::class_<ShardedGradStats>(m, "ShardedGradStats")
+      .def(py::init([](GradScaler* record_for) {
+             return std::make_unique<ShardedGradStats>(
+                 record_for != nullptr ? record_for->telemetry_sink() : nullptr);
+           }),
+           py::arg("record_for") = nullptr, py::keep_alive<1, 2>())
+      .def("seed", &ShardedGradStats::seed)
+      .def("sums", &ShardedGradStats::sums)
+      .def("maxima",
+           [](ShardedGradStats& s) -> py::object {
+             const at::Tensor& maxima = s.maxima();
+             return maxima.defined() ? py::cast(maxima) : py::none();
+           })
+      .def("finish", &ShardedGradStats::finish, py::arg("elements"));
+
   py::class_<GradScaler>(m, "GradScaler")
       .def(py::init([](const std::string& device, double init_scale, double growth_factor,
                        double backoff_factor, int64_t growth_interval, bool enabled,
@@ -44,10 +61,18 @@ void bind_grad_scaler(py::module_& m) {
            py::arg("telemetry") = true, py::arg("telemetry_capacity") = 4096)
       .def("scale", &GradScaler::scale)
       // The iteration's stages for a Python optimizer, identified by its id().
-      .def("unscale_",
-           [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params) {
-             s.unscale_(reinterpret_cast<GradScaler::OptimizerKey>(key), params);
-           })
+      .def(
+          "unscale_",
+          [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params,
+             ShardedGradStats* shards) {
+            const auto k = reinterpret_cast<GradScaler::OptimizerKey>(key);
+            if (shards != nullptr) {
+              s.unscale_(k, params, *shards);
+            } else {
+              s.unscale_(k, params);
+            }
+          },
+          py::arg("key"), py::arg("params"), py::arg("shards") = nullptr)
       .def("begin_amp_step",
            [](GradScaler& s, uintptr_t key, const std::vector<at::Tensor>& params_to_check) {
              const auto h =

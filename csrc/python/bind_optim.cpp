@@ -241,10 +241,10 @@ void bind_optim(py::module_& m) {
       .def("gather_grads", &Optimizer::gather_grads)
       .def(
           "compute_grad_stats",
-          [](Optimizer& o, const std::optional<at::Tensor>& seed) {
-            return o.compute_grad_stats(tensor_or_undefined(seed));
+          [](Optimizer& o, const std::optional<at::Tensor>& seed, ShardedGradStats* shards) {
+            return o.compute_grad_stats(tensor_or_undefined(seed), shards);
           },
-          py::arg("seed_found_inf") = py::none())
+          py::arg("seed_found_inf") = py::none(), py::arg("shards") = nullptr)
       .def(
           "apply_update",
           [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,

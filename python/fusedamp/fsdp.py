@@ -33,12 +33,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ._library import _C
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 except ImportError:  # torch built without distributed
     DTensor = None
 
-__all__ = ["has_dtensors", "make_engine", "local_grad_views", "check_plain_step"]
+__all__ = ["has_dtensors", "make_engine", "local_grad_views", "check_plain_step",
+           "unscale_shards", "local_names", "reduce_over"]
 
 
 def has_dtensors(tensors) -> bool:
@@ -73,6 +76,35 @@ def local_grad_views(params):
             p = v
         views.append(p)
     return views
+
+
+@torch.no_grad()
+def unscale_shards(scaler_engine, key, params, record_for):
+    """A loss scaler's unscale_ over DTensor parameters: each rank unscales its gradient
+    shards; found_inf (so that every rank skips alike) and the pass's telemetry (record_for:
+    the scaler engine whose record it feeds, or None) are reduced over the mesh."""
+    _, group = _reduction_group(params)
+    shards = [_local(p) for p in params]
+    # The local tensors themselves carry the gradient shards (not aliases): the telemetry
+    # names a parameter by them (GradScaler.telemetry maps them back to the model's names).
+    for p, local in zip(params, shards):
+        local.grad = _local(p.grad)
+    try:
+        pass_stats = _C.ShardedGradStats(record_for)
+        scaler_engine.unscale_(key, shards, pass_stats)
+        reduce_over(pass_stats, group)
+        pass_stats.finish(sum(p.numel() for p in params))
+    finally:
+        for local in shards:
+            local.grad = None
+
+
+def local_names(named_parameters):
+    """(id of a DTensor parameter's local tensor, name) for the DTensors among
+    `named_parameters`: what a sharded pass's record names a parameter by."""
+    if DTensor is None:
+        return {}
+    return {id(_local(p)): n for n, p in named_parameters if isinstance(p, DTensor)}
 
 
 def check_plain_step(params):
@@ -120,11 +152,44 @@ def _reduction_group(params):
                               "a mesh smaller than the world are not supported")
 
 
-def _needs_stats(group) -> bool:
+def reduce_over(shards, group):
+    """The collectives of a sharded gradient pass (_C.ShardedGradStats): its sums summed and
+    its maxima maximised over `group`, on the device (no host sync); None: nothing to reduce."""
+    if group is None:
+        return
+    dist.all_reduce(shards.sums(), group=group)
+    maxima = shards.maxima()
+    if maxima is not None:
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+
+
+@torch.no_grad()
+def reduced_phases(engine, group, grad_scale, found_inf, *, scaled, stats, device, elements=0,
+                   record_for=None):
+    """The C++ engine's step over this rank's part of the parameters, with the statistics
+    pass reduced over `group` between its phases (no host sync): every rank skips alike and
+    clips by the global norm. `elements` (every rank's gradient elements) and `record_for`
+    (a scaler engine) feed the scaler's telemetry; `device`: where a rank without gradients
+    makes its part of the collectives."""
+    has_grads = engine.gather_grads()
+    if stats:
+        pass_stats = _C.ShardedGradStats(record_for)
+        if has_grads:
+            engine.compute_grad_stats(found_inf, pass_stats)
+        else:  # nothing to step here; the collectives are everyone's
+            pass_stats.seed(found_inf if found_inf is not None
+                            else torch.zeros(1, device=device))
+        reduce_over(pass_stats, group)
+        pass_stats.finish(elements)
+    if has_grads:
+        engine.apply_update(grad_scale, found_inf, scaled=scaled)
+
+
+def needs_stats(group) -> bool:
     return group.get("skip_nonfinite", True) or group.get("max_grad_norm") is not None
 
 
-def _step_scope(record_as):
+def step_scope(record_as):
     """The profiler scope the C++ engine opens for a step named `record_as` (None: none)."""
     if record_as is None:
         return contextlib.nullcontext()
@@ -159,38 +224,25 @@ class ShardEngine:
         self._engine.sync_changed_options(param_groups, synced)
 
     def step(self, record_as=None):
-        needs_stats = any(_needs_stats(g) for g in self._param_groups or ())
-        with _step_scope(record_as):
-            self._phases(None, None, scaled=False, stats=needs_stats)
+        stats = any(map(needs_stats, self._param_groups or ()))
+        with step_scope(record_as):
+            self._phases(None, None, scaled=False, stats=stats)
 
     def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
-        # found_inf is reduced even when the gradients were unscaled already (scaler.unscale_
-        # checked this rank's shards only), so the statistics pass always runs. The scaler's
-        # telemetry (telemetry_of) is not fed from here: a rank sees only its shards, and the
-        # record would describe a different set of gradients on every rank.
-        with _step_scope(record_as):
-            self._phases(grad_scale, found_inf, scaled=True, stats=True)
+        # found_inf is reduced even when the gradients were unscaled already, so the statistics
+        # pass always runs. It records for the scaler's telemetry (telemetry_of) only while the
+        # gradients are scaled: scaler.unscale_ recorded them before unscaling them.
+        record_for = telemetry_of if grad_scale is not None else None
+        with step_scope(record_as):
+            self._phases(grad_scale, found_inf, scaled=True, stats=True, record_for=record_for)
 
-    @torch.no_grad()
-    def _phases(self, grad_scale, found_inf, scaled, stats):
+    def _phases(self, grad_scale, found_inf, scaled, stats, record_for=None):
         self._follow_local_tensors()
-        self._bind_grads()
+        elements = self._bind_grads()
         try:
-            engine = self._engine
-            has_grads = engine.gather_grads()
-            if stats:
-                if has_grads:
-                    sums = engine.compute_grad_stats(found_inf)
-                else:  # nothing to step here; the collective is everyone's
-                    sums = torch.zeros(2, device=self._device())
-                    if found_inf is not None:
-                        sums[0] = found_inf.reshape(())
-                if self._group is not None:
-                    dist.all_reduce(sums, group=self._group)
-                if not has_grads and found_inf is not None:
-                    found_inf.copy_(sums[0].reshape(found_inf.shape))
-            if has_grads:
-                engine.apply_update(grad_scale, found_inf, scaled=scaled)
+            reduced_phases(self._engine, self._group, grad_scale, found_inf, scaled=scaled,
+                           stats=stats, device=self._device(), elements=elements,
+                           record_for=record_for)
         finally:
             self._release_grads()
 
@@ -198,9 +250,15 @@ class ShardEngine:
         return next(p for g in self._locals for p in g).device
 
     def _bind_grads(self):
+        """Gives the local tensors their gradient shards; returns the gradient elements of
+        every rank's shards (the global parameters' sizes)."""
+        elements = 0
         for ps, ls in zip(self._params, self._locals):
             for p, local in zip(ps, ls):
                 local.grad = None if p.grad is None else _local(p.grad)
+                if p.grad is not None:
+                    elements += p.numel()
+        return elements
 
     def _release_grads(self):
         # The DTensor gradient keeps the shard (the step unscaled it in place); the alias must
@@ -277,3 +335,4 @@ class ShardEngine:
 
     def all_params(self):
         return [p for g in self._params for p in g]
+

@@ -37,7 +37,8 @@ import weakref
 import torch
 
 from ._library import _C
-from .fsdp import check_plain_step, local_grad_views
+from .fsdp import (check_plain_step, has_dtensors, local_grad_views, local_names,
+                   unscale_shards)
 from .optim import FusedOptimizer
 
 __all__ = ["GradScaler"]
@@ -118,7 +119,13 @@ class GradScaler:
         clipping), recording inf/NaN. At most once per optimizer per iteration."""
         if self._enabled:
             self._require_scale("unscale_")
-            self._engine.unscale_(id(optimizer), _params_with_grads(optimizer))
+            params = [p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            if has_dtensors(params):
+                unscale_shards(self._engine, id(optimizer), params,
+                               self._engine if self._records_telemetry else None)
+            else:
+                self._engine.unscale_(id(optimizer), params)
 
     def step(self, optimizer, *args, **kwargs):
         """Steps the optimizer unless its gradients hold inf/NaN; returns what its step
@@ -239,8 +246,10 @@ class GradScaler:
                             "underflow_fraction", "subnormal_fraction", "first_nonfinite")}
         names = {}
         if model is not None:
-            named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+            named = list(model.named_parameters() if isinstance(model, torch.nn.Module)
+                         else model)
             names = {id(p): n for n, p in named}
+            names.update(local_names(named))  # FSDP2: the record holds the local shards
         first = []
         for p in log["first_nonfinite"]:
             if p is None:

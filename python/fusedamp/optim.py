@@ -181,9 +181,8 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
           scaler (this optimizer's and, in the same iteration, any other optimizer's it
           stepped, and ``scaler.unscale_``'s), computed in FP64 from the scaled sum of squares
           (it may differ from the step's FP32 norm in the last bits);
-        - on FSDP2 (DTensor) parameters, where a rank sees only its shards and its step does
-          not report to the scaler: NaN, or after ``scaler.unscale_`` the norm of this rank's
-          shards;
+        - on FSDP2 (DTensor) parameters, the global norm too (the passes are reduced over
+          the mesh), the same on every rank;
         - at most the scaler's ``telemetry_capacity`` iterations; steps without the scaler
           (``opt.step()`` alone) are not in it.
 

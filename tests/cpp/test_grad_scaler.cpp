@@ -8,6 +8,8 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 
@@ -297,4 +299,60 @@ TEST_CASE("telemetry records each iteration; the amax policy moves to the measur
                                              .policy(fusedamp::ScalePolicy::kAmax)
                                              .telemetry(false)),
                     Catch::Contains("needs telemetry"));
+}
+
+TEST_CASE("sharded gradient passes, reduced, give every process the record of the whole",
+          "[scaler][telemetry]") {
+  // Two "processes" hold half the rows of each parameter's gradient (as FSDP2 shards them);
+  // their passes' sums and maxima are combined here as the caller's all-reduces would.
+  const auto w = at::tensor({3.0f, 0.0f, -7.0f, 1.0f});
+  const auto b = at::tensor({0.5f, std::numeric_limits<float>::infinity()});
+  auto with_grad = [](const at::Tensor& g) {
+    auto p = at::zeros_like(g);
+    p.mutable_grad() = g.clone();
+    return p;
+  };
+  const fusedamp::GradScalerOptions options = fusedamp::GradScalerOptions().init_scale(4.0);
+  const auto key = reinterpret_cast<fusedamp::GradScaler::OptimizerKey>(1);
+  fusedamp::GradScaler whole(options);
+  whole.scale(at::ones({}));
+  const std::vector<at::Tensor> full{with_grad(w), with_grad(b)};
+  whole.unscale_(key, full);
+  whole.end_step(key);
+  whole.update();
+
+  std::vector<fusedamp::GradScaler> scalers;
+  std::vector<std::vector<at::Tensor>> shards;
+  std::vector<std::unique_ptr<fusedamp::ShardedGradStats>> passes;
+  for (int r = 0; r < 2; ++r) {
+    scalers.emplace_back(options);
+  }
+  for (int r = 0; r < 2; ++r) {
+    scalers[r].scale(at::ones({}));
+    shards.push_back({with_grad(w.narrow(0, 2 * r, 2)), with_grad(b.narrow(0, r, 1))});
+    passes.push_back(std::make_unique<fusedamp::ShardedGradStats>(scalers[r].telemetry_sink()));
+    scalers[r].unscale_(key, shards[r], *passes[r]);
+  }
+  const auto sums = passes[0]->sums() + passes[1]->sums();
+  const auto maxima = at::maximum(passes[0]->maxima(), passes[1]->maxima());
+  for (int r = 0; r < 2; ++r) {
+    passes[r]->sums().copy_(sums);
+    passes[r]->maxima().copy_(maxima);
+    passes[r]->finish(6.0);
+    scalers[r].end_step(key);
+    scalers[r].update();
+  }
+  const auto want = whole.telemetry();
+  REQUIRE(want.found_inf == std::vector<bool>{true});
+  CHECK(want.amax[0] == 7.0);  // the scaled gradients as they are; the inf is not finite
+  CHECK(want.underflow_fraction[0] == Approx(1.0 / 6.0));
+  for (int r = 0; r < 2; ++r) {
+    const auto log = scalers[r].telemetry();
+    CHECK(scalers[r].get_scale() == whole.get_scale());  // the inf on one backs off both
+    CHECK(log.found_inf == want.found_inf);
+    CHECK(log.amax == want.amax);
+    CHECK(log.underflow_fraction == want.underflow_fraction);
+    REQUIRE(log.first_nonfinite[0].defined());
+    CHECK(log.first_nonfinite[0].is_same(shards[r][1]));  // b, named by each one's own shard
+  }
 }

@@ -32,12 +32,14 @@ ADAM = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, max_grad_no
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01, max_grad_norm=0.5)
 SCALER = dict(init_scale=2.0 ** 18, growth_interval=2)  # overflows FP16 at first: backs off
 
-# scenario: (optimizer, FSDP2 param_dtype (None: FP32, no policy), loss scaler, inf step)
+# scenario: (optimizer, FSDP2 param_dtype (None: FP32, no policy), loss scaler (False, True,
+# or "amax": its amax policy), inf step)
 SCENARIOS = {
     "fp32_adamw": ("adamw", None, False, INF_STEP),
     "fp32_sgd": ("sgd", None, False, INF_STEP),
     "bf16_adamw": ("adamw", torch.bfloat16, False, None),
     "fp16_adamw_scaler": ("adamw", torch.float16, True, INF_STEP),
+    "fp16_adamw_amax": ("adamw", torch.float16, "amax", INF_STEP),
 }
 
 
@@ -53,12 +55,15 @@ def make_optimizer(kind, params):
 
 
 def make_scaler(on):
-    return fusedamp.GradScaler("cpu", enabled=on, **SCALER)
+    policy = "amax" if on == "amax" else "torch"
+    return fusedamp.GradScaler("cpu", enabled=bool(on), policy=policy, **SCALER)
 
 
 def global_batch(step):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+    x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+    x[:, -1] = 0  # a dead input: the last column of model[0].weight gets zero gradients (on
+    return x, y   # every rank's rows), which the telemetry's underflow counts must add up
 
 
 def loss_of(out, y):
@@ -110,7 +115,7 @@ def train_steps(model, opt, scaler, steps, first, rank, world, inf_step, record)
 
 def step_norm(opt):
     """The global norm of the unscaled gradients of the step just made, as the engine keeps it
-    (the scaler's telemetry has no norm on FSDP2: a rank sees only its shards)."""
+    (the clipping norm; the scaler's telemetry records its own from the scaled gradients)."""
     norm = opt._engine.grad_norm()
     return float("nan") if norm is None else norm.item()
 
@@ -152,6 +157,7 @@ def run_scenario(name, mesh, rank, world):
     rec = new_record()
     train_steps(model, opt, scaler, STEPS, 0, rank, world, inf_step, rec)
     rec["skipped_steps"] = int(opt.skipped_steps)
+    rec["telemetry"] = scaler.telemetry(model) if scaled else None
     p = model[0].weight
     rec["local_dtypes"] = sorted({str(q.to_local().dtype) for q in model.parameters()})
     rec["state_keys"] = sorted(opt.state[p])
@@ -269,6 +275,7 @@ def reference_run(name, steps=STEPS, world=2, split=True):
         rec["norms"].append(step_norm(opt))
     rec["state_full"] = [{k: v.clone() for k, v in opt.state[p].items()}
                          for p in master.parameters()]
+    rec["telemetry"] = scaler.telemetry(master) if scaled else None
     return rec
 
 

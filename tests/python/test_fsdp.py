@@ -67,14 +67,23 @@ def _max_diff(a, b):
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
+def _step_collectives(name):
+    """The step's collectives: [found_inf, sum_sq] summed over the mesh; under a recording
+    scaler (while the gradients are still scaled: not after scaler.unscale_) the sum also
+    carries the underflow counts, and a second all-reduce takes the max of amax and of the
+    negated first non-finite position."""
+    records = bool(SCENARIOS[name][2])
+    return [["all_reduce", "all_reduce"] if records and step != UNSCALE_STEP else ["all_reduce"]
+            for step in range(STEPS)]
+
+
 def _check_decisions(ranks, name, ref):
     for r in ranks:
         run = r[name]
         assert run["applied"] == ref["applied"], (run["applied"], ref["applied"])
         assert run["scales"] == ref["scales"]
         assert run["skipped_steps"] == ref["applied"].count(0.0)
-        # The step's one collective: [found_inf, sum_sq] summed over the mesh.
-        assert run["collectives"] == [["all_reduce"]] * STEPS, run["collectives"]
+        assert run["collectives"] == _step_collectives(name), run["collectives"]
         for step in range(STEPS):  # gathered parameters: the same on every rank
             for x, y in zip(run["params"][step], ranks[0][name]["params"][step]):
                 assert torch.equal(x, y)
@@ -134,6 +143,39 @@ def test_fp16_policy_with_loss_scaler(ranks, record_diff):
     assert run["scales"][UNSCALE_STEP] == run["scales"][UNSCALE_STEP - 1] * 2  # grew
     assert run["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
     _check_low_precision(run, name, "fp16", "fp16 policy AdamW + scaler", record_diff)
+
+
+@pytest.mark.parametrize("name", ["fp16_adamw_scaler", "fp16_adamw_amax"])
+def test_telemetry_is_global_and_the_same_on_every_rank(ranks, name, record_diff):
+    """The scaler's record on FSDP2 is that of one process over the whole model: every column
+    equal on every rank, and equal to the single-process run's (which sees the same gradients
+    up to FP32 rounding): the overflow at INF_STEP (one rank's shard) named on both ranks, amax
+    and the underflow fractions over all shards, the norm of the global gradient. Under the
+    amax policy the scales follow that global amax, as in one process."""
+    ref = _reference(name)["telemetry"]
+    _check_decisions(ranks, name, _reference(name))
+    logs = [r[name]["telemetry"] for r in ranks]
+    for log in logs[1:]:
+        assert log == logs[0]
+    log = logs[0]
+    assert log["step"] == ref["step"] == list(range(STEPS))
+    for key in ("scale", "found_inf", "skipped", "first_nonfinite", "dtype_max", "amax_target"):
+        assert log[key] == ref[key], key
+    assert log["first_nonfinite"][INF_STEP] == "0.weight"
+    assert sum(log["found_inf"]) >= 2  # the initial overflow(s) and the injected inf
+    worst = 0.0
+    for k in range(STEPS):
+        if log["found_inf"][k]:
+            continue
+        for key, rel in (("amax", 1e-6), ("grad_norm", 1e-5)):
+            worst = max(worst, abs(log[key][k] - ref[key][k]) / ref[key][k])
+            assert log[key][k] == pytest.approx(ref[key][k], rel=rel), (key, k)
+        for key in ("underflow_fraction", "subnormal_fraction"):
+            assert log[key][k] == pytest.approx(ref[key][k], abs=1e-12), (key, k)
+    assert any(f > 0 for f in log["underflow_fraction"])  # the counts are exercised
+    if name == "fp16_adamw_amax":  # the policy moved the scale, unlike torch's rule
+        assert log["scale"] != [r["fp16_adamw_scaler"]["telemetry"]["scale"] for r in ranks][0]
+    record_diff(f"fsdp2: {name} telemetry vs 1 process (amax, grad_norm; relative)", worst)
 
 
 @pytest.mark.parametrize("via", ["optim", "dcp"])

@@ -25,6 +25,7 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/arg.h>
 
+#include <fusedamp/sharded_grad_stats.h>
 #include <fusedamp/telemetry.h>
 
 #include <cstdint>
@@ -116,6 +117,10 @@ class GradScaler {
   // gradient (their .grad is read and, for unscale_, written).
   using OptimizerKey = const void*;
   void unscale_(OptimizerKey key, at::TensorList params);
+  // The same over this process's shards of parameters sharded across processes (FSDP2): the
+  // pass goes through `shards` (made on telemetry_sink()), which the caller reduces across the
+  // processes and finishes; that makes this optimizer's found_inf, and the record, global.
+  void unscale_(OptimizerKey key, at::TensorList params, ShardedGradStats& shards);
   // What torch's protocol hands to an optimizer that unscales and skips in its step.
   struct AmpHandover {
     at::Tensor grad_scale;  // undefined when unscale_ ran for this optimizer
@@ -183,6 +188,8 @@ class GradScaler {
   // Makes sure this iteration's inverse scale is computed.
   void begin_iteration(const c10::Device& fallback);
   PerOptimizer& record_unscale(OptimizerKey key);
+  // unscale_ with the pass through `sink` (the record, a sharded pass, or nullptr).
+  void unscale_through(OptimizerKey key, at::TensorList params, GradTelemetrySink* sink);
   PerOptimizer& record_step(OptimizerKey key);
   at::Tensor zero_flag() const;
   void end_iteration();  // the per-iteration records are dropped

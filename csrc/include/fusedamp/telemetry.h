@@ -25,6 +25,13 @@ class GradTelemetrySink {
   // were before unscaling, in the same pass.
   virtual void unscale_and_check(at::TensorList params, at::TensorList grads,
                                  const at::Tensor& found_inf, const at::Tensor& inv_scale) = 0;
+  // A pass whose statistics were gathered without this sink and reduced across the processes
+  // that hold the other shards (ShardedGradStats): `slots` is grad_stats_'s telemetry tensor
+  // (FP64[4]; the first non-finite position counted in `params`), `sum_sq` its sum of squares
+  // (FP32[1]), `elements` the gradient elements of all processes' shards. `grads` give only
+  // their dtypes.
+  virtual void add_pass(at::TensorList params, at::TensorList grads, const at::Tensor& slots,
+                        const at::Tensor& sum_sq, double elements) = 0;
 };
 
 // The recorded iterations, oldest first (at most the capacity).
