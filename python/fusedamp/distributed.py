@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
 
 from ._library import _C
 from .flat_shard import converted_state, flat_shards
 from .optim import StepResults, amp_handover, closure_loss, pack_param_groups
+from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
+__all__ = ["ShardedOptimizer", "ZeroRedundancyOptimizer", "optimizer_state_bytes"]
 
 _FORMAT = "fusedamp.sharded/1"
 _ENGINES = {"adamw": _C.AdamW, "adam": _C.Adam, "sgd": _C.SGD}
@@ -30,9 +32,12 @@ _ENGINES = {"adamw": _C.AdamW, "adam": _C.Adam, "sgd": _C.SGD}
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state held by this process: the shard's state for a
-    ``ShardedOptimizer``; every tensor in ``optimizer.state`` otherwise."""
+    ``ShardedOptimizer``, the local optimizer's for a ZeroRedundancyOptimizer (torch's or
+    fusedamp's); every tensor in ``optimizer.state`` otherwise."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.state_bytes()
+    if isinstance(optimizer, _TorchZeRO):
+        optimizer = optimizer.optim
     return sum(v.numel() * v.element_size() for s in optimizer.state.values()
                for v in s.values() if isinstance(v, torch.Tensor))
 

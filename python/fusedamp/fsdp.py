@@ -48,11 +48,15 @@ def has_dtensors(tensors) -> bool:
     return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
 
 
-def make_engine(engine_cls, groups):
+def make_engine(engine_cls, groups, partition_of=None):
     """The engine for these param groups: the C++ engine itself for plain tensors, a
-    ShardEngine over the local shards for DTensor parameters."""
+    ShardEngine over the local shards for DTensor parameters, a PartitionEngine where the
+    groups are this rank's partition of parameters stepped across `partition_of` (a process
+    group: ZeRO stage 1)."""
     if has_dtensors(p for g in groups for p in g):
         return ShardEngine(engine_cls, groups)
+    if partition_of is not None:
+        return PartitionEngine(engine_cls(groups), partition_of)
     return engine_cls(groups)
 
 
@@ -336,3 +340,47 @@ class ShardEngine:
     def all_params(self):
         return [p for g in self._params for p in g]
 
+
+class PartitionEngine:
+    """The C++ engine over this rank's partition of the parameters (ZeRO stage 1: every rank
+    holds every gradient, each steps its own parameters), with the statistics pass's
+    [found_inf, sum_sq] summed over the process group between the phases, so that a step is
+    skipped on every rank or none and clipped by the norm of all gradients, as in one process.
+    The loss scaler checks and records every gradient itself (each rank holds them all), so
+    the partition's pass feeds no telemetry."""
+
+    def __init__(self, engine, group):
+        self._engine = engine
+        self._group = group
+        self._param_groups = None
+
+    def __getattr__(self, name):  # results, options, state: the engine's own
+        return getattr(self.__dict__["_engine"], name)
+
+    def sync_options(self, param_groups):
+        self._param_groups = param_groups
+        self._engine.sync_options(param_groups)
+
+    def sync_changed_options(self, param_groups, synced):
+        self._param_groups = param_groups
+        self._engine.sync_changed_options(param_groups, synced)
+
+    def step(self, record_as=None):
+        stats = any(map(needs_stats, self._param_groups or ()))
+        with step_scope(record_as):
+            self._phases(None, None, scaled=False, stats=stats)
+
+    def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
+        with step_scope(record_as):
+            self._phases(grad_scale, found_inf, scaled=True, stats=True)
+
+    def _phases(self, grad_scale, found_inf, scaled, stats):
+        reduced_phases(self._engine, self._group, grad_scale, found_inf, scaled=scaled,
+                       stats=stats, device=self._collective_device())
+
+    def _collective_device(self):
+        """Where a rank with no parameter to step (ZeRO gives a rank none when the ranks
+        outnumber the parameters) makes its part of the collectives: the backend's device."""
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

@@ -84,14 +84,19 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         self._engine = None
+        # A process group when this optimizer steps one rank's partition of the parameters
+        # (fusedamp.distributed.ZeroRedundancyOptimizer sets it): its statistics are reduced.
+        self._partition_of = None
         super().__init__(params, defaults)
         self._build_engine()
 
     def _build_engine(self):
         for group in self.param_groups:
             self.check_group(group)
-        # DTensor (FSDP2) parameters: the engine steps their local shards (fsdp.py).
-        engine = make_engine(self._engine_cls, [list(g["params"]) for g in self.param_groups])
+        # DTensor (FSDP2) parameters: the engine steps their local shards; a partition: its
+        # statistics are reduced over the ranks (fsdp.py).
+        engine = make_engine(self._engine_cls, [list(g["params"]) for g in self.param_groups],
+                             self._partition_of)
         engine.sync_options(self.param_groups)
         engine.check_options()  # ValueError before anything is kept
         self._engine = engine
@@ -264,12 +269,14 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     # ---- pickling (as torch.optim: the parameters travel with the optimizer) ------------
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_engine", "_pre_state", "_synced_options", "_fusedamp_scaler")}
+                 if k not in ("_engine", "_pre_state", "_synced_options", "_fusedamp_scaler",
+                              "_partition_of")}
         state["_engine_state"] = self.state_dict()
         return state
 
     def __setstate__(self, state):
         engine_state = state.pop("_engine_state")
+        state["_partition_of"] = None  # a process group does not travel
         super().__setstate__(state)
         self._build_engine()
         self.load_state_dict(engine_state)
