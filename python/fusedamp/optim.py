@@ -110,6 +110,8 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         accepts without them meaning anything (its step is always one fused, capturable pass)."""
         if group.get("differentiable", False):
             raise ValueError("fusedamp: differentiable=True is not supported")
+        if isinstance(group.get("state_dtype"), str):  # as a state dict spells it
+            group["state_dtype"] = _dtype_named(group["state_dtype"])
         for name in ("foreach", "fused", "capturable"):
             if group.get(name):
                 warnings.warn(f"fusedamp: {name}={group[name]!r} has no effect: fusedamp's step is "
@@ -224,6 +226,11 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         """torch.optim's layout (per-parameter state by index, packed param groups), plus the
         engine's skipped-step counter (torch.optim ignores the extra key)."""
         index, groups = pack_param_groups(self.param_groups)
+        for g in groups:
+            # By name: torch.distributed.checkpoint takes no torch.dtype values (its consolidated
+            # and CPU-offloaded state dicts refuse them); a group given the name takes it back.
+            if isinstance(g.get("state_dtype"), torch.dtype):
+                g["state_dtype"] = str(g["state_dtype"])
         state = {}
         for g in self.param_groups:
             for p in g["params"]:
@@ -303,6 +310,14 @@ class _EngineState(defaultdict):
 
 # Group options that say how the state is stored, not what the algorithm does.
 _STORAGE_OPTIONS = ("master_weights", "state_dtype")
+
+
+def _dtype_named(name):
+    """torch.bfloat16 for "torch.bfloat16" (or "bfloat16"); an unknown name is refused."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"fusedamp: state_dtype {name!r} names no torch dtype")
+    return dtype
 
 
 def _from_torch_state(state):

@@ -99,3 +99,22 @@ def test_a_resumed_run_packs_small_state_and_continues_bit_exactly(device):
     for a, b in zip(first, resumed):
         for name, t in opt.state[a].items():
             assert torch.equal(t, opt2.state[b][name]), name
+
+
+def test_state_dict_names_the_state_dtype_and_the_name_is_taken_back(device):
+    """A state dict's param groups hold state_dtype by name ("torch.bfloat16"):
+    torch.distributed.checkpoint refuses torch.dtype values in them. An optimizer built from
+    a saved group's options, or given the name, keeps the dtype; an unknown name is refused."""
+    p = torch.nn.Parameter(torch.randn(4, device=device).bfloat16())
+    opt = fusedamp.optim.AdamW([p], lr=1e-3, state_dtype=torch.bfloat16)
+    saved = opt.state_dict()["param_groups"][0]
+    assert saved["state_dtype"] == "torch.bfloat16"
+    assert opt.param_groups[0]["state_dtype"] is torch.bfloat16  # the live group keeps the dtype
+    options = {k: v for k, v in saved.items()
+               if k not in ("params", "decoupled_weight_decay")}
+    rebuilt = fusedamp.optim.AdamW([p], **options)
+    assert rebuilt.param_groups[0]["state_dtype"] is torch.bfloat16
+    assert fusedamp.optim.SGD([p], state_dtype="float32").param_groups[0]["state_dtype"] \
+        is torch.float32
+    with pytest.raises(ValueError, match="names no torch dtype"):
+        fusedamp.optim.AdamW([p], state_dtype="torch.bfloat17")
