@@ -13,6 +13,8 @@ zero).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ._library import _C
 from .distributed import ShardedOptimizer
@@ -54,22 +56,51 @@ def _masters_by_param(optimizer):
     return out
 
 
+def _fp32_value(p, masters):
+    """The FP32 value of parameter `p`: its master where it has one (and, for a separate FP32
+    copy, the model weight is still its rounding), else the parameter itself in FP32."""
+    value = p.detach().float()
+    if id(p) in masters:
+        master, separate = masters[id(p)]
+        master = master.to(p.device).reshape(p.shape)
+        value = (torch.where(master.to(p.dtype) == p.detach(), master, value) if separate
+                 else master)
+    return value.clone()
+
+
+def _zero_fp32_values(optimizer):
+    """{id(param): FP32 value} under a ZeroRedundancyOptimizer (torch's or fusedamp's), a
+    collective: each rank holds the masters of its partition only, and sends their values to
+    the others (one broadcast per rank)."""
+    masters = _masters_by_param(optimizer.optim)
+    out = {}
+    for rank, groups in enumerate(optimizer._partition_parameters()):
+        params = [p for g in groups for p in g["params"]]
+        if not params:
+            continue
+        if rank == optimizer.rank:
+            flat = torch.cat([_fp32_value(p, masters).reshape(-1) for p in params])
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+        dist.broadcast(flat, src=dist.get_global_rank(optimizer.process_group, rank),
+                       group=optimizer.process_group)
+        for p, v in zip(params, flat.split([p.numel() for p in params])):
+            out[id(p)] = v.view(p.shape)
+    return out
+
+
 @torch.no_grad()
 def master_weights(model: torch.nn.Module, optimizer) -> dict:
     """{parameter name: FP32 tensor}: each parameter's master weight where it has one (and,
     for a separate FP32 copy, the model weight is still its rounding), else the parameter
-    itself in FP32."""
+    itself in FP32. Under a sharded optimizer (ShardedOptimizer, ZeroRedundancyOptimizer) a
+    collective: call it on every rank."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        values = _zero_fp32_values(optimizer)
+        return {name: values[id(p)] if id(p) in values else p.detach().float().clone()
+                for name, p in model.named_parameters()}
     masters = _masters_by_param(optimizer)
-    out = {}
-    for name, p in model.named_parameters():
-        value = p.detach().float()
-        if id(p) in masters:
-            master, separate = masters[id(p)]
-            master = master.to(p.device).reshape(p.shape)
-            value = (torch.where(master.to(p.dtype) == p.detach(), master, value) if separate
-                     else master)
-        out[name] = value.clone()
-    return out
+    return {name: _fp32_value(p, masters) for name, p in model.named_parameters()}
 
 
 def fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:

@@ -1,9 +1,9 @@
 """fusedamp's optimizers under torch's ZeRO stage 1.
 
 ``fusedamp.distributed.ZeroRedundancyOptimizer`` is torch's
-``torch.distributed.optim.ZeroRedundancyOptimizer`` (partitioning, parameter broadcast,
-``consolidate_state_dict``, checkpoints: all torch's) for a fusedamp optimizer class, with what
-a local optimizer that sees only its partition cannot do alone:
+``torch.distributed.optim.ZeroRedundancyOptimizer`` (partitioning, ``consolidate_state_dict``,
+checkpoints: all torch's) for a fusedamp optimizer class, with what a local optimizer that sees
+only its partition cannot do alone:
 
 - its statistics pass is summed over the process group between the engine's phases
   (fsdp.PartitionEngine): a non-finite gradient skips the step on every rank, not only on the
@@ -13,11 +13,17 @@ a local optimizer that sees only its partition cannot do alone:
   on every rank) and hands ``grad_scale``/``found_inf`` to the local fused step, which unscales
   and skips on the device: no host sync.
 
+It also takes parameters of several dtypes (FP32 norm layers beside FP16/BF16 weights), which
+torch's class refuses, and broadcasts the updated parameters once per rank and dtype rather
+than once per parameter.
+
 torch's class with a fusedamp optimizer steps correctly without clipping and without
 non-finite gradients, but clips by each partition's norm and skips per partition.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
 
 from .optim import FusedOptimizer, amp_handover
@@ -67,6 +73,35 @@ class ZeroRedundancyOptimizer(_TorchZeRO):
         # partition's (no state exists yet).
         self.optim._partition_of = self.process_group
         self.optim._build_engine()
+
+    def _sync_params(self):
+        """Each rank's updated parameters broadcast from it to the others, one broadcast per
+        rank and dtype (torch's per-parameter broadcasts cost a collective call each; its
+        bucket views need one dtype). The broadcasts are issued together, then awaited."""
+        if self.parameters_as_bucket_view:
+            super()._sync_params()
+            return
+        pending = []
+        for rank, groups in enumerate(self._partition_parameters()):
+            source = dist.distributed_c10d.get_global_rank(self.process_group, rank)
+            by_dtype = {}
+            for group in groups:
+                for p in group["params"]:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+            for params in by_dtype.values():
+                if rank == self.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                else:
+                    flat = params[0].new_empty(sum(p.numel() for p in params))
+                work = dist.broadcast(flat, src=source, group=self.process_group,
+                                      async_op=True)
+                pending.append((work, flat, params, rank != self.rank))
+        with torch.no_grad():
+            for work, flat, params, received in pending:
+                work.wait()
+                if received:
+                    pieces = flat.split([p.numel() for p in params])
+                    torch._foreach_copy_(params, [v.view_as(p) for v, p in zip(pieces, params)])
 
     def step(self, closure=None, **kwargs):
         """torch's step (the local fused step, then the parameters broadcast from their

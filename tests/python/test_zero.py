@@ -29,10 +29,10 @@ def runs(tmp_path_factory):
     """{world: per-rank results}; the 3 ranks resume the 2 ranks' consolidated checkpoint."""
     two = str(tmp_path_factory.mktemp("zero2"))
     out = {2: _launch(2, "gloo", two, worker=WORKER)}
-    checkpoint = os.path.join(two, "checkpoint.pt")
-    out[3] = _launch(3, "gloo", str(tmp_path_factory.mktemp("zero3")), load_path=checkpoint,
+    out[3] = _launch(3, "gloo", str(tmp_path_factory.mktemp("zero3")), load_path=two,
                      worker=WORKER)
-    out["checkpoint"] = torch.load(checkpoint)
+    for name in ("checkpoint", "sharded_checkpoint"):
+        out[name] = torch.load(os.path.join(two, f"{name}.pt"), weights_only=False)
     return out
 
 
@@ -60,7 +60,7 @@ def one_process(steps=STEPS, first=0, nan_step=None, checkpoint=None,
             params.append([p.detach().clone() for p in model.parameters()])
     finally:
         torch.set_num_threads(threads)
-    return params, opt
+    return params, opt, model
 
 
 def _ranks_identical(results, get):
@@ -86,7 +86,7 @@ def test_every_mode_matches_one_process_bit_for_bit(runs, world, mode, state_dty
     name = mode_name(mode, state_dtype)
     _ranks_identical(results, lambda r: r["modes"][name]["params"])
     mine = results[0]["modes"][name]
-    ref_params, ref_opt = one_process(master_weights=mode, state_dtype=state_dtype)
+    ref_params, ref_opt, ref_model = one_process(master_weights=mode, state_dtype=state_dtype)
     if mode == "stochastic":
         for a, b in zip(mine["params"][-1], ref_params[-1]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -5, atol=1e-3)
@@ -99,6 +99,13 @@ def test_every_mode_matches_one_process_bit_for_bit(runs, world, mode, state_dty
         assert full[i].keys() == s.keys()
         for key, v in s.items():
             assert full[i][key].dtype == v.dtype and torch.equal(full[i][key], v), (i, key)
+    # The FP32 model behind the run, gathered from the partitions, is one process's.
+    ref_export = fusedamp.master_weights(ref_model, ref_opt)
+    for r in results:
+        export = r["modes"][name]["export"]
+        assert export.keys() == ref_export.keys()
+        for key, value in ref_export.items():
+            assert export[key].dtype == torch.float32 and torch.equal(export[key], value), key
     # The partitions hold the state once between them.
     ref_bytes = fusedamp.distributed.optimizer_state_bytes(ref_opt)
     assert sum(r["modes"][name]["state_bytes"] for r in results) == ref_bytes
@@ -111,7 +118,7 @@ def test_clipping_uses_the_norm_of_all_gradients(runs, world, record_diff):
     class over the same optimizer clips each partition by its own norm and drifts away."""
     results = runs[world]
     _ranks_identical(results, lambda r: r["clipped"])
-    ref, _ = one_process(model_fn=one_dtype_model, optimizer_class=fusedamp.optim.SGD,
+    ref, _, _ = one_process(model_fn=one_dtype_model, optimizer_class=fusedamp.optim.SGD,
                          **CLIPPED_SGD)
     mine = _max_diff(results[0]["clipped"][-1], ref[-1])
     theirs = _max_diff(results[0]["clipped_torch"][-1], ref[-1])
@@ -129,7 +136,7 @@ def test_a_nonfinite_gradient_skips_the_step_on_every_rank(runs, world):
     assert all(torch.equal(a, b) for a, b in zip(mine[NAN_STEP], mine[NAN_STEP - 1]))
     assert not all(torch.equal(a, b) for a, b in zip(theirs[NAN_STEP], theirs[NAN_STEP - 1]))
     assert not all(torch.equal(a, b) for a, b in zip(mine[NAN_STEP + 1], mine[NAN_STEP]))
-    ref, _ = one_process(nan_step=NAN_STEP, model_fn=one_dtype_model,
+    ref, _, _ = one_process(nan_step=NAN_STEP, model_fn=one_dtype_model,
                          optimizer_class=fusedamp.optim.SGD, **CLIPPED_SGD)
     assert _max_diff(mine[-1], ref[-1]) <= 2 ** -7
 
@@ -153,23 +160,26 @@ def test_ddp_with_the_scaler_skips_and_scales_alike(runs, world):
     assert run["telemetry"]["amax"][0] > 0
 
 
-def test_a_checkpoint_of_two_ranks_continues_on_three_bit_for_bit(runs):
-    """torch's consolidated checkpoint, written by 2 ranks, loaded by 3 (each takes its new
-    partition) and by one process: the loaded state is the saved one, and the continued steps
-    are bit-identical."""
-    checkpoint = runs["checkpoint"]
+@pytest.mark.parametrize("name,resumed", [("checkpoint", "resumed"),
+                                          ("sharded_checkpoint", "resumed_sharded")])
+def test_a_checkpoint_of_two_ranks_continues_on_three_bit_for_bit(runs, name, resumed):
+    """A consolidated checkpoint written by 2 ranks (torch's ZeRO format, or the consolidated
+    one of fusedamp.distributed.ShardedOptimizer, which this class replaces), loaded by 3 (each
+    takes its new partition) and by one process: the loaded state is the saved one, and the
+    continued steps are bit-identical."""
+    checkpoint = runs[name]
     saved = checkpoint["optimizer"]["state"]
     loaded = {}
     for r in runs[3]:
-        assert not loaded.keys() & r["resumed"]["loaded"].keys()  # each in one partition
-        loaded.update(r["resumed"]["loaded"])
+        assert not loaded.keys() & r[resumed]["loaded"].keys()  # each in one partition
+        loaded.update(r[resumed]["loaded"])
     assert loaded.keys() == saved.keys() and len(saved) == len(checkpoint["model"])
     for i, s in saved.items():
         mine = loaded[i]
         assert mine.keys() == s.keys() and all(torch.equal(mine[k], v) for k, v in s.items())
-    ref, _ = one_process(steps=RESUME_STEPS, first=STEPS, checkpoint=checkpoint)
-    _ranks_identical(runs[3], lambda r: r["resumed"]["params"])
-    for a, b in zip(runs[3][0]["resumed"]["params"], ref):
+    ref, _, _ = one_process(steps=RESUME_STEPS, first=STEPS, checkpoint=checkpoint)
+    _ranks_identical(runs[3], lambda r: r[resumed]["params"])
+    for a, b in zip(runs[3][0][resumed]["params"], ref):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

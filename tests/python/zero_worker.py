@@ -2,11 +2,13 @@
 torch's ZeroRedundancyOptimizer and fusedamp.distributed.ZeroRedundancyOptimizer. Not a test
 module itself.
 
-    python zero_worker.py RANK WORLD INIT_FILE BACKEND OUT_DIR [LOAD_CHECKPOINT]
+    python zero_worker.py RANK WORLD INIT_FILE BACKEND OUT_DIR [CHECKPOINT_DIR]
 
 Most scenarios step on the gradients of the whole global batch, computed alike on every rank
 (one thread, the same batch), so that only the step can differ from one process. Results go to
-OUT_DIR/rank{RANK}.pt; rank 0 also writes the consolidated checkpoint to OUT_DIR/checkpoint.pt.
+OUT_DIR/rank{RANK}.pt; rank 0 also writes the consolidated checkpoints, of this class and of the
+ShardedOptimizer it replaces, to OUT_DIR/checkpoint.pt and OUT_DIR/sharded_checkpoint.pt, which
+a launch given CHECKPOINT_DIR (another world size's OUT_DIR) resumes.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ def modes_runs(rank):
         model = make_model("cpu", torch.bfloat16)
         opt = zero(model, master_weights=mode, state_dtype=state_dtype, **MODE_ADAM)
         res = {"params": train_full_batch(model, opt, STEPS, "cpu"),
-               "state_bytes": fusedamp.distributed.optimizer_state_bytes(opt)}
+               "state_bytes": fusedamp.distributed.optimizer_state_bytes(opt),
+               "export": fusedamp.master_weights(model, opt)}  # a collective
         opt.consolidate_state_dict(to=0)
         if rank == 0:
             res["full"] = opt.state_dict()
@@ -108,7 +111,7 @@ def ddp_scaler_run(rank, world):
 def resume_run(load_path):
     """A checkpoint consolidated on another number of ranks, loaded and continued."""
     model = make_model("cpu", torch.bfloat16)
-    checkpoint = torch.load(load_path)
+    checkpoint = torch.load(load_path, weights_only=False)
     model.load_state_dict(checkpoint["model"])
     opt = zero(model, **MODE_ADAM)
     opt.load_state_dict(checkpoint["optimizer"])
@@ -154,7 +157,8 @@ def main():
            "nan_torch": clipped_run(TorchZeRO, NAN_STEP),
            "ddp_scaler": ddp_scaler_run(rank, world),
            "torch_zero_load_keeps_state": torch_zero_load(rank)}
-    # The checkpoint other world sizes resume from: FP32 masters after STEPS steps.
+    # The checkpoints other world sizes resume from (FP32 masters after STEPS steps): this
+    # class's, and the consolidated one of the sharded optimizer it replaces.
     model = make_model("cpu", torch.bfloat16)
     opt = zero(model, **MODE_ADAM)
     train_full_batch(model, opt, STEPS, "cpu")
@@ -162,8 +166,17 @@ def main():
     if rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                    os.path.join(out_dir, "checkpoint.pt"))
-    if load_path:
-        out["resumed"] = resume_run(load_path)
+    model = make_model("cpu", torch.bfloat16)
+    sharded = fusedamp.distributed.ShardedOptimizer(model.parameters(), "adamw",
+                                                    grads_averaged=True, **MODE_ADAM)
+    train_full_batch(model, sharded, STEPS, "cpu")
+    full = sharded.consolidated_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": full},
+                   os.path.join(out_dir, "sharded_checkpoint.pt"))
+    if load_path:  # the folder of another world size's checkpoints
+        out["resumed"] = resume_run(os.path.join(load_path, "checkpoint.pt"))
+        out["resumed_sharded"] = resume_run(os.path.join(load_path, "sharded_checkpoint.pt"))
     try:
         fusedamp.distributed.ZeroRedundancyOptimizer(make_model("cpu").parameters(),
                                                      optimizer_class=torch.optim.AdamW)
