@@ -2,10 +2,12 @@
 
     torchrun --nproc_per_node=2 examples/python/train_distributed.py [--steps 50] [--mode both]
 
-Trains the model twice from the same initial weights: once as a fusedamp.initialize'd FP16 model
-wrapped in DistributedDataParallel (every rank keeps the full FP32 master weights and moments),
-once with fusedamp.distributed.ShardedOptimizer (ZeRO-1: each rank keeps 1/N of them). Prints
-the loss and each rank's optimizer-state bytes. Gloo on CPU, NCCL on GPU (one rank per GPU).
+Trains the model twice from the same initial weights, a fusedamp.initialize'd FP16 model wrapped
+in DistributedDataParallel both times: once with fusedamp.optim.AdamW (every rank keeps the full
+FP32 master weights and moments), once with fusedamp.distributed.ZeroRedundancyOptimizer
+(torch's ZeRO-1 over fusedamp's AdamW: each rank keeps the state of its partition, about 1/N).
+Prints the loss and each rank's optimizer-state bytes. Gloo on CPU, NCCL on GPU (one rank per
+GPU).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 import fusedamp  # noqa: E402
-from fusedamp.distributed import ShardedOptimizer, optimizer_state_bytes  # noqa: E402
+from fusedamp.distributed import ZeroRedundancyOptimizer, optimizer_state_bytes  # noqa: E402
 from amp_models import CharGPT, char_batch, char_data  # noqa: E402  (the demo's model and data)
 
 
@@ -33,14 +35,13 @@ def train(mode, args, device, rank, world, data, vocab):
     if mode == "ddp":
         base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         model, opt, scaler = fusedamp.initialize(model, base, torch.float16, max_grad_norm=1.0)
-        ids = [device.index] if device.type == "cuda" else None
-        net = DDP(model, device_ids=ids)
-    else:
+    else:  # the same training, each rank stepping its partition of the parameters
         fusedamp.convert_module(model, torch.float16)
-        opt = ShardedOptimizer(model.parameters(), "adamw", lr=args.lr, weight_decay=0.1,
-                               max_grad_norm=1.0)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fusedamp.optim.AdamW,
+                                      lr=args.lr, weight_decay=0.1, max_grad_norm=1.0)
         scaler = fusedamp.GradScaler(device.type)
-        net = model
+    ids = [device.index] if device.type == "cuda" else None
+    net = DDP(model, device_ids=ids)
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own part of the batch
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -78,7 +79,7 @@ def train(mode, args, device, rank, world, data, vocab):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=("ddp", "sharded", "both"), default="both")
+    ap.add_argument("--mode", choices=("ddp", "zero", "both"), default="both")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=24, help="global batch (split over ranks)")
     ap.add_argument("--context", type=int, default=64)
@@ -101,7 +102,7 @@ def main():
     data, _, vocab = char_data(device, context=args.context)
     if rank == 0:
         print(f"{world} ranks, backend {dist.get_backend()}, device {device.type}", flush=True)
-    for mode in (("ddp", "sharded") if args.mode == "both" else (args.mode,)):
+    for mode in (("ddp", "zero") if args.mode == "both" else (args.mode,)):
         train(mode, args, device, rank, world, data, vocab)
     dist.barrier()  # let every rank finish its last collective before the teardown
     dist.destroy_process_group()

@@ -9,8 +9,8 @@
   ``fp32_state_dict`` give the FP32 model behind a master-weight run.
 - ``fusedamp.lr_scheduler``: schedules counted in applied optimizer steps (a skipped step does
   not advance them), computed on the device.
-- ``fusedamp.distributed.ShardedOptimizer``: ZeRO stage-1 master-weight optimizer over
-  torch.distributed.
+- ``fusedamp.distributed.ZeroRedundancyOptimizer``: torch's ZeRO stage 1 over fusedamp's
+  optimizers, with global clipping and skips (``ShardedOptimizer``: deprecated).
 - The operators: ``torch.ops.fusedamp.*``, and ``fusedamp.ops.*``: the same operators from
   Python without torch.ops' boxing of every list element.
 """

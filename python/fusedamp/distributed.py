@@ -1,4 +1,10 @@
-"""fusedamp on torch.distributed: a ZeRO stage-1 sharded master-weight optimizer.
+"""fusedamp on torch.distributed: ZeRO stage 1.
+
+``ZeroRedundancyOptimizer`` (zero.py) is torch's, over a fusedamp optimizer. ``ShardedOptimizer``
+is deprecated (removed in the next release): on the same model and work it measured no faster
+than DDP + ZeroRedundancyOptimizer with the same state per rank
+(benchmarks/results/distributed_cpu.md); its consolidated checkpoints load into both
+ZeroRedundancyOptimizer and fusedamp.optim.
 
 ``ShardedOptimizer`` keeps the master weights (any of fusedamp.optim's modes) and moments of
 only this rank's 1/N of the parameters, laid out by flat_shard.FlatShard. The step is the C++
@@ -14,6 +20,8 @@ rank's shard (resume on the same ranks is bit-exact); ``consolidated_state_dict(
 gathers fusedamp.optim's format, which ``load_state_dict`` accepts on any number of ranks.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -66,6 +74,12 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=None, momentum=0.0, dampening=0.0,
                  nesterov=False, maximize=False, master_weights=True, state_dtype=torch.float32,
                  rounding_seed=0, max_grad_norm=None, grads_averaged=False, sync_params=True):
+        warnings.warn("fusedamp.distributed.ShardedOptimizer is deprecated and will be removed "
+                      "in the next release: use DistributedDataParallel with "
+                      "fusedamp.distributed.ZeroRedundancyOptimizer(params, "
+                      "optimizer_class=fusedamp.optim.AdamW, ...) (ZeRO-1, the same state per "
+                      "rank), or FSDP2 (fully_shard) with fusedamp.optim; its consolidated "
+                      "checkpoints load into both", DeprecationWarning, stacklevel=2)
         kind = optimizer.lower()
         if kind not in _ENGINES:
             raise ValueError(f"fusedamp.distributed: optimizer must be one of {tuple(_ENGINES)}, "

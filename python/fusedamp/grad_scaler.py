@@ -4,7 +4,7 @@ The scale state machine and the stages of an iteration (unscale_, step, update) 
 engine's (fusedamp._C.GradScaler); this class adapts torch's calling conventions and relays.
 
 Scaler and optimizer speak torch's AMP protocol. An optimizer with
-``_step_supports_amp_scaling`` (fusedamp's, torch's fused ones, fusedamp's ShardedOptimizer)
+``_step_supports_amp_scaling`` (fusedamp's, torch's fused ones, fusedamp.distributed's)
 receives ``grad_scale`` and ``found_inf`` as attributes for its step and unscales and skips
 itself on the device: ``scale -> backward -> step -> update`` then never synchronises. One that
 also sets ``_step_checks_nonfinite`` checks the gradients in its own step, so the scaler adds no

@@ -396,6 +396,18 @@ def _bf16_model_and_grads():
 
 
 @pytest.mark.usefixtures("one_rank_process_group")
+def test_sharded_optimizer_is_deprecated_naming_its_replacements():
+    from distributed_worker import make_model
+    from fusedamp.distributed import ShardedOptimizer
+
+    model = make_model("cpu", torch.bfloat16)
+    with pytest.warns(DeprecationWarning, match="ShardedOptimizer is deprecated") as caught:
+        ShardedOptimizer(model.parameters(), "adamw")
+    message = str(caught[0].message)
+    assert "fusedamp.distributed.ZeroRedundancyOptimizer" in message and "FSDP2" in message
+
+
+@pytest.mark.usefixtures("one_rank_process_group")
 def test_sharded_refuses_a_mode_that_does_not_fit_before_touching_the_model():
     from distributed_worker import make_model
     from fusedamp.distributed import ShardedOptimizer
