@@ -200,7 +200,29 @@ def step_scope(record_as):
     return torch.autograd.profiler.record_function(record_as)
 
 
-class ShardEngine:
+class _PartEngine:
+    """What the engines over one rank's part of the parameters share: the C++ engine's
+    interface relayed (``self._engine``), and its step run by the subclass's ``_phases``,
+    which reduces the statistics over the ranks."""
+
+    def __getattr__(self, name):  # results, options, state: the engine's own
+        return getattr(self.__dict__["_engine"], name)
+
+    def sync_options(self, param_groups):
+        self._param_groups = param_groups
+        self._engine.sync_options(param_groups)
+
+    def sync_changed_options(self, param_groups, synced):
+        self._param_groups = param_groups
+        self._engine.sync_changed_options(param_groups, synced)
+
+    def step(self, record_as=None):
+        stats = any(map(needs_stats, self._param_groups or ()))
+        with step_scope(record_as):
+            self._phases(None, None, scaled=False, stats=stats)
+
+
+class ShardEngine(_PartEngine):
     """The C++ engine (``engine_cls``) over the local shards of DTensor parameters, with the
     engine's interface: what optim.FusedOptimizer calls. Parameters in and state out are the
     DTensors; everything else is relayed to the engine."""
@@ -215,23 +237,7 @@ class ShardEngine:
         self._engine = engine_cls(self._locals)
         self._param_groups = None  # torch.optim's group dicts, as last synced
 
-    def __getattr__(self, name):  # results, options, checks: the engine's own
-        return getattr(self.__dict__["_engine"], name)
-
     # ---- the step -------------------------------------------------------------------------
-    def sync_options(self, param_groups):
-        self._param_groups = param_groups
-        self._engine.sync_options(param_groups)
-
-    def sync_changed_options(self, param_groups, synced):
-        self._param_groups = param_groups
-        self._engine.sync_changed_options(param_groups, synced)
-
-    def step(self, record_as=None):
-        stats = any(map(needs_stats, self._param_groups or ()))
-        with step_scope(record_as):
-            self._phases(None, None, scaled=False, stats=stats)
-
     def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
         # found_inf is reduced even when the gradients were unscaled already, so the statistics
         # pass always runs. It records for the scaler's telemetry (telemetry_of) only while the
@@ -341,7 +347,7 @@ class ShardEngine:
         return [p for g in self._params for p in g]
 
 
-class PartitionEngine:
+class PartitionEngine(_PartEngine):
     """The C++ engine over this rank's partition of the parameters (ZeRO stage 1: every rank
     holds every gradient, each steps its own parameters), with the statistics pass's
     [found_inf, sum_sq] summed over the process group between the phases, so that a step is
@@ -353,22 +359,6 @@ class PartitionEngine:
         self._engine = engine
         self._group = group
         self._param_groups = None
-
-    def __getattr__(self, name):  # results, options, state: the engine's own
-        return getattr(self.__dict__["_engine"], name)
-
-    def sync_options(self, param_groups):
-        self._param_groups = param_groups
-        self._engine.sync_options(param_groups)
-
-    def sync_changed_options(self, param_groups, synced):
-        self._param_groups = param_groups
-        self._engine.sync_changed_options(param_groups, synced)
-
-    def step(self, record_as=None):
-        stats = any(map(needs_stats, self._param_groups or ()))
-        with step_scope(record_as):
-            self._phases(None, None, scaled=False, stats=stats)
 
     def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
         with step_scope(record_as):

@@ -33,9 +33,10 @@ def scaler_on(device):
     return scaler
 
 
-def sharded_records(device, ranks, empty_rank=None):
-    """Each rank's scaler record after unscale_ of its shards, the passes reduced here."""
-    grads = full_grads(device)
+def sharded_records(device, ranks, empty_rank=None, grads=None):
+    """Each rank's scaler record after unscale_ of its shards of `grads` (full_grads()), the
+    passes reduced here; and each rank's scale after the update."""
+    grads = full_grads(device) if grads is None else grads
     holders = [r for r in range(ranks) if r != empty_rank]
     scalers, passes, named = [], [], []
     for r in range(ranks):
@@ -104,26 +105,8 @@ def test_finite_passes_give_the_global_norm(device):
     grads = full_grads(device)
     grads[2][5, 2] = 1.0
     want_sq = sum(g.double().square().sum().item() for g in grads)
-    passes, scalers = [], []
-    for r in range(2):
-        params = []
-        for g in grads:
-            p = torch.zeros_like(chunks(g, 2, r))
-            p.grad = chunks(g, 2, r)
-            params.append(p)
-        scaler = scaler_on(device)
-        pass_stats = _C.ShardedGradStats(scaler._engine)
-        scaler._engine.unscale_(1, params, pass_stats)
-        passes.append(pass_stats)
-        scalers.append(scaler)
-    total = torch.stack([p.sums() for p in passes]).sum(0)
-    for pass_stats, scaler in zip(passes, scalers):
-        pass_stats.sums().copy_(total)
-        pass_stats.maxima().copy_(torch.stack([p.maxima() for p in passes]).amax(0))
-        pass_stats.finish(sum(g.numel() for g in grads))
-        scaler._engine.end_step(1)
-        scaler.update()
-        log = scaler.telemetry()
+    logs, _ = sharded_records(device, 2, grads=grads)
+    for log in logs:
         assert log["found_inf"] == [False]
         assert log["grad_norm"][0] == pytest.approx(want_sq ** 0.5 / 256.0, rel=1e-6)
 
