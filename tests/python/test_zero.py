@@ -157,6 +157,10 @@ def test_ddp_with_the_scaler_skips_and_scales_alike(runs, world):
     assert run["applied"][INF_STEP] == 0.0 and run["skipped_steps"] == run["applied"].count(0.0)
     assert run["scales"][INF_STEP] == run["scales"][INF_STEP - 1] / 2
     assert run["telemetry"]["found_inf"][INF_STEP]
+    for k, facts in enumerate(run["measured"]):  # against the gradients, measured apart
+        if not run["telemetry"]["found_inf"][k]:
+            for key, value in facts.items():
+                assert run["telemetry"][key][k] == pytest.approx(value, abs=1e-15), (key, k)
     assert run["telemetry"]["amax"][0] > 0
 
 

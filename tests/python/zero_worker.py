@@ -85,26 +85,42 @@ def modes_runs(rank):
     return out
 
 
+def grad_facts(model):
+    """What the scaler's record must say of these (scaled) gradients, computed here apart from
+    it: the largest finite magnitude and the fractions of zero-or-subnormal and of subnormal
+    elements."""
+    amax, small, zero, n = 0.0, 0, 0, 0
+    for p in model.parameters():
+        g = p.grad.double()
+        finite = torch.isfinite(g)
+        amax = max(amax, g.abs().where(finite, 0.0).max().item())
+        small += int((g.abs() < torch.finfo(p.grad.dtype).tiny).sum())
+        zero += int((g == 0).sum())
+        n += g.numel()
+    return {"amax": amax, "underflow_fraction": small / n, "subnormal_fraction": (small - zero) / n}
+
+
 def ddp_scaler_run(rank, world):
     """FP16 DDP + fusedamp's scaler: scales, skips and the scaler's record on every rank."""
     model = make_model("cpu", torch.float16)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = zero(model, **MODE_ADAM)
     scaler = fusedamp.GradScaler("cpu", **SCALER)
-    applied, scales = [], []
+    applied, scales, measured = [], [], []
     for step in range(STEPS):
         x, y = global_batch(step, "cpu")
         loss = loss_of(ddp, local_rows(x, rank, world), local_rows(y, rank, world))
         if step == INF_STEP and rank == world - 1:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
+        measured.append(grad_facts(model))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
         applied.append(float(opt.last_step_applied))
         scales.append(scaler.get_scale())
     return {"applied": applied, "scales": scales, "skipped_steps": int(opt.skipped_steps),
-            "telemetry": scaler.telemetry(model),
+            "telemetry": scaler.telemetry(model), "measured": measured,
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
