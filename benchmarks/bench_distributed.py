@@ -38,7 +38,6 @@ import inspect
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -487,23 +486,13 @@ def _git(*cmd):
 
 
 def machine_info():
-    import torch
+    """bench_step's description of the machine (CPU model and flags, torch, date), with what
+    identifies the code that ran: the commit and, where the tree differs from it, a digest of
+    the tracked files' diff and of the package's and library's untracked sources (the same
+    working tree gives the same digest), and when the library was built."""
+    from bench_step import machine_info as shared
 
-    model, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    # The uncommitted changes that ran, identified by a digest of the tracked files' diff and
-    # of the untracked sources of the package and library (the same working tree gives the
-    # same digest).
+    info = shared("cpu")
     changed = _git("diff", "--name-only", "HEAD").splitlines()
     untracked = [f for f in _git("ls-files", "--others", "--exclude-standard", "csrc",
                                  "python", "cuda").splitlines() if f]
@@ -512,22 +501,16 @@ def machine_info():
         with open(os.path.join(ROOT, path), "rb") as f:
             digest.update(path.encode() + b"\0" + f.read())
     dirty = changed + [f"{f} (untracked)" for f in untracked]
-    import fusedamp
     from fusedamp import _library
 
     lib = os.path.realpath(_library.library_path)
-    return {"cpu": model, "cores": os.cpu_count(),
-            "avx512f": "avx512f" in flags, "avx2": "avx2" in flags,
-            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
-            "uncommitted_changes": dirty,
-            "uncommitted_sha256": digest.hexdigest()[:12] if dirty else None,
-            "fusedamp_path": os.path.dirname(fusedamp.__file__),
-            "fusedamp_library_built": datetime.datetime.fromtimestamp(
-                os.path.getmtime(lib)).strftime("%Y-%m-%d %H:%M:%S"),
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "load_average_before": os.getloadavg()}
+    info.update(commit=_git("rev-parse", "--short", "HEAD") or "unknown",
+                uncommitted_changes=dirty,
+                uncommitted_sha256=digest.hexdigest()[:12] if dirty else None,
+                fusedamp_library_built=datetime.datetime.fromtimestamp(
+                    os.path.getmtime(lib)).strftime("%Y-%m-%d %H:%M:%S"),
+                load_average_before=os.getloadavg())
+    return info
 
 
 def _faster(name, ratio, ms, ref_name, ref_ms):
@@ -583,8 +566,9 @@ def _reading(results):
 
 def write_report(results, machine, args, path_base, wall_s):
     ms = machine
-    flags = ", ".join(f"{k}: {'yes' if ms[k] else 'no'}"
-                      for k in ("avx512f", "avx2", "avx512_bf16", "amx_bf16"))
+    from bench_step import CPU_FLAGS
+
+    flags = ", ".join(ms["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS)
     first = next((r for r in results if r["params_by_dtype"]), results[0])
     any_row = next(iter(first["rows"].values()), {})
     params = any_row.get("params", 0)
@@ -597,7 +581,7 @@ def write_report(results, machine, args, path_base, wall_s):
         "# Distributed ZeRO-1 on CPU ranks: ShardedOptimizer vs FSDP2 vs DDP + ZeRO", "",
         "`" + " ".join(["PYTHONPATH=python python3 benchmarks/bench_distributed.py"]
                        + ([args["argv"]] if args["argv"] else [])) + "`", "",
-        f"Commit {ms['commit']}{dirty}; {ms['date']}; {ms['cpu']}, {ms['cores']} cores "
+        f"Commit {ms['commit']}{dirty}; {ms['date_utc']}; {ms['cpu']}, {ms['cpu_cores']} cores "
         f"({flags}); torch {ms['torch']}, Gloo, one torch thread per rank; load average "
         f"{ms['load_average_before'][0]:.2f} before the run, "
         + ", ".join(f"{r['load_average_after'][0]:.2f} after the {r['world']}-rank launch"

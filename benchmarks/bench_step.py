@@ -457,17 +457,24 @@ def measure(cfg: Config, spec: SizeSpec, w, g, device, clock: Clock, budget_s, m
 
 
 # ----------------------------------------------------------------------------- machine
+# The instruction-set flags a result depends on (the CPU kernels' and torch's paths).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
 def machine_info(device) -> dict:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     info = {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": platform.node(), "cpu": cpu, "cpu_cores": os.cpu_count(),
+            "cpu_flags": [f for f in CPU_FLAGS if f in flags],
             "torch_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version(), "torch": torch.__version__,
