@@ -23,40 +23,37 @@ constexpr int64_t kMaxMinusFirst = 1;
 
 ShardedGradStats::ShardedGradStats(GradTelemetrySink* record) : record_(record) {}
 
-void ShardedGradStats::grad_stats(at::TensorList params, at::TensorList grads,
-                                  const at::Tensor& found_inf, const at::Tensor& sum_sq) {
+void ShardedGradStats::begin_pass(at::TensorList params, at::TensorList grads,
+                                  const at::Tensor& found_inf) {
   TORCH_CHECK(!passed_, kWho, ": holds one pass (the gradients of one device)");
   params_ = params.vec();
   grads_ = grads.vec();
   found_inf_ = found_inf;
-  sum_sq_ = sum_sq;
   passed_ = true;
-  if (record_ == nullptr) {
-    ops::grad_stats_({grads, found_inf, sum_sq});
-    return;
+  if (record_ != nullptr) {  // the pass's own telemetry: nothing measured, no non-finite yet
+    slots_ = at::empty({math::kTelemetrySlots}, found_inf.options().dtype(at::kDouble));
+    slots_.fill_(0.0);
+    slots_.narrow(0, math::kFirstNonfinite, 1).fill_(std::numeric_limits<double>::infinity());
   }
-  slots_ = at::empty({math::kTelemetrySlots}, found_inf.options().dtype(at::kDouble));
-  slots_.fill_(0.0);
-  slots_.narrow(0, math::kFirstNonfinite, 1).fill_(std::numeric_limits<double>::infinity());
-  ops::grad_stats_({grads, found_inf, sum_sq, std::nullopt, slots_});
+}
+
+void ShardedGradStats::grad_stats(at::TensorList params, at::TensorList grads,
+                                  const at::Tensor& found_inf, const at::Tensor& sum_sq) {
+  begin_pass(params, grads, found_inf);
+  sum_sq_ = sum_sq;
+  ops::grad_stats_({grads, found_inf, sum_sq, std::nullopt,
+                    slots_.defined() ? std::optional<at::Tensor>(slots_) : std::nullopt});
 }
 
 void ShardedGradStats::unscale_and_check(at::TensorList params, at::TensorList grads,
                                          const at::Tensor& found_inf,
                                          const at::Tensor& inv_scale) {
-  TORCH_CHECK(!passed_, kWho, ": holds one pass (the gradients of one device)");
-  params_ = params.vec();
-  grads_ = grads.vec();
-  found_inf_ = found_inf;
-  passed_ = true;
+  begin_pass(params, grads, found_inf);
   if (record_ == nullptr) {
     ops::unscale_and_check_({grads, found_inf, inv_scale});
     return;
   }
   sum_sq_ = at::zeros({1}, found_inf.options().dtype(at::kFloat));
-  slots_ = at::empty({math::kTelemetrySlots}, found_inf.options().dtype(at::kDouble));
-  slots_.fill_(0.0);
-  slots_.narrow(0, math::kFirstNonfinite, 1).fill_(std::numeric_limits<double>::infinity());
   ops::unscale_and_check_({grads, found_inf, inv_scale, sum_sq_, slots_});
 }
 

@@ -51,6 +51,8 @@ class ShardedGradStats final : public GradTelemetrySink {
   void finish(double elements);
 
  private:
+  // Takes the pass's lists and flag (one pass per object) and, with a record, fresh slots.
+  void begin_pass(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf);
   void pack();
 
   GradTelemetrySink* record_;
