@@ -13,12 +13,12 @@ zero).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ._library import _C
 from .distributed import ShardedOptimizer
 from .optim import pack_param_groups
+from .zero import broadcast_partitions
 
 __all__ = ["master_weights", "fp32_state_dict"]
 
@@ -71,22 +71,10 @@ def _fp32_value(p, masters):
 def _zero_fp32_values(optimizer):
     """{id(param): FP32 value} under a ZeroRedundancyOptimizer (torch's or fusedamp's), a
     collective: each rank holds the masters of its partition only, and sends their values to
-    the others (one broadcast per rank)."""
+    the others."""
     masters = _masters_by_param(optimizer.optim)
-    out = {}
-    for rank, groups in enumerate(optimizer._partition_parameters()):
-        params = [p for g in groups for p in g["params"]]
-        if not params:
-            continue
-        if rank == optimizer.rank:
-            flat = torch.cat([_fp32_value(p, masters).reshape(-1) for p in params])
-        else:
-            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
-        dist.broadcast(flat, src=dist.get_global_rank(optimizer.process_group, rank),
-                       group=optimizer.process_group)
-        for p, v in zip(params, flat.split([p.numel() for p in params])):
-            out[id(p)] = v.view(p.shape)
-    return out
+    return {id(p): v for p, v, _ in broadcast_partitions(
+        optimizer, lambda p: _fp32_value(p, masters), lambda p: torch.float32)}
 
 
 @torch.no_grad()

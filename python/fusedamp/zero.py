@@ -77,31 +77,15 @@ class ZeroRedundancyOptimizer(_TorchZeRO):
     def _sync_params(self):
         """Each rank's updated parameters broadcast from it to the others, one broadcast per
         rank and dtype (torch's per-parameter broadcasts cost a collective call each; its
-        bucket views need one dtype). The broadcasts are issued together, then awaited."""
+        bucket views need one dtype)."""
         if self.parameters_as_bucket_view:
             super()._sync_params()
             return
-        pending = []
-        for rank, groups in enumerate(self._partition_parameters()):
-            source = dist.distributed_c10d.get_global_rank(self.process_group, rank)
-            by_dtype = {}
-            for group in groups:
-                for p in group["params"]:
-                    by_dtype.setdefault(p.dtype, []).append(p)
-            for params in by_dtype.values():
-                if rank == self.rank:
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                else:
-                    flat = params[0].new_empty(sum(p.numel() for p in params))
-                work = dist.broadcast(flat, src=source, group=self.process_group,
-                                      async_op=True)
-                pending.append((work, flat, params, rank != self.rank))
-        with torch.no_grad():
-            for work, flat, params, received in pending:
-                work.wait()
-                if received:
-                    pieces = flat.split([p.numel() for p in params])
-                    torch._foreach_copy_(params, [v.view_as(p) for v, p in zip(pieces, params)])
+        received = [(p, v) for p, v, own in broadcast_partitions(self, torch.Tensor.detach,
+                                                                 lambda p: p.dtype) if not own]
+        if received:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in received], [v for _, v in received])
 
     def step(self, closure=None, **kwargs):
         """torch's step (the local fused step, then the parameters broadcast from their
@@ -130,3 +114,32 @@ class ZeroRedundancyOptimizer(_TorchZeRO):
         """Steps skipped since construction (device tensor)."""
         return self.optim.skipped_steps
 
+
+
+def broadcast_partitions(zero, value_of, dtype_of):
+    """Every rank's partition of a ZeroRedundancyOptimizer's parameters, the owner's values
+    (``value_of(p)``, of dtype ``dtype_of(p)``) sent to every rank: one flat broadcast per rank
+    and dtype, issued together, then awaited. Returns (parameter, value, owned here) for every
+    parameter; a collective."""
+    pending = []
+    for rank, groups in enumerate(zero._partition_parameters()):
+        source = dist.distributed_c10d.get_global_rank(zero.process_group, rank)
+        by_dtype = {}
+        for group in groups:
+            for p in group["params"]:
+                by_dtype.setdefault(dtype_of(p), []).append(p)
+        for dtype, params in by_dtype.items():
+            own = rank == zero.rank
+            if own:
+                flat = torch.cat([value_of(p).reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in params), dtype=dtype,
+                                   device=params[0].device)
+            work = dist.broadcast(flat, src=source, group=zero.process_group, async_op=True)
+            pending.append((work, flat, params, own))
+    out = []
+    for work, flat, params, own in pending:
+        work.wait()
+        pieces = flat.split([p.numel() for p in params])
+        out += [(p, v.view_as(p), own) for p, v in zip(params, pieces)]
+    return out
