@@ -223,7 +223,16 @@ FUSEDAMP_MODES = [  # (label, master_weights, extra state besides the moments)
     ("kahan", "kahan", [("compensation (bf16)", 2)]),
     ("stochastic", "stochastic", []),
 ]
-STATE_DTYPES = [("fp32", FP32), ("bf16", BF16)]
+STATE_DTYPES = [("fp32", FP32), ("bf16", BF16), ("int8", torch.int8)]
+
+
+def moment_state(sname, sdt):
+    """The moments' (buffer, bytes per parameter) of a state dtype: int8 keeps 8-bit codes of
+    both moments and, per block of 32 elements, two FP32 scales."""
+    if sdt == torch.int8:
+        return [("exp_avg (int8 codes)", 1), ("exp_avg_sq (uint8 codes)", 1),
+                ("moment_scales (2 fp32 per 32 elements)", 0.25)]
+    return [(f"exp_avg ({sname})", sdt.itemsize), (f"exp_avg_sq ({sname})", sdt.itemsize)]
 
 
 def make_rows(device, fusedamp_kw: dict) -> list[Row]:
@@ -273,7 +282,6 @@ def make_rows(device, fusedamp_kw: dict) -> list[Row]:
     extra = [("grad_stats_ read of g (skip_nonfinite)", 2)] if stats else []
     for label, mw, own in FUSEDAMP_MODES:
         for sname, sdt in STATE_DTYPES:
-            b = sdt.itemsize
             kw = dict(master_weights=mw, state_dtype=sdt)
             kw.update(fusedamp_kw)
             # FP32 masters adopt edits of the weight by default: the step reads it too.
@@ -281,7 +289,7 @@ def make_rows(device, fusedamp_kw: dict) -> list[Row]:
             reads = [("weight read to adopt edits (adopt_param_edits)", 2)] if adopts else []
             rows.append(Row(f"fusedamp {label} / {sname} state", "fusedamp",
                             "fusedamp.optim.AdamW", kw,
-                            own + [(f"exp_avg ({sname})", b), (f"exp_avg_sq ({sname})", b)],
+                            own + moment_state(sname, sdt),
                             extra_passes=list(extra) + reads, unavailable=why,
                             state_dtype_text=sname))
     return rows

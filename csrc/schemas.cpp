@@ -69,7 +69,11 @@ TORCH_LIBRARY(fusedamp, m) {
   // bfloat16 = Kahan compensations ("kahan", math/kahan_math.h). rounding_seeds (one per
   // tensor, bfloat16 params, no master_params): stochastic rounding from the counter (seed,
   // step count, element index) (math/stochastic_rounding_math.h). The state lists (moments,
-  // AMSGrad maxima, momentum buffers) are all float32 or all bfloat16.
+  // AMSGrad maxima, momentum buffers) are all float32 or all bfloat16, or (Adam without
+  // AMSGrad) quantized: exp_avgs int8 and exp_avg_sqs uint8 codes with moment_scales (one
+  // contiguous float32 [ceil(numel / 32), 2] tensor per param: each block of 32 elements'
+  // exp_avg and exp_avg_sq scales), read and rewritten by the step
+  // (math/quantized_moments_math.h).
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(f!)[] grads, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, float lr, "
@@ -77,7 +81,8 @@ TORCH_LIBRARY(fusedamp, m) {
       "bool maximize=False, Tensor? lr_tensor=None, Tensor? inv_scale=None, "
       "Tensor? found_inf=None, Tensor? grad_sum_sq=None, float? max_grad_norm=None, "
       "bool adopt_param_edits=True, bool write_back_grads=False, "
-      "Tensor(g!)[]? max_exp_avg_sqs=None, int[]? rounding_seeds=None) -> ()");
+      "Tensor(g!)[]? max_exp_avg_sqs=None, int[]? rounding_seeds=None, "
+      "Tensor(h!)[]? moment_scales=None) -> ()");
 
   // SGD (momentum, dampening, Nesterov, weight decay) with the same contract (weights kept as
   // adam_step_'s).

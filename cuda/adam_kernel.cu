@@ -16,6 +16,7 @@
 #include <fusedamp/math/adam_math.h>
 
 #include "../csrc/ops/static_switch.h"
+#include "adam_block.cuh"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
 #include "step_weights.cuh"
@@ -97,17 +98,9 @@ __global__ void __launch_bounds__(kThreads)
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
   }
-  const ChunkRef ch = this_chunk(b);
-  const float lr = s.learning_rate();
-  const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
-  // Bias corrections in FP64 from the step count before its increment, as on the CPU; once
-  // per block, shared with the block.
-  __shared__ math::AdamCoeffs coeffs;
-  if (threadIdx.x == 0) {
-    coeffs = math::adam_coeffs<double>(h, lr, step_before);
-  }
-  const float mult = s.grad_multiplier();
-  __syncthreads();
+  const AdamBlockStart start = adam_block_start(b, h, s);
+  const ChunkRef& ch = start.ch;
+  const float step_before = start.step_before;
   AdamOp<TP, TG, kStore, kAmsgrad, TS> op{
       step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
       {list_at<TG>(b, ch, true, Pos::kG), write_back_grads},
@@ -115,8 +108,8 @@ __global__ void __launch_bounds__(kThreads)
       list_at<TS>(b, ch, true, Pos::kV),
       list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
       h,
-      coeffs,
-      mult};
+      start.coeffs,
+      start.mult};
   constexpr int W = vec_width_of<TP, TG, TS>();
   // 8 elements of 4-6 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
   chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
@@ -141,15 +134,20 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 
 }  // namespace
 
-// The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima.
+// The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; or, with
+// moment_scales, the two moments as int8 / uint8 codes (adam_quantized_kernel.cu).
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
-  step_switch(
-      step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
-        launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
-      },
-      BoolSwitch{step.state.count == 3},
-      DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
+  if (!step.moment_scales.empty()) {
+    adam_quantized(step, s);
+  } else {
+    step_switch(
+        step.params, step.grads, step.weight_store(),
+        [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
+          launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
+        },
+        BoolSwitch{step.state.count == 3},
+        DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
+  }
   advance_steps(step.steps, s.found_inf);
 }
 

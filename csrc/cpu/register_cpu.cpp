@@ -64,6 +64,9 @@ void take_mutable_addresses(const Step<Hyper>& step) {
     for (size_t k = 0; k < step.state.count; ++k) {
       row.state[k] = address(step.state.lists[k][i]);
     }
+    if (!step.moment_scales.empty()) {
+      row.state[2] = address(step.moment_scales[i]);
+    }
     row.step = step.steps[i].template mutable_data_ptr<float>();
   }
   rows.needs_mutable_access = false;
@@ -223,7 +226,8 @@ struct CpuOps {
   static constexpr bool kTakesRows = true;
 
   static void adam_step(const Step<math::AdamHyper>& step) {
-    // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima.
+    // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; int8
+    // exp_avgs are quantized moments (the rows' third address: their block scales).
     const bool amsgrad = step.state.count == 3;
     run_step(step, [&](const CpuStep& cpu_step) {
       kernels().adam(cpu_step, step.state.lists[0][0].scalar_type(), amsgrad, step.hyper);

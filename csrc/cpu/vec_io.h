@@ -50,6 +50,21 @@ struct LaneOps<at::vec::Vectorized<float>> {
                                                       const at::vec::Vectorized<float>& otherwise) {
     return at::vec::Vectorized<float>::blendv(otherwise, if_equal, x == y);
   }
+  static inline at::vec::Vectorized<float> rint(const at::vec::Vectorized<float>& x) {
+    return x.round();  // to nearest, ties to even
+  }
+  // Bitwise: Vectorized::copysign is a call into Sleef, once per vector.
+  static inline at::vec::Vectorized<float> copysign(const at::vec::Vectorized<float>& x,
+                                                    const at::vec::Vectorized<float>& s) {
+    const at::vec::Vectorized<float> sign(-0.f);
+    return x.abs() | (s & sign);
+  }
+  static inline at::vec::Vectorized<float> code_in(const at::vec::Vectorized<float>& x,
+                                                   const at::vec::Vectorized<float>& top) {
+    const at::vec::Vectorized<float> zero(0.f);
+    // (x > 0) is false for NaN lanes: they become 0.
+    return at::vec::Vectorized<float>::blendv(zero, at::vec::minimum(x, top), x > zero);
+  }
 };
 }  // namespace fusedamp::math
 

@@ -49,11 +49,14 @@ struct AlgorithmOf<AdamOptions> {
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,
-            StateSlot::kMaxExpAvgSq};
+            StateSlot::kMaxExpAvgSq, StateSlot::kMomentScales};
   }
 
   static StateSlots slots_for(const AdamOptions& o) {
     const StateSlots moments{StateSlot::kExpAvg, StateSlot::kExpAvgSq};
+    if (o.state_dtype() == at::kChar) {  // 8-bit codes and their block scales
+      return moments.with(StateSlot::kMomentScales);
+    }
     return o.amsgrad() ? moments.with(StateSlot::kMaxExpAvgSq) : moments;
   }
 
@@ -85,7 +88,7 @@ struct AlgorithmOf<AdamOptions> {
 
   static void check(const AdamOptions& o, size_t group) {
     detail::check_adam_options(kName, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
-                               group);
+                               o.amsgrad(), o.state_dtype(), group);
   }
 
   static ops::AdamStep args(const detail::Bucket& b, const AdamOptions& o,
@@ -96,6 +99,9 @@ struct AlgorithmOf<AdamOptions> {
     a.exp_avg_sqs = b.state(StateSlot::kExpAvgSq);
     if (o.amsgrad()) {
       a.max_exp_avg_sqs = b.state(StateSlot::kMaxExpAvgSq);
+    }
+    if (o.state_dtype() == at::kChar) {
+      a.moment_scales = b.state(StateSlot::kMomentScales);
     }
     a.beta1 = std::get<0>(o.betas());
     a.beta2 = std::get<1>(o.betas());

@@ -119,7 +119,11 @@ void Optimizer::save(torch::serialize::OutputArchive& archive) const {
     if (!d.empty()) {
       torch::serialize::OutputArchive ps(archive.compilation_unit());
       for (const auto& [name, t] : d) {
-        ps.write(name, t.to(at::kCPU), /*is_buffer=*/true);
+        // Each its own storage: a small parameter's state tensors are views of one block
+        // (param_state_store.cpp), and the archive writes a shared storage once, in the dtype
+        // of the first tensor it meets, so a loaded int16 remainder or int8 code came back as
+        // float.
+        ps.write(name, t.to(at::kCPU).clone(), /*is_buffer=*/true);
       }
       st.write(std::to_string(k), ps);
     }
@@ -166,13 +170,15 @@ void Optimizer::load(torch::serialize::InputArchive& archive) {
       continue;
     }
     StateDict d;
-    for (const char* name :
-         {kStep, kMasterParam, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer,
-          kParamRemainder, kKahanCompensation}) {
+    const auto take = [&](const char* name) {
       at::Tensor t;  // a fresh handle each time: try_read set_()s a defined tensor in place
       if (ps.try_read(name, t, /*is_buffer=*/true)) {
         d.emplace(name, t);
       }
+    };
+    take(kStep);
+    for (const auto& info : kStateSlots) {
+      take(info.name);
     }
     fresh[params[k].unsafeGetTensorImpl()] = detail::ParamStateStore::from_dict(
         kind(), params[k], k, d, known_slots(), /*copy=*/true);

@@ -14,13 +14,15 @@ bool flag_option(const std::string& name, double value) {
 }
 
 at::ScalarType state_dtype_option(double value) {
-  const bool fp32 = value == static_cast<double>(at::kFloat);
-  const bool bf16 = value == static_cast<double>(at::kBFloat16);
-  TORCH_CHECK_VALUE(fp32 || bf16, "fusedamp: state_dtype must be torch.float32 or "
-                    "torch.bfloat16 (as a number: the ScalarType code ",
-                    static_cast<int>(at::kFloat), " or ", static_cast<int>(at::kBFloat16),
+  for (const auto t : {at::kFloat, at::kBFloat16, at::kChar}) {
+    if (value == static_cast<double>(t)) {
+      return t;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "fusedamp: state_dtype must be torch.float32, torch.bfloat16 or "
+                    "torch.int8 (as a number: the ScalarType code ", static_cast<int>(at::kFloat),
+                    ", ", static_cast<int>(at::kBFloat16), " or ", static_cast<int>(at::kChar),
                     "), got ", value);
-  return fp32 ? at::kFloat : at::kBFloat16;
 }
 
 int64_t seed_option(const std::string& name, double value) {
@@ -53,8 +55,10 @@ void check_common_options(const char* who, double lr, double weight_decay,
     TORCH_CHECK_VALUE(hyper::valid_max_grad_norm(*e.max_grad_norm), "Invalid max_grad_norm: ",
                       *e.max_grad_norm, " (must be finite and > 0, or None)", where);
   }
-  TORCH_CHECK_VALUE(e.state_dtype == at::kFloat || e.state_dtype == at::kBFloat16,
-                    "Invalid state_dtype: ", e.state_dtype, " (float32 or bfloat16)", where);
+  TORCH_CHECK_VALUE(e.state_dtype == at::kFloat || e.state_dtype == at::kBFloat16 ||
+                        e.state_dtype == at::kChar,
+                    "Invalid state_dtype: ", e.state_dtype, " (float32, bfloat16 or int8)",
+                    where);
   TORCH_CHECK_VALUE(e.rounding_seed >= 0, "Invalid rounding_seed: ", e.rounding_seed,
                     " (must be >= 0)", where);
   if (e.lr_tensor.defined()) {
@@ -67,8 +71,12 @@ void check_common_options(const char* who, double lr, double weight_decay,
   }
 }
 
-void check_adam_options(const char* who, double beta1, double beta2, double eps, size_t group) {
+void check_adam_options(const char* who, double beta1, double beta2, double eps, bool amsgrad,
+                        at::ScalarType state_dtype, size_t group) {
   const Where where{who, group};
+  TORCH_CHECK_VALUE(!(amsgrad && state_dtype == at::kChar),
+                    "Invalid state_dtype: int8 moments do not keep AMSGrad's running maximum "
+                    "of exp_avg_sq (amsgrad=True needs float32 or bfloat16 state)", where);
   TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
                     where);
   TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
@@ -77,8 +85,11 @@ void check_adam_options(const char* who, double beta1, double beta2, double eps,
 }
 
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
-                       size_t group) {
+                       at::ScalarType state_dtype, size_t group) {
   const Where where{who, group};
+  TORCH_CHECK_VALUE(state_dtype != at::kChar,
+                    "Invalid state_dtype: int8 is for Adam's moments; SGD's momentum buffer is "
+                    "float32 or bfloat16", where);
   TORCH_CHECK_VALUE(hyper::valid_momentum(momentum), "Invalid momentum value: ", momentum,
                     where);
   TORCH_CHECK_VALUE(hyper::valid_dampening(dampening), "Invalid dampening value: ", dampening,

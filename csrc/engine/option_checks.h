@@ -22,8 +22,11 @@ int64_t seed_option(const std::string& name, double value);
 void check_common_options(const char* who, double lr, double weight_decay,
                           const EngineGroupOptions& e, size_t group);
 
-void check_adam_options(const char* who, double beta1, double beta2, double eps, size_t group);
+// amsgrad with int8 state (quantized moments keep no running maximum) is refused.
+void check_adam_options(const char* who, double beta1, double beta2, double eps, bool amsgrad,
+                        at::ScalarType state_dtype, size_t group);
+// int8 state (for Adam's moments only) is refused.
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
-                       size_t group);
+                       at::ScalarType state_dtype, size_t group);
 
 }  // namespace fusedamp::optim::detail

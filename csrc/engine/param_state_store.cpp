@@ -7,6 +7,7 @@
 #include <fusedamp/optim/state_conversion.h>
 
 #include "master_weights.h"
+#include "quantized_moments.h"
 
 namespace fusedamp::optim::detail {
 namespace {
@@ -28,6 +29,11 @@ at::Tensor fp32_like(const at::Tensor& p, const at::Tensor& src) {
 at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at::Tensor& t) {
   if (name == kParamRemainder) {
     return at::kShort;
+  }
+  // 8-bit codes stay codes (their moment_scales FP32, below).
+  if ((name == kExpAvg && t.scalar_type() == at::kChar) ||
+      (name == kExpAvgSq && t.scalar_type() == at::kByte)) {
+    return t.scalar_type();
   }
   if (name == kKahanCompensation) {
     return p.scalar_type();
@@ -196,14 +202,61 @@ ParamState& ParamStateStore::ensure(const at::Tensor& param, MasterWeights mode,
   return s;
 }
 
+namespace {
+
+// Adam's moments in the format a step needs: 8-bit codes with their scales where `codes`,
+// quantized from the values held (zeros where none); FP32 values otherwise, dequantized from
+// codes held (the caller casts them to state_dtype).
+void convert_moment_format(const at::Tensor& param, bool codes, ParamState& s) {
+  const bool held_codes = s.exp_avg.defined() && s.exp_avg.scalar_type() == at::kChar;
+  if (codes) {
+    if (held_codes) {
+      return;  // from_dict checked that codes come with uint8 exp_avg_sq and their scales
+    }
+    QuantizedMoments q;
+    if (!s.exp_avg.defined() && !s.exp_avg_sq.defined()) {
+      q = zero_quantized_moments(param);
+    } else {
+      const auto zeros = at::zeros_like(param, param.options().dtype(at::kFloat));
+      q = quantize_moments(param, s.exp_avg.defined() ? s.exp_avg : zeros,
+                           s.exp_avg_sq.defined() ? s.exp_avg_sq : zeros);
+    }
+    s.exp_avg = std::move(q.exp_avg);
+    s.exp_avg_sq = std::move(q.exp_avg_sq);
+    s.moment_scales = std::move(q.scales);
+    return;
+  }
+  if (held_codes) {
+    std::tie(s.exp_avg, s.exp_avg_sq) =
+        dequantize_moments(param, {s.exp_avg, s.exp_avg_sq, s.moment_scales});
+  }
+  s.moment_scales = at::Tensor();
+}
+
+}  // namespace
+
 void ParamStateStore::convert(const at::Tensor& param, MasterWeights mode,
                               at::ScalarType state_dtype, StateSlots slots, ParamState& s) {
   if (!s.step.defined()) {
     s.step = at::zeros({}, param.options().dtype(at::kFloat));
   }
   convert_weight_store(param, mode, s);
+  const bool codes = state_dtype == at::kChar;
+  if (slots.has(StateSlot::kExpAvg) || s.moment_scales.defined()) {
+    convert_moment_format(param, codes, s);
+  }
   for (const auto& info : kStateSlots) {
-    if (is_weight_store_slot(info.slot) || !slots.has(info.slot)) {
+    // The scales come and go with the moments' format (convert_moment_format).
+    if (is_weight_store_slot(info.slot) || !slots.has(info.slot) ||
+        info.slot == StateSlot::kMomentScales) {
+      continue;
+    }
+    if (codes) {
+      // The moments and their scales are in place; no other state has an 8-bit format.
+      TORCH_CHECK_VALUE(info.slot == StateSlot::kExpAvg || info.slot == StateSlot::kExpAvgSq ||
+                            info.slot == StateSlot::kMomentScales,
+                        "fusedamp::optim: state_dtype int8 is for Adam's moments, not '",
+                        info.name, "'");
       continue;
     }
     at::Tensor& t = s.*info.member;
@@ -241,6 +294,27 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                       p.scalar_type() == at::kBFloat16,
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
                   " must be a dense int16 tensor beside a bfloat16 parameter");
+    } else if (t.defined() && (kept_dtype(name, p, t) == at::kChar ||
+                               kept_dtype(name, p, t) == at::kByte)) {
+      // 8-bit moments: the codes of exp_avg and exp_avg_sq and their scales, together.
+      const auto sq = dict.find(kExpAvgSq);
+      const auto m = dict.find(kExpAvg);
+      const auto scales = dict.find(kMomentScales);
+      TORCH_CHECK(t.layout() == at::kStrided && m != dict.end() && sq != dict.end() &&
+                      m->second.scalar_type() == at::kChar &&
+                      sq->second.scalar_type() == at::kByte && scales != dict.end(),
+                  "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
+                  " is 8-bit codes; state_dtype int8 keeps int8 'exp_avg', uint8 'exp_avg_sq' "
+                  "and their 'moment_scales' together");
+    } else if (name == kMomentScales) {
+      const auto m = dict.find(kExpAvg);
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.scalar_type() == at::kFloat &&
+                      has_block_scale_shape(p, t) && m != dict.end() &&
+                      m->second.scalar_type() == at::kChar,
+                  "fusedamp::optim::", who, ": state 'moment_scales' of parameter ", index,
+                  " must be a float32 tensor of shape [", (p.numel() + 31) / 32,
+                  ", 2] beside int8 'exp_avg' codes, got ", t.scalar_type(), " of shape ",
+                  t.sizes());
     } else {
       TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.is_floating_point(),
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
@@ -254,6 +328,10 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     if (name == kStep) {
       TORCH_CHECK(t.numel() == 1, "fusedamp::optim::", who, ": state 'step' of parameter ",
                   index, " must have one element, got ", t.numel());
+    } else if (name == kMomentScales) {
+      TORCH_CHECK(copy || t.is_contiguous(), "fusedamp::optim::", who,
+                  ": state 'moment_scales' of parameter ", index,
+                  " cannot be kept without a copy: it must be contiguous");
     } else {
       TORCH_CHECK(t.sizes() == p.sizes(), "fusedamp::optim::", who, ": state '", name,
                   "' of parameter ", index, " has shape ", t.sizes(),
@@ -262,7 +340,8 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     if (!copy) {
       // Kept as they are, so they must already be what a fused op walks beside `p`.
       TORCH_CHECK(t.scalar_type() == kept_dtype(name, p, t) && t.device() == p.device() &&
-                      (name == kStep || p.numel() <= 1 || t.strides() == p.strides()),
+                      (name == kStep || name == kMomentScales || p.numel() <= 1 ||
+                       t.strides() == p.strides()),
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
                   " cannot be kept without a copy: it must be ", kept_dtype(name, p, t),
                   " on ", p.device(), " with the parameter's strides");
@@ -279,6 +358,10 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
       } else {
         s.step = t.reshape({});
       }
+    } else if (name == kMomentScales) {
+      s.moment_scales = copy ? t.to(p.device(), at::kFloat, /*non_blocking=*/false,
+                                    /*copy=*/true).contiguous()
+                             : t;
     } else {
       s.*(slot_named(name)->member) = copy ? copy_like(p, t, kept_dtype(name, p, t)) : t;
     }
@@ -304,9 +387,10 @@ namespace fusedamp::optim {
 ConvertedParamState convert_param_state(const at::Tensor& weight,
                                         const Optimizer::StateDict& state, MasterWeights mode,
                                         at::ScalarType state_dtype, size_t index) {
-  TORCH_CHECK_VALUE(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
-                    "fusedamp::optim::convert_param_state: state_dtype must be float32 or "
-                    "bfloat16, got ", state_dtype);
+  TORCH_CHECK_VALUE(state_dtype == at::kFloat || state_dtype == at::kBFloat16 ||
+                        state_dtype == at::kChar,
+                    "fusedamp::optim::convert_param_state: state_dtype must be float32, "
+                    "bfloat16 or int8, got ", state_dtype);
   TORCH_CHECK_VALUE(mode.fits(weight.scalar_type()), "fusedamp::optim::convert_param_state: "
                     "master_weights=\"", mode.name(), "\" keeps bfloat16 weights, but parameter ",
                     index, " is ", weight.scalar_type());

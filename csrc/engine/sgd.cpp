@@ -66,7 +66,8 @@ struct AlgorithmOf<SGDOptions> {
   }
 
   static void check(const SGDOptions& o, size_t group) {
-    detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
+    detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), o.state_dtype(),
+                              group);
   }
 
   static ops::SgdStep args(const detail::Bucket& b, const SGDOptions& o,

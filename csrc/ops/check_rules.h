@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include <fusedamp/math/quantized_moments_math.h>
+
 #include "hyper_params.h"
 #include "tensor_facts.h"
 
@@ -67,6 +69,7 @@ enum class DtypeRule : uint8_t {
   kLikeGrads0,   // grads of a step: grads[0]'s
   kLikeList0,    // master_params and the state lists: their own list's [0] (checked once)
   kFloatKind,    // grads of unscale_and_check_ / grad_stats_: FP32, FP16 or BF16
+  kQuantizedCodes,  // quantized moments: int8 exp_avgs, uint8 exp_avg_sqs
 };
 
 [[noreturn]] C10_NOINLINE inline void raise_dtype(const char* op, const char* list, size_t i,
@@ -81,6 +84,10 @@ enum class DtypeRule : uint8_t {
     case DtypeRule::kLikeList0:
       TORCH_CHECK(false, op, ": ", list, "[", i, "] has dtype ", got, " but ", list, "[0] has ",
                   want, "; one call takes one dtype per list");
+    case DtypeRule::kQuantizedCodes:
+      TORCH_CHECK(false, op, ": ", list, "[", i, "] has dtype ", got, ", expected ", want,
+                  "; quantized moments (moment_scales given) are int8 exp_avgs and uint8 "
+                  "exp_avg_sqs");
     case DtypeRule::kFloatKind:
       break;
   }
@@ -143,6 +150,34 @@ C10_ALWAYS_INLINE void check_no_overlap(const char* op, size_t i, const TensorFa
                                         const char* b_list) {
   if (C10_UNLIKELY(!disjoint(a.span, b.span))) {
     raise_overlap(op, i, a_list, b_list);
+  }
+}
+
+// moment_scales[i] (quantized moments, math/quantized_moments_math.h): a contiguous float32
+// [blocks, 2] tensor for the blocks of params[i].
+[[noreturn]] C10_NOINLINE inline void raise_block_scales(const char* op, size_t i,
+                                                         const Tensor& t, const Tensor& params,
+                                                         int64_t blocks) {
+  TORCH_CHECK(false, op, ": moment_scales[", i, "] must be a contiguous float32 tensor of shape [",
+              blocks, ", 2] (one row per block of ", math::kMomentBlock, " elements of params[",
+              i, "], which has ", params.sym_numel(), "); got ", t.scalar_type(), " of shape ",
+              t.sym_sizes(), " strides ", t.sym_strides());
+}
+
+C10_ALWAYS_INLINE void check_block_scales(const char* op, size_t i, const TensorFacts& t,
+                                          const TensorFacts& params) {
+  const Tensor& a = *t.tensor;
+  const Tensor& p = *params.tensor;
+  const bool concrete = C10_LIKELY(t.concrete && params.concrete);
+  const int64_t blocks = concrete ? math::moment_blocks(p.numel()) : -1;
+  const bool right =
+      t.dtype == at::kFloat &&
+      (concrete ? a.dim() == 2 && a.size(0) == blocks && a.size(1) == 2 && a.is_contiguous()
+                : a.sym_numel() == (p.sym_numel() + (math::kMomentBlock - 1)) /
+                                           math::kMomentBlock * 2 &&
+                      a.dim() == 2);
+  if (C10_UNLIKELY(!right)) {
+    raise_block_scales(op, i, a, p, blocks);
   }
 }
 

@@ -41,6 +41,7 @@ Step<math::AdamHyper> step_of(const ops::AdamStep& a) {
   if (a.max_exp_avg_sqs.has_value() && !a.max_exp_avg_sqs->empty()) {  // AMSGrad
     s.state.add("max_exp_avg_sqs", *a.max_exp_avg_sqs);
   }
+  s.moment_scales = a.moment_scales.value_or(at::TensorList());
   return s;
 }
 

@@ -83,7 +83,8 @@ struct StepRow {
   void* param;
   void* grad;
   void* master;    // master_params[i]; nullptr when the step has no master_params
-  void* state[3];  // nullptr past the step's state lists
+  // nullptr past the step's state lists; with quantized moments, state[2] is moment_scales[i].
+  void* state[3];
   float* step;     // steps[i]'s one element
   int64_t numel;   // of params[i], and so of every tensor of the row
 };
@@ -96,10 +97,18 @@ struct StepFacts {
   c10::ScalarType param_dtype = c10::ScalarType::Undefined;
   c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   c10::ScalarType master_dtype = c10::ScalarType::Undefined;
-  c10::ScalarType state_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType state_dtype = c10::ScalarType::Undefined;  // of the first state list
+  // Adam's moments as 8-bit codes with block scales (math/quantized_moments_math.h): exp_avgs
+  // int8, exp_avg_sqs uint8, and the moment_scales list.
+  bool quantized = false;
   bool operator==(const StepFacts& o) const {
     return device == o.device && param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
-           master_dtype == o.master_dtype && state_dtype == o.state_dtype;
+           master_dtype == o.master_dtype && state_dtype == o.state_dtype &&
+           quantized == o.quantized;
+  }
+  // The dtype of state list k: the first list's, but the uint8 exp_avg_sqs of quantized moments.
+  c10::ScalarType state_list_dtype(size_t k) const {
+    return quantized && k == 1 ? c10::ScalarType::Byte : state_dtype;
   }
 };
 
@@ -175,6 +184,8 @@ struct StepLists {
   at::TensorList grads;
   at::TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
   StateLists state;
+  // Quantized moments (adam_step_ only): each param's block scales; empty otherwise.
+  at::TensorList moment_scales;
   c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
   bool with_rounding_seeds;         // given (even empty): the checks judge them
 };

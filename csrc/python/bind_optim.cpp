@@ -77,11 +77,12 @@ optim::MasterWeights master_weights_of(py::handle value, const std::string& wher
 
 at::ScalarType state_dtype_of(py::handle value, const std::string& where) {
   TORCH_CHECK_VALUE(THPDtype_Check(value.ptr()), where,
-                    ": state_dtype must be torch.float32 or torch.bfloat16, got ",
+                    ": state_dtype must be torch.float32, torch.bfloat16 or torch.int8, got ",
                     py::repr(value).cast<std::string>());
   const auto dtype = reinterpret_cast<THPDtype*>(value.ptr())->scalar_type;
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16, where,
-                    ": state_dtype must be torch.float32 or torch.bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar, where,
+                    ": state_dtype must be torch.float32, torch.bfloat16 or torch.int8, got ",
+                    dtype);
   return dtype;
 }
 

@@ -87,6 +87,13 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fusedamp.distributed.ShardedOptimizer needs an initialised "
                                "torch.distributed process group (dist.init_process_group)")
+        params = list(params)
+        for value in [state_dtype] + [g.get("state_dtype") for g in params if isinstance(g, dict)]:
+            if value in (torch.int8, "int8", "torch.int8"):
+                raise ValueError("fusedamp.distributed.ShardedOptimizer: state_dtype=torch.int8 "
+                                 "is not supported (its flat shards would cut the 32-element "
+                                 "blocks of 8-bit moments); use "
+                                 "fusedamp.distributed.ZeroRedundancyOptimizer")
         weight_decay = (1e-2 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
         defaults = dict(lr=lr, weight_decay=weight_decay, maximize=maximize,
                         master_weights=master_weights, state_dtype=state_dtype,

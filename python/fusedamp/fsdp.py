@@ -237,6 +237,25 @@ class ShardEngine(_PartEngine):
         self._engine = engine_cls(self._locals)
         self._param_groups = None  # torch.optim's group dicts, as last synced
 
+    # 8-bit moments keep one scale per 32 elements of a parameter; a local shard's elements
+    # are not the parameter's, so its blocks would depend on the sharding. Refused before the
+    # options reach the engine.
+    @staticmethod
+    def _refuse_int8_state(param_groups):
+        for i, g in enumerate(param_groups):
+            if g.get("state_dtype") in (torch.int8, "int8", "torch.int8"):
+                raise ValueError(f"fusedamp: param group {i}: state_dtype=torch.int8 is not "
+                                 "supported on FSDP2 (DTensor) parameters yet: the moments' "
+                                 "blocks of 32 elements would follow the shards")
+
+    def sync_options(self, param_groups):
+        self._refuse_int8_state(param_groups)
+        super().sync_options(param_groups)
+
+    def sync_changed_options(self, param_groups, synced):
+        self._refuse_int8_state(param_groups)
+        super().sync_changed_options(param_groups, synced)
+
     # ---- the step -------------------------------------------------------------------------
     def step_amp(self, grad_scale, found_inf, telemetry_of=None, record_as=None):
         # found_inf is reduced even when the gradients were unscaled already, so the statistics

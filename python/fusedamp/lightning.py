@@ -69,7 +69,8 @@ class FusedAmpPrecision(Precision):
             overrides it while set.
         master_weights: what keeps the bits below the FP16/BF16 weights (fusedamp.optim):
             True (FP32 masters), "split" / "stochastic" (bf16-mixed only), "kahan", False.
-        state_dtype: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``.
+        state_dtype: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``, or
+            ``torch.int8`` (AdamW/Adam: 8-bit moments with block scales, see fusedamp.optim).
         rounding_seed: the seed of ``master_weights="stochastic"``.
         autocast: run the steps under ``torch.autocast`` (see the module doc).
         scaler: a ``fusedamp.GradScaler`` to use instead of the one built from ``init_scale``,

@@ -23,7 +23,9 @@ Extra arguments over torch's:
                  "stochastic"  BF16 only: no state; the weight is rounded stochastically,
                         reproducibly from ``rounding_seed`` (and the step, the element)
                  False  none: round to nearest (updates below half an ulp are lost)
-  state_dtype (default torch.float32)  the moments / momentum buffers: float32 or bfloat16
+  state_dtype (default torch.float32)  the moments / momentum buffers: float32, bfloat16, or
+                 torch.int8 (or "int8"; Adam/AdamW without amsgrad): 8-bit codes of the moments
+                 in blocks of 32 elements with FP32 block scales (2.25 bytes/param for both)
   rounding_seed (default 0)  the seed of master_weights="stochastic"
   max_grad_norm  (default None)  fused global-norm clipping (clip_grad_norm_'s formula)
   skip_nonfinite (default True)  skip the step on inf/NaN even without a loss scaler

@@ -417,8 +417,10 @@ def test_sharded_refuses_a_mode_that_does_not_fit_before_touching_the_model():
     for mode in ("split", "stochastic"):
         with pytest.raises(ValueError, match=f'master_weights="{mode}" keeps bfloat16 weights'):
             ShardedOptimizer(model.parameters(), "adamw", master_weights=mode)
-    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="state_dtype must be torch.float32, torch.bfloat16"):
         ShardedOptimizer(model.parameters(), "adamw", state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="ZeroRedundancyOptimizer"):
+        ShardedOptimizer(model.parameters(), "adamw", state_dtype=torch.int8)
     for p, (ptr, value) in zip(model.parameters(), before):
         assert p.data_ptr() == ptr and torch.equal(p.detach(), value)  # not repacked
 

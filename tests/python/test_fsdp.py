@@ -275,3 +275,26 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode):
         assert mine.dtype == value.dtype and torch.equal(mine, value), key
     assert state["exp_avg"].to_local().dtype == torch.bfloat16
     assert {"split": "param_remainder", "kahan": "kahan_compensation"}.get(mode, "step") in state
+
+
+def test_int8_moments_on_dtensor_parameters_are_refused_changing_nothing(one_rank_mesh):
+    """8-bit moments' blocks follow each parameter's own elements; a shard's are not its
+    parameter's, so FSDP2 parameters refuse state_dtype=torch.int8 (at construction, and when
+    a group is switched to it), before anything changes."""
+    from fsdp_worker import global_batch, loss_of, make_model, shard
+
+    sharded = shard(make_model(), one_rank_mesh, None)
+    with pytest.raises(ValueError, match="not supported on FSDP2"):
+        fusedamp.optim.AdamW(sharded.parameters(), lr=1e-3, state_dtype=torch.int8)
+    opt = fusedamp.optim.AdamW(sharded.parameters(), lr=1e-3)
+    x, y = global_batch(0)
+    loss_of(sharded(x), y).backward()
+    opt.step()
+    weights = [p.to_local().clone() for p in sharded.parameters()]
+    moments = [opt.state[p]["exp_avg"].to_local().clone() for p in sharded.parameters()]
+    opt.param_groups[0]["state_dtype"] = torch.int8
+    with pytest.raises(ValueError, match="not supported on FSDP2"):
+        opt.step()
+    for p, w, m in zip(sharded.parameters(), weights, moments):
+        assert torch.equal(p.to_local(), w)
+        assert torch.equal(opt.state[p]["exp_avg"].to_local(), m)

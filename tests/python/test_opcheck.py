@@ -85,3 +85,21 @@ def test_opcheck_master_weight_modes(device, name, store):
             extra[state] = [t.to(torch.bfloat16) for t in getattr(inp, state)]
     args, kwargs = inp.args(name, **hyper, **extra)
     torch.library.opcheck(getattr(ops, name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("store", ["master", "split"])
+def test_opcheck_quantized_moments(device, store):
+    """8-bit moments: int8/uint8 codes and the moment_scales list under opcheck."""
+    build, hyper = SAMPLES["adam_step_"]
+    inp = op_inputs(device, [(5,), (3, 40)], param_dtype=torch.bfloat16,
+                    master_weights=store == "master", seed=35, **build)
+    extra = dict(exp_avgs=[torch.randint(-127, 128, p.shape, dtype=torch.int8, device=device)
+                           for p in inp.params],
+                 exp_avg_sqs=[torch.randint(0, 256, p.shape, dtype=torch.uint8, device=device)
+                              for p in inp.params],
+                 moment_scales=[torch.rand((p.numel() + 31) // 32, 2, device=device)
+                                for p in inp.params])
+    if store == "split":
+        extra["master_params"] = [torch.zeros_like(p, dtype=torch.int16) for p in inp.params]
+    args, kwargs = inp.args("adam_step_", **hyper, **extra)
+    torch.library.opcheck(ops.adam_step_.default, args, kwargs)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fusedamp
-from distributed_worker import MODE_ADAM, MODES, STEPS, make_model, mode_name
+from distributed_worker import MODE_ADAM, STEPS, make_model, mode_name
 from test_distributed import _launch
-from zero_worker import (CLIPPED_SGD, INF_STEP, NAN_STEP, RESUME_STEPS, one_dtype_model,
-                         whole_batch_grads)
+from zero_worker import (CLIPPED_SGD, INF_STEP, NAN_STEP, RESUME_STEPS, ZERO_MODES,
+                         one_dtype_model, whole_batch_grads)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_worker.py")
 WORLDS = (2, 3)
@@ -80,7 +80,8 @@ def _max_diff(a, b):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("mode,state_dtype", MODES, ids=[mode_name(*m) for m in MODES])
+@pytest.mark.parametrize("mode,state_dtype", ZERO_MODES,
+                         ids=[mode_name(*m) for m in ZERO_MODES])
 def test_every_mode_matches_one_process_bit_for_bit(runs, world, mode, state_dtype):
     results = runs[world]
     name = mode_name(mode, state_dtype)

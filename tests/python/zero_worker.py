@@ -70,9 +70,14 @@ def clipped_run(cls, nan_step=None):
     return params
 
 
+# ZeRO-1 gives each parameter whole to one rank, so 8-bit moments (blocks in each parameter's
+# own elements) are as in one process too.
+ZERO_MODES = MODES + [(True, torch.int8), ("split", torch.int8)]
+
+
 def modes_runs(rank):
     out = {}
-    for mode, state_dtype in MODES:
+    for mode, state_dtype in ZERO_MODES:
         model = make_model("cpu", torch.bfloat16)
         opt = zero(model, master_weights=mode, state_dtype=state_dtype, **MODE_ADAM)
         res = {"params": train_full_batch(model, opt, STEPS, "cpu"),

@@ -95,7 +95,8 @@ FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
   X(Bool, maximize)                \
   FUSEDAMP_STEP_SHARED_ARGS(X)     \
   X(OptTensors, max_exp_avg_sqs)   \
-  X(OptInts, rounding_seeds)
+  X(OptInts, rounding_seeds)       \
+  X(OptTensors, moment_scales)
 FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
 
 #define FUSEDAMP_SGD_STEP_ARGS(X) \

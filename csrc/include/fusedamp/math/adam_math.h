@@ -78,10 +78,12 @@ C10_HOST_DEVICE inline AdamCoeffs adam_coeffs(const AdamHyper& h, float lr, floa
 // One element (or one vector of lanes). g is the raw gradient times `grad_mult`
 // (inverse loss scale and clip coefficient); p, m, v are FP32 and updated in place. With
 // AMSGrad (v_max given) the denominator uses the running maximum of v, as torch.optim.Adam
-// with amsgrad=True: v_max = max(v_max, v) after v's update.
+// with amsgrad=True: v_max = max(v_max, v) after v's update. sqrt_v, when given, receives
+// the square root the denominator took (a quantized v's code is formed from it).
 template <typename V>
-C10_HOST_DEVICE inline void adam_update(
-    V& p, V& m, V& v, V g, const AdamHyper& h, const AdamCoeffs& c, V* v_max = nullptr) {
+C10_HOST_DEVICE inline void adam_update(V& p, V& m, V& v, V g, const AdamHyper& h,
+                                        const AdamCoeffs& c, V* v_max = nullptr,
+                                        V* sqrt_v = nullptr) {
   if (h.maximize) {
     g = V(0.f) - g;
   }
@@ -97,7 +99,11 @@ C10_HOST_DEVICE inline void adam_update(
   if (v_max != nullptr) {
     *v_max = LaneOps<V>::max(*v_max, v);
   }
-  const V denom = LaneOps<V>::sqrt(v_max != nullptr ? *v_max : v) / V(c.bc2_sqrt) + V(h.eps);
+  const V root = LaneOps<V>::sqrt(v_max != nullptr ? *v_max : v);
+  if (sqrt_v != nullptr) {
+    *sqrt_v = root;
+  }
+  const V denom = root / V(c.bc2_sqrt) + V(h.eps);
   p = p - V(c.step_size) * m / denom;
 }
 

@@ -32,6 +32,20 @@ struct LaneOps {
   static C10_HOST_DEVICE inline V where_equal(V x, V y, V if_equal, V otherwise) {
     return x == y ? if_equal : otherwise;
   }
+  // Per lane: rounded to the nearest integer, ties to even (the default rounding mode).
+  static C10_HOST_DEVICE inline V rint(V x) {
+#if defined(__CUDA_ARCH__)
+    return ::rintf(x);
+#else
+    return std::nearbyint(x);
+#endif
+  }
+  // Per lane: |x| with the sign of s.
+  static C10_HOST_DEVICE inline V copysign(V x, V s) { return std::copysign(x, s); }
+  // Per lane: x within [0, top]; NaN gives 0 (an 8-bit code of a quantized state).
+  static C10_HOST_DEVICE inline V code_in(V x, V top) {
+    return x > V(0.f) ? (x < top ? x : top) : V(0.f);
+  }
 };
 
 }  // namespace fusedamp::math

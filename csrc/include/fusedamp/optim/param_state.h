@@ -5,7 +5,8 @@
 // A parameter's state is created at the first step that sees a gradient for it, on the
 // parameter's device, with the parameter's strides, so that every list a fused op walks is
 // dense in the same element order as the parameter itself. The moments and momentum buffers
-// are FP32 or BF16 (state_dtype); what keeps the weight's lower bits depends on master_weights
+// are FP32 or BF16 (state_dtype), or Adam's moments 8-bit codes with block scales (int8);
+// what keeps the weight's lower bits depends on master_weights
 // (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"),
 // kahan_compensation (the weight's dtype, "kahan"), or nothing. A state dict may hold any of
 // them: the next step converts it to what the group's mode keeps (exactly, between FP32 and
@@ -24,6 +25,7 @@ inline constexpr const char* kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr const char* kMomentumBuffer = "momentum_buffer";
 inline constexpr const char* kParamRemainder = "param_remainder";
 inline constexpr const char* kKahanCompensation = "kahan_compensation";
+inline constexpr const char* kMomentScales = "moment_scales";
 
 struct ParamState {
   at::Tensor step;             // 0-dim count of applied steps (FP32, as torch's fused optimizers)
@@ -34,6 +36,9 @@ struct ParamState {
   at::Tensor momentum_buffer;  // SGD with momentum
   at::Tensor param_remainder;  // int16: BF16 weight + remainder = FP32 master ("split")
   at::Tensor kahan_compensation;  // the weight's dtype: what rounding dropped ("kahan")
+  // state_dtype int8: exp_avg holds int8 codes, exp_avg_sq uint8 codes, and this FP32
+  // [ceil(numel / 32), 2] tensor each block's two scales (math/quantized_moments_math.h).
+  at::Tensor moment_scales;
 };
 
 // The tensor slots beside `step`. An optimizer kind says which of them it uses; the state
@@ -45,7 +50,8 @@ enum class StateSlot {
   kMomentumBuffer,
   kMaxExpAvgSq,
   kParamRemainder,
-  kKahanCompensation
+  kKahanCompensation,
+  kMomentScales
 };
 
 struct StateSlotInfo {
@@ -54,7 +60,7 @@ struct StateSlotInfo {
   at::Tensor ParamState::*member;
 };
 
-inline constexpr std::array<StateSlotInfo, 7> kStateSlots = {{
+inline constexpr std::array<StateSlotInfo, 8> kStateSlots = {{
     {StateSlot::kMasterParam, kMasterParam, &ParamState::master_param},
     {StateSlot::kExpAvg, kExpAvg, &ParamState::exp_avg},
     {StateSlot::kExpAvgSq, kExpAvgSq, &ParamState::exp_avg_sq},
@@ -62,6 +68,7 @@ inline constexpr std::array<StateSlotInfo, 7> kStateSlots = {{
     {StateSlot::kMaxExpAvgSq, kMaxExpAvgSq, &ParamState::max_exp_avg_sq},
     {StateSlot::kParamRemainder, kParamRemainder, &ParamState::param_remainder},
     {StateSlot::kKahanCompensation, kKahanCompensation, &ParamState::kahan_compensation},
+    {StateSlot::kMomentScales, kMomentScales, &ParamState::moment_scales},
 }};
 
 // The slots that keep a weight's lower bits (one at most is defined); the engine adds them.

@@ -1,0 +1,168 @@
+"""adam_step_ with quantized moments (moment_scales: int8 exp_avg and uint8 exp_avg_sq codes with
+FP32 block scales, csrc/include/fusedamp/math/quantized_moments_math.h) on CUDA against the CPU
+kernel on identical inputs, for every weight store, param and grad dtype, sizes around a moment
+block (32) and a chunk (32768), tensors starting at odd element offsets, device scalars, a
+skipped step, and more tensors than one launch's metadata holds.
+
+The kernels compute the same formulas in FP32, but each compiler contracts other a * b + c
+into an FMA (one rounding fewer), as for every other step kernel: a moment one rounding apart
+may sit on the other side of a code's rounding boundary. So codes agree to one step (and
+rarely differ at all), scales and weights to FP32 rounding of a few steps; the step counts
+exactly."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+B = 32
+# One element, a block less one, one block, one more, an odd size, three chunks with a partial
+# last block, a 2-D tensor, an empty one.
+SHAPES = [(1,), (31,), (32,), (33,), (1000,), (70000,), (37, 29), (0,)]
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# (master_weights, param dtype): every weight store the CPU kernel has.
+STORES = [("none", F32), ("none", F16), ("none", BF16), ("master", F32), ("master", F16),
+          ("master", BF16), ("split", BF16), ("kahan", F16), ("kahan", BF16),
+          ("stochastic", BF16)]
+
+# Hyper-parameters of the successive steps: AdamW with the device scalars, Adam with L2 decay
+# maximizing and writing the multiplied grads back, a step skipped by found_inf, a plain one.
+STEPS = [
+    dict(weight_decay=0.01, decoupled_weight_decay=True, scalars=dict(inv_scale=0.5,
+                                                                    found_inf=0.0)),
+    dict(weight_decay=0.1, decoupled_weight_decay=False, maximize=True, write_back_grads=True,
+         scalars=dict(lr_tensor=2e-3, inv_scale=0.25)),
+    dict(weight_decay=0.01, decoupled_weight_decay=True, scalars=dict(found_inf=1.0)),
+    dict(weight_decay=0.0, decoupled_weight_decay=True, scalars={}),
+]
+
+
+def dtype_id(d):
+    return str(d).replace("torch.", "")
+
+
+def problem(store, pdtype, gdtype, shapes, seed):
+    """CPU tensors of one problem: params, master_params, zero codes and scales, step counts,
+    one list of grads per step, rounding seeds (or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen).to(pdtype) for s in shapes]
+    if store == "master":
+        masters = [p.float().clone() for p in params]
+    elif store == "split":
+        masters = [torch.randint(-3000, 3000, s, generator=gen, dtype=torch.int16)
+                   for s in shapes]
+    elif store == "kahan":
+        masters = [(torch.randn(s, generator=gen) * 1e-3).to(pdtype) for s in shapes]
+    else:
+        masters = []
+    numels = [p.numel() for p in params]
+    state = dict(
+        params=params, master_params=masters,
+        exp_avgs=[torch.zeros_like(p, dtype=torch.int8) for p in params],
+        exp_avg_sqs=[torch.zeros_like(p, dtype=torch.uint8) for p in params],
+        steps=[torch.zeros(()) for _ in params],
+        moment_scales=[torch.zeros((n + B - 1) // B, 2) for n in numels])
+    grads = [[(torch.randn(s, generator=gen) * 2e-2).to(gdtype) for s in shapes]
+             for _ in STEPS]
+    seeds = [1000 + 7 * i for i in range(len(shapes))] if store == "stochastic" else None
+    return state, grads, seeds
+
+
+def place(t, device, offset):
+    """A copy of t on device starting `offset` elements into its storage (an odd offset leaves
+    every pointer off its vector alignment, and a moment_scales row off 8 bytes)."""
+    if t.dim() == 0:
+        return t.to(device, copy=True)  # a copy on the CPU too: the problem stays as it was
+    buf = torch.zeros(t.numel() + offset, dtype=t.dtype, device=device)
+    v = buf[offset:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+def run(device, state, grads, seeds, offset):
+    """The steps of STEPS on copies of the problem on `device`; everything they touched, on the
+    CPU."""
+    s = {k: [place(t, device, offset) for t in ts] for k, ts in state.items()}
+    used_grads = []
+    for hyper, g in zip(STEPS, grads):
+        g = [place(t, device, offset) for t in g]
+        kw = {k: v for k, v in hyper.items() if k != "scalars"}
+        for name, value in hyper["scalars"].items():
+            kw[name] = torch.full((1,), value, device=device)
+        torch.ops.fusedamp.adam_step_(
+            s["params"], s["master_params"], g, s["exp_avgs"], s["exp_avg_sqs"], s["steps"],
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, rounding_seeds=seeds,
+            moment_scales=s["moment_scales"], **kw)
+        used_grads.append(g)
+    out = {k: [t.cpu() for t in ts] for k, ts in s.items()}
+    out["grads"] = [t.cpu() for g in used_grads for t in g]
+    return out
+
+
+def _weights(out, store, pdtype):
+    """The FP32 value each step left behind per tensor: the master, the split pair, the Kahan
+    sum, or the weight itself."""
+    if store == "master":
+        return out["master_params"]
+    if store == "split":
+        values = []
+        for w, r in zip(out["params"], out["master_params"]):
+            bits = ((w.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + r.to(torch.int64)
+            bits = bits & 0xFFFFFFFF
+            bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits)  # as int32 patterns
+            values.append(bits.to(torch.int32).view(torch.float32))
+        return values
+    if store == "kahan":
+        return [w.float() + c.float() for w, c in zip(out["params"], out["master_params"])]
+    return [w.float() for w in out["params"]]
+
+
+def assert_matches_cpu(cuda, cpu, store, pdtype):
+    assert cuda.keys() == cpu.keys()
+    for name in cpu:
+        assert len(cuda[name]) == len(cpu[name]), name
+        for a, b in zip(cuda[name], cpu[name]):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+    for a, b in zip(cuda["steps"], cpu["steps"]):
+        assert torch.equal(a, b)
+    for name in ("exp_avgs", "exp_avg_sqs"):
+        a = torch.cat([t.reshape(-1).int() for t in cuda[name]])
+        b = torch.cat([t.reshape(-1).int() for t in cpu[name]])
+        assert (a - b).abs().max().item() <= 1, name
+        assert (a != b).float().mean().item() <= 0.01, name
+    for a, b in zip(cuda["moment_scales"], cpu["moment_scales"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    low = pdtype != torch.float32 and store in ("none", "stochastic")
+    tol = dict(rtol=2 ** -7, atol=1e-6) if low else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(_weights(cuda, store, pdtype), _weights(cpu, store, pdtype)):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(cuda["grads"], cpu["grads"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd"])
+@pytest.mark.parametrize("grad_fp32", [False, True], ids=["grad_like_param", "grad_fp32"])
+@pytest.mark.parametrize("store, pdtype", STORES,
+                         ids=[f"{s}-{dtype_id(d)}" for s, d in STORES])
+def test_quantized_adam_matches_cpu(store, pdtype, grad_fp32, offset):
+    if grad_fp32 and pdtype == F32:
+        pytest.skip("FP32 params: the grads are FP32 either way")
+    gdtype = F32 if grad_fp32 else pdtype
+    state, grads, seeds = problem(store, pdtype, gdtype, SHAPES, seed=17)
+    cpu = run("cpu", state, grads, seeds, offset)
+    cuda = run("cuda", state, grads, seeds, offset)
+    assert_matches_cpu(cuda, cpu, store, pdtype)
+    # Three steps applied (one skipped) and the moments really quantized, not left at zero.
+    assert all(t.item() == 3.0 for t in cpu["steps"])
+    assert any(t.ne(0).any() for t in cpu["exp_avgs"])
+    assert any(t.ne(0).any() for t in cpu["moment_scales"])
+
+
+def test_quantized_adam_over_several_launches_matches_cpu():
+    """More tensors than one launch's metadata holds (several launches of one call), of sizes
+    around a moment block: each launch finds its tensors' scales."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(int(n),) for n in torch.randint(1, 100, (1200,), generator=gen)]
+    state, grads, seeds = problem("master", BF16, BF16, shapes, seed=5)
+    assert_matches_cpu(run("cuda", state, grads, seeds, 0), run("cpu", state, grads, seeds, 0),
+                       "master", BF16)
