@@ -17,7 +17,8 @@ Rows (every one on BF16 parameters with BF16 gradients, no loss scaler):
            stochastically rounded BF16 weights; one torch.compile'd function per parameter.
   fusedamp fusedamp.optim.AdamW(master_weights=MODE, state_dtype=SDT), MODE in True (FP32 master),
            False (plain BF16), "split" (BF16 + int16 remainder), "kahan" (BF16 + BF16
-           compensation), "stochastic" (stochastic rounding); SDT FP32 or BF16 moments.
+           compensation), "split8" (BF16 + int8 remainder: a 24-bit master), "stochastic" (stochastic
+           rounding); SDT FP32 or BF16 moments, or int8 (8-bit moments with block scales).
 A row that cannot run (library missing, mode not implemented yet, ...) records why instead of a
 number; the run goes on.
 
@@ -220,6 +221,7 @@ FUSEDAMP_MODES = [  # (label, master_weights, extra state besides the moments)
     ("fp32-master", True, [("master (fp32)", 4)]),
     ("bf16-rtn", False, []),
     ("split", "split", [("remainder (int16)", 2)]),
+    ("split8", "split8", [("remainder (int8)", 1)]),
     ("kahan", "kahan", [("compensation (bf16)", 2)]),
     ("stochastic", "stochastic", []),
 ]

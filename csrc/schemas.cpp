@@ -65,7 +65,9 @@ TORCH_LIBRARY(fusedamp, m) {
   // running maximum of exp_avg_sqs (one per param), used in the denominator.
   // How the weights are kept (master_weights), from master_params' dtype: empty = none (params
   // rounded to nearest); float32 = FP32 masters; int16 (bfloat16 params) = remainders, the
-  // pair being the FP32 master exactly ("split", math/split_math.h); the params' float16/
+  // pair being the FP32 master exactly ("split", math/split_math.h); int8 (bfloat16 params) =
+  // remainders of a 24-bit master ("split8", the step's result rounded to 24 bits, same file);
+  // the params' float16/
   // bfloat16 = Kahan compensations ("kahan", math/kahan_math.h). rounding_seeds (one per
   // tensor, bfloat16 params, no master_params): stochastic rounding from the counter (seed,
   // step count, element index) (math/stochastic_rounding_math.h). The state lists (moments,

@@ -91,9 +91,9 @@ struct AdamOp {
 };
 
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-__global__ void __launch_bounds__(kThreads)
-    adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
-                StepScalarPointers s, bool write_back_grads) {
+__device__ __forceinline__ void adam_body(const AdamBatch<kStore, kAmsgrad>& b,
+                                          const math::AdamHyper& h, const StepScalarPointers& s,
+                                          bool write_back_grads) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   if (s.skipped()) {
     return;  // skipped step: nothing is read or written
@@ -116,6 +116,23 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
+                StepScalarPointers s, bool write_back_grads) {
+  adam_body<TP, TG, kStore, kAmsgrad, TS>(b, h, s, write_back_grads);
+}
+
+// The same kernel allowed up to 128 registers (2 blocks per SM): ptxas's default target for
+// the split8 weight store (the extra rounding to 24 bits) was 80 registers with an 8-byte
+// spill; asked for at least one block per SM instead, it took 122.
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+__global__ void __launch_bounds__(kThreads, 2)
+    adam_kernel_two_blocks(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b,
+                           math::AdamHyper h, StepScalarPointers s, bool write_back_grads) {
+  adam_body<TP, TG, kStore, kAmsgrad, TS>(b, h, s, write_back_grads);
+}
+
+template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
   auto lists = step_lists_of<Pos, kStore>(step);
@@ -127,8 +144,13 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   apply_step<Pos, kStore>(
       lists, vec_width_of<TP, TG, TS>(), step, step.write_back_grads,
       [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-        adam_kernel<TP, TG, kStore, kAmsgrad, TS>
-            <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+        if constexpr (kStore == WeightStore::kSplit8) {
+          adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>
+              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+        } else {
+          adam_kernel<TP, TG, kStore, kAmsgrad, TS>
+              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+        }
       });
 }
 

@@ -20,6 +20,35 @@
 
 namespace fusedamp::cuda {
 
+// L int8 values through 32-bit words (4 to a word) where L allows: moved as arrays of bytes,
+// ptxas kept an 8-byte pack of them in local memory (a spill in the split8 AdamW kernel).
+template <int L>
+__device__ __forceinline__ void load_bytes(const int8_t* p, int8_t (&out)[L]) {
+  if constexpr (L % 4 == 0) {
+    uint32_t words[L / 4];
+    load_raw<L / 4>(reinterpret_cast<const uint32_t*>(p), words);
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      out[l] = static_cast<int8_t>(static_cast<uint8_t>(words[l / 4] >> (8 * (l % 4))));
+    }
+  } else {
+    load_raw<L>(p, out);
+  }
+}
+
+// L bytes packed 4 to a word (byte l at bits 8 (l % 4) of words[l / 4]).
+template <int L>
+__device__ __forceinline__ void store_bytes(int8_t* p, const uint32_t (&words)[(L + 3) / 4]) {
+  if constexpr (L % 4 == 0) {
+    store_raw<L / 4>(reinterpret_cast<uint32_t*>(p), words);
+  } else {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      p[l] = static_cast<int8_t>(static_cast<uint8_t>(words[l / 4] >> (8 * (l % 4))));
+    }
+  }
+}
+
 // The weights a fused step kernel updates, seen as FP32 lanes, for each way of keeping them
 // (static_switch.h WeightStore; the CPU twin is csrc/cpu/vec_io.h StepWeights):
 //   kParams         the params themselves are read and written;
@@ -27,6 +56,7 @@ namespace fusedamp::cuda {
 //                   param too: where it is not its master's rounding, the model was edited and
 //                   the step starts from the param (math/master_math.h);
 //   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
+//   kSplit8         BF16 param + int8 remainder = a 24-bit master (math/split_math.h);
 //   kKahan          param + compensation of the param's dtype (math/kahan_math.h);
 //   kStochastic     the params, stored with stochastic rounding from the counter (seed, step,
 //                   first_index + element) (math/stochastic_rounding_math.h).
@@ -37,7 +67,7 @@ struct StepWeights {
   static constexpr bool kFp32Master =
       kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits;
   TP* param;
-  void* extra;  // master (float), remainder (int16) or compensation (TP); nullptr otherwise
+  void* extra;  // master (float), remainder (int16/int8) or compensation (TP); nullptr otherwise
   uint64_t seed;
   uint32_t step;
   int64_t first_index;  // the chunk's first element in the tensor
@@ -64,6 +94,15 @@ struct StepWeights {
 #pragma unroll
       for (int l = 0; l < L; ++l) {
         lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
+      }
+    } else if constexpr (kStore == WeightStore::kSplit8) {
+      uint16_t weight_bits[L];
+      int8_t remainder[L];
+      load_raw<L>(reinterpret_cast<const uint16_t*>(param) + i, weight_bits);
+      load_bytes<L>(static_cast<const int8_t*>(extra) + i, remainder);
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        lanes[l] = math::combine_master8(weight_bits[l], remainder[l]);
       }
     } else if constexpr (kStore == WeightStore::kKahan) {
       float compensation[L];
@@ -95,6 +134,20 @@ struct StepWeights {
       }
       store_raw<L>(reinterpret_cast<uint16_t*>(param) + i, weight_bits);
       store_raw<L>(static_cast<int16_t*>(extra) + i, remainder);
+    } else if constexpr (kStore == WeightStore::kSplit8) {
+      // The remainders go into their 32-bit words as they are made: an array of L bytes
+      // beside the weights' made the split8 AdamW kernel spill.
+      uint16_t weight_bits[L];
+      uint32_t words[(L + 3) / 4] = {};
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        const math::Split8Master split = math::split_master8(lanes[l]);
+        weight_bits[l] = split.weight_bits;
+        words[l / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(split.remainder))
+                        << (8 * (l % 4));
+      }
+      store_raw<L>(reinterpret_cast<uint16_t*>(param) + i, weight_bits);
+      store_bytes<L>(static_cast<int8_t*>(extra) + i, words);
     } else if constexpr (kStore == WeightStore::kKahan) {
       float rounded[L], compensation[L];
 #pragma unroll
@@ -123,12 +176,14 @@ struct StepWeights {
 template <typename TP, WeightStore kStore>
 using WeightStoreElem = std::conditional_t<
     kStore == WeightStore::kSplit, int16_t,
-    std::conditional_t<kStore == WeightStore::kKahan, TP, float>>;
+    std::conditional_t<kStore == WeightStore::kSplit8, int8_t,
+                       std::conditional_t<kStore == WeightStore::kKahan, TP, float>>>;
 
 // Whether a store has a list of its own beside the params (master_params).
 constexpr bool has_store_list(WeightStore store) {
   return store == WeightStore::kMaster || store == WeightStore::kMasterAdoptingEdits ||
-         store == WeightStore::kSplit || store == WeightStore::kKahan;
+         store == WeightStore::kSplit || store == WeightStore::kSplit8 ||
+         store == WeightStore::kKahan;
 }
 
 // Per-tensor scalars of a step beyond its step count: the stochastic-rounding seed, passed

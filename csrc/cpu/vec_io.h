@@ -145,6 +145,7 @@ inline void for_each_lane(int64_t n, const F& f) {
 //                   param too: where it is not the master's rounding, math::weight_to_update
 //                   starts from the param;
 //   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
+//   kSplit8         BF16 param + int8 remainder = a 24-bit master (math/split_math.h);
 //   kKahan          param + compensation of the param's dtype (math/kahan_math.h);
 //   kStochastic     the params, stored with stochastic rounding (math/stochastic_rounding_math.h)
 //                   from the counter (seed, step, first_index + element).
@@ -152,7 +153,7 @@ template <typename TP, WeightStore kStore>
 struct StepWeights {
   static_assert(weight_store_fits<TP>(kStore), "no such weight store for this param dtype");
   TP* param;
-  void* extra;  // master (float), remainder (int16) or compensation (TP); nullptr otherwise
+  void* extra;  // master (float), remainder (int16/int8) or compensation (TP); nullptr otherwise
   uint64_t seed = 0;
   uint32_t step = 0;
   int64_t first_index = 0;
@@ -173,6 +174,15 @@ struct StepWeights {
       const int16_t* remainder = static_cast<const int16_t*>(extra) + i;
       for_each_lane(n, [&](int64_t l) {
         lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
+      });
+      a = Vec::loadu(lanes);
+      b = Vec::loadu(lanes + Vec::size());
+    } else if constexpr (kStore == WeightStore::kSplit8) {
+      alignas(64) float lanes[kPair] = {};
+      const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(param + i);
+      const int8_t* remainder = static_cast<const int8_t*>(extra) + i;
+      for_each_lane(n, [&](int64_t l) {
+        lanes[l] = math::combine_master8(weight_bits[l], remainder[l]);
       });
       a = Vec::loadu(lanes);
       b = Vec::loadu(lanes + Vec::size());
@@ -202,6 +212,17 @@ struct StepWeights {
       int16_t* remainder = static_cast<int16_t*>(extra) + i;
       for_each_lane(n, [&](int64_t l) {
         const math::SplitMaster split = math::split_master(lanes[l]);
+        weight_bits[l] = split.weight_bits;
+        remainder[l] = split.remainder;
+      });
+    } else if constexpr (kStore == WeightStore::kSplit8) {
+      alignas(64) float lanes[kPair];
+      a.store(lanes);
+      b.store(lanes + Vec::size());
+      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
+      int8_t* remainder = static_cast<int8_t*>(extra) + i;
+      for_each_lane(n, [&](int64_t l) {
+        const math::Split8Master split = math::split_master8(lanes[l]);
         weight_bits[l] = split.weight_bits;
         remainder[l] = split.remainder;
       });
@@ -235,6 +256,8 @@ inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int6
     w.extra = static_cast<float*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kSplit) {
     w.extra = static_cast<int16_t*>(row.master) + begin;
+  } else if constexpr (kStore == WeightStore::kSplit8) {
+    w.extra = static_cast<int8_t*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kKahan) {
     w.extra = static_cast<TP*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kStochastic) {

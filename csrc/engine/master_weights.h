@@ -7,16 +7,19 @@
 
 namespace fusedamp::optim::detail {
 
-// The FP32 master a BF16 weight and its int16 remainder hold (exact).
+// The FP32 master a BF16 weight and its remainder hold (exact): int16 ("split") or int8
+// ("split8", a 24-bit master).
 at::Tensor fp32_from_split(const at::Tensor& param, const at::Tensor& remainder);
 
-// An FP32 master as a BF16 weight and remainder (exact). The weight equals the master's
-// round-to-nearest-even except where the master lies exactly halfway (split_math.h).
+// An FP32 master as a BF16 weight and remainder: exact with an int16 remainder, rounded to 24
+// bits with an int8 one. The weight equals the (rounded) master's round-to-nearest-even except
+// where it lies exactly halfway (split_math.h).
 struct SplitState {
   at::Tensor weight;     // BF16
-  at::Tensor remainder;  // int16
+  at::Tensor remainder;  // int16 or int8
 };
-SplitState split_from_fp32(const at::Tensor& param, const at::Tensor& master);
+SplitState split_from_fp32(const at::Tensor& param, const at::Tensor& master,
+                           at::ScalarType remainder_dtype = at::kShort);
 
 // The value a weight and its Kahan compensation hold (their FP32 sum).
 at::Tensor fp32_from_kahan(const at::Tensor& param, const at::Tensor& compensation);

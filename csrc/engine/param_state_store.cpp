@@ -27,8 +27,8 @@ at::Tensor fp32_like(const at::Tensor& p, const at::Tensor& src) {
 // compensation the weight's dtype, moments and buffers their own if FP32 or BF16 (the next
 // step converts them to the group's state_dtype), everything else FP32.
 at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at::Tensor& t) {
-  if (name == kParamRemainder) {
-    return at::kShort;
+  if (name == kParamRemainder) {  // int16 ("split") or int8 ("split8")
+    return t.scalar_type() == at::kChar ? at::kChar : at::kShort;
   }
   // 8-bit codes stay codes (their moment_scales FP32, below).
   if ((name == kExpAvg && t.scalar_type() == at::kChar) ||
@@ -106,19 +106,23 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
       }
       break;
     case MasterWeights::kSplit:
-      if (have_remainder) {
+    case MasterWeights::kSplit8: {
+      const auto dtype = kind == MasterWeights::kSplit8 ? at::kChar : at::kShort;
+      if (have_remainder && s.param_remainder.scalar_type() == dtype) {
         remainder = s.param_remainder;
       } else if (const auto held = held_fp32(); held.defined()) {
         // The weight may move by one BF16 ulp where the master lies exactly halfway
-        // (math/split_math.h): the pair must be the master exactly.
-        auto split = split_from_fp32(param, held);
+        // (math/split_math.h): the pair must be the master exactly ("split8": the master
+        // rounded to 24 bits).
+        auto split = split_from_fp32(param, held, dtype);
         at::NoGradGuard no_grad;
         param.detach().copy_(split.weight);
         remainder = std::move(split.remainder);
       } else {
-        remainder = at::zeros_like(param, param.options().dtype(at::kShort));
+        remainder = at::zeros_like(param, param.options().dtype(dtype));
       }
       break;
+    }
     case MasterWeights::kKahan:
       if (have_compensation) {
         compensation = s.kahan_compensation;
@@ -290,10 +294,12 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                                                       is_weight_store_slot(info->slot))),
                 "fusedamp::optim::", who, ": unknown state '", name, "' for parameter ", index);
     if (name == kParamRemainder) {
-      TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.scalar_type() == at::kShort &&
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided &&
+                      (t.scalar_type() == at::kShort || t.scalar_type() == at::kChar) &&
                       p.scalar_type() == at::kBFloat16,
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
-                  " must be a dense int16 tensor beside a bfloat16 parameter");
+                  " must be a dense int16 (\"split\") or int8 (\"split8\") tensor beside a "
+                  "bfloat16 parameter");
     } else if (t.defined() && (kept_dtype(name, p, t) == at::kChar ||
                                kept_dtype(name, p, t) == at::kByte)) {
       // 8-bit moments: the codes of exp_avg and exp_avg_sq and their scales, together.

@@ -84,6 +84,7 @@ enum class WeightStore : uint8_t {
   kMaster,                // FP32 master_params (master_weights=True)
   kMasterAdoptingEdits,   // the same, and edited params are taken into their masters
   kSplit,                 // BF16 params + int16 remainders in master_params (math/split_math.h)
+  kSplit8,                // BF16 params + int8 remainders: 24-bit masters (math/split_math.h)
   kKahan,                 // FP16/BF16 params + compensations of their dtype (math/kahan_math.h)
   kStochastic,            // BF16 params, stochastic rounding (math/stochastic_rounding_math.h)
 };
@@ -96,6 +97,7 @@ constexpr bool weight_store_fits(WeightStore store) {
   constexpr bool half = std::is_same_v<TP, c10::Half>;
   switch (store) {
     case WeightStore::kSplit:
+    case WeightStore::kSplit8:
     case WeightStore::kStochastic:
       return bf16;
     case WeightStore::kKahan:
@@ -106,7 +108,7 @@ constexpr bool weight_store_fits(WeightStore store) {
 }
 
 // The store a step's arguments ask for (checked by op_checks.h): master_params' dtype names
-// it — FP32 masters, int16 remainders, or compensations of the params' dtype — and stochastic
+// it — FP32 masters, int16 or int8 remainders, or compensations of the params' dtype — and stochastic
 // rounding comes with its seeds and no master_params.
 inline WeightStore weight_store_of(at::TensorList master_params, bool adopt_param_edits,
                                    bool stochastic_rounding) {
@@ -121,6 +123,8 @@ inline WeightStore weight_store_of(at::TensorList master_params, bool adopt_para
       return adopt_param_edits ? WeightStore::kMasterAdoptingEdits : WeightStore::kMaster;
     case at::kShort:
       return WeightStore::kSplit;
+    case at::kChar:
+      return WeightStore::kSplit8;
     default:
       return WeightStore::kKahan;
   }
@@ -142,7 +146,7 @@ struct WeightStoreSwitchOf {
 using WeightStoreSwitch =
     WeightStoreSwitchOf<WeightStore::kParams, WeightStore::kMaster,
                         WeightStore::kMasterAdoptingEdits, WeightStore::kSplit,
-                        WeightStore::kKahan, WeightStore::kStochastic>;
+                        WeightStore::kSplit8, WeightStore::kKahan, WeightStore::kStochastic>;
 
 // The choices every fused step kernel makes, then the kernel's own: body(param, grad, kStore,
 // more...), where param has the params' element type (FP32, FP16 or BF16), grad the grads'

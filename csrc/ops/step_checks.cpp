@@ -149,12 +149,13 @@ void check_weight_store(const char* op, TensorList params, TensorList master_par
   }
   const auto mdtype = master_params[0].defined() ? master_params[0].scalar_type() : pdtype;
   const bool fp32_master = mdtype == at::kFloat;
-  const bool split = mdtype == at::kShort && pdtype == at::kBFloat16;
+  const bool split = (mdtype == at::kShort || mdtype == at::kChar) && pdtype == at::kBFloat16;
   const bool kahan = mdtype == pdtype && (pdtype == at::kHalf || pdtype == at::kBFloat16);
   TORCH_CHECK(fp32_master || split || kahan, op, ": master_params have dtype ", mdtype, " for ",
               pdtype,
               " params; supported are float32 (FP32 master weights), int16 "
-              "(remainders beside bfloat16 params: master_weights=\"split\") and the params' "
+              "(remainders beside bfloat16 params: master_weights=\"split\"), int8 (24-bit "
+              "masters beside bfloat16 params: master_weights=\"split8\") and the params' "
               "own float16/bfloat16 (Kahan compensations: master_weights=\"kahan\")");
 }
 // The lists' lengths (without the grads' for a caller checking rows itself: it has none yet).

@@ -94,6 +94,12 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                                  "is not supported (its flat shards would cut the 32-element "
                                  "blocks of 8-bit moments); use "
                                  "fusedamp.distributed.ZeroRedundancyOptimizer")
+        for value in [master_weights] + [g.get("master_weights") for g in params
+                                         if isinstance(g, dict)]:
+            if value == "split8":
+                raise ValueError("fusedamp.distributed.ShardedOptimizer (deprecated) does not "
+                                 "take master_weights=\"split8\"; use "
+                                 "fusedamp.distributed.ZeroRedundancyOptimizer")
         weight_decay = (1e-2 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
         defaults = dict(lr=lr, weight_decay=weight_decay, maximize=maximize,
                         master_weights=master_weights, state_dtype=state_dtype,

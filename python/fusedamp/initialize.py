@@ -63,8 +63,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
       ``loss_scaling=True``, disabled for BF16 (whose range needs no scaling), moving its scale
       by ``policy`` ("torch" or "amax", see fusedamp.GradScaler). Non-finite gradients skip
       the step either way (``skip_nonfinite``).
-    ``master_weights`` (True, False, "split", "kahan", "stochastic"), ``state_dtype`` and
-    ``rounding_seed`` are fusedamp.optim's (see fusedamp.optim); "split" and "stochastic"
+    ``master_weights`` (True, False, "split", "split8", "kahan", "stochastic"), ``state_dtype``
+    and ``rounding_seed`` are fusedamp.optim's (see fusedamp.optim); "split", "split8" and
+    "stochastic"
     keep BF16 weights and need ``dtype=torch.bfloat16``.
     Everything is checked before the model or the optimizer is touched.
     """

@@ -68,7 +68,8 @@ class FusedAmpPrecision(Precision):
         max_grad_norm: global-norm clipping in the fused step; ``Trainer(gradient_clip_val=)``
             overrides it while set.
         master_weights: what keeps the bits below the FP16/BF16 weights (fusedamp.optim):
-            True (FP32 masters), "split" / "stochastic" (bf16-mixed only), "kahan", False.
+            True (FP32 masters), "split" / "split8" / "stochastic" (bf16-mixed only), "kahan",
+            False.
         state_dtype: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``, or
             ``torch.int8`` (AdamW/Adam: 8-bit moments with block scales, see fusedamp.optim).
         rounding_seed: the seed of ``master_weights="stochastic"``.

@@ -19,6 +19,9 @@ Extra arguments over torch's:
                  "split"  BF16 only: an int16 remainder (+2 bytes/param); weight + remainder is
                         exactly the FP32 master of True (the weight differs from True's only
                         where the master lies exactly halfway between two BF16 values)
+                 "split8"  BF16 only: an int8 remainder (+1 byte/param); weight + remainder is
+                        a 24-bit master (16 significant bits): each step's FP32 result rounded
+                        to nearest 24 bits
                  "kahan"  a compensation buffer of the weight's dtype (+2 bytes/param)
                  "stochastic"  BF16 only: no state; the weight is rounded stochastically,
                         reproducibly from ``rounding_seed`` (and the step, the element)

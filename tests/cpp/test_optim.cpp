@@ -705,49 +705,57 @@ TEST_CASE("convert_param_state: FP32 master -> split -> FP32 master, bit for bit
                     Catch::Contains("parameter 7"));
 }
 
-TEST_CASE("state_dtype kChar from C++: 8-bit moment codes, saved and resumed bit for bit",
+TEST_CASE("state_dtype kChar from C++ (split and split8 masters): saved and resumed bit for bit",
           "[optim][int8]") {
-  auto ps = make_params(at::kBFloat16);
-  auto resumed_ps = copies(ps);
-  const auto options =
-      fo::AdamWOptions(1e-2).master_weights(fo::MasterWeights::kSplit).state_dtype(at::kChar);
-  fo::AdamW opt(ps, options);
-  for (int i = 0; i < 5; ++i) {
-    set_grads(ps, i);
-    opt.step();
-  }
-  for (const auto& p : ps) {
-    const auto state = opt.param_state(p);
-    CHECK(state.at(fo::kExpAvg).scalar_type() == at::kChar);
-    CHECK(state.at(fo::kExpAvgSq).scalar_type() == at::kByte);
-    const auto& scales = state.at(fo::kMomentScales);
-    CHECK(scales.scalar_type() == at::kFloat);
-    CHECK(scales.sizes() == at::IntArrayRef({(p.numel() + 31) / 32, 2}));
-  }
-  std::stringstream buf;
-  {
-    torch::serialize::OutputArchive out;
-    opt.save(out);
-    out.save_to(buf);
-  }
-  for (size_t k = 0; k < ps.size(); ++k) {
-    resumed_ps[k].detach().copy_(ps[k].detach());
-  }
-  fo::AdamW resumed(resumed_ps, options);
-  {
-    torch::serialize::InputArchive in;
-    in.load_from(buf);
-    resumed.load(in);
-  }
-  for (int i = 5; i < 8; ++i) {
-    set_grads(ps, i);
-    for (size_t k = 0; k < ps.size(); ++k) {
-      resumed_ps[k].mutable_grad() = ps[k].grad().clone();
+  for (const auto mode : {fo::MasterWeights::kSplit, fo::MasterWeights::kSplit8}) {
+    auto ps = make_params(at::kBFloat16);
+    auto resumed_ps = copies(ps);
+    const auto options = fo::AdamWOptions(1e-2).master_weights(mode).state_dtype(at::kChar);
+    fo::AdamW opt(ps, options);
+    for (int i = 0; i < 5; ++i) {
+      set_grads(ps, i);
+      opt.step();
     }
-    opt.step();
-    resumed.step();
+    for (const auto& p : ps) {
+      const auto state = opt.param_state(p);
+      CHECK(state.at(fo::kExpAvg).scalar_type() == at::kChar);
+      CHECK(state.at(fo::kExpAvgSq).scalar_type() == at::kByte);
+      const auto& scales = state.at(fo::kMomentScales);
+      CHECK(scales.scalar_type() == at::kFloat);
+      CHECK(scales.sizes() == at::IntArrayRef({(p.numel() + 31) / 32, 2}));
+    }
+    std::stringstream buf;
+    {
+      torch::serialize::OutputArchive out;
+      opt.save(out);
+      out.save_to(buf);
+    }
+    for (size_t k = 0; k < ps.size(); ++k) {
+      resumed_ps[k].detach().copy_(ps[k].detach());
+    }
+    fo::AdamW resumed(resumed_ps, options);
+    {
+      torch::serialize::InputArchive in;
+      in.load_from(buf);
+      resumed.load(in);
+    }
+    for (int i = 5; i < 8; ++i) {
+      set_grads(ps, i);
+      for (size_t k = 0; k < ps.size(); ++k) {
+        resumed_ps[k].mutable_grad() = ps[k].grad().clone();
+      }
+      opt.step();
+      resumed.step();
+    }
+    CHECK(snapshots_equal(snapshot(opt), snapshot(resumed)));
+    for (size_t k = 0; k < ps.size(); ++k) {
+      const auto remainder = opt.param_state(ps[k]).at(fo::kParamRemainder);
+      CHECK(remainder.scalar_type() ==
+            (mode == fo::MasterWeights::kSplit8 ? at::kChar : at::kShort));
+      CHECK(bits_equal(remainder, resumed.param_state(resumed_ps[k]).at(fo::kParamRemainder)));
+    }
   }
-  CHECK(snapshots_equal(snapshot(opt), snapshot(resumed)));
+  auto ps = make_params(at::kBFloat16);
   CHECK_THROWS_WITH(fo::Adam(ps, fo::AdamOptions(1e-3).amsgrad(true).state_dtype(at::kChar)),
                     Catch::Contains("AMSGrad"));
   CHECK_THROWS_WITH(fo::SGD(ps, fo::SGDOptions(0.1).momentum(0.9).state_dtype(at::kChar)),

@@ -71,8 +71,8 @@ def clipped_run(cls, nan_step=None):
 
 
 # ZeRO-1 gives each parameter whole to one rank, so 8-bit moments (blocks in each parameter's
-# own elements) are as in one process too.
-ZERO_MODES = MODES + [(True, torch.int8), ("split", torch.int8)]
+# own elements) are as in one process too; and the 24-bit masters of "split8" beside them.
+ZERO_MODES = MODES + [(True, torch.int8), ("split", torch.int8), ("split8", torch.int8)]
 
 
 def modes_runs(rank):

@@ -40,14 +40,56 @@ C10_HOST_DEVICE inline SplitMaster split_master(float master) {
   return {static_cast<uint16_t>(weight), static_cast<int16_t>(static_cast<uint16_t>(rest))};
 }
 
-C10_HOST_DEVICE inline float combine_master(uint16_t weight_bits, int16_t remainder) {
+// The FP32 value of a weight pattern and a remainder counted in units of 2^kShift of the FP32
+// pattern (0: "split", whose remainder is the lower half itself; 8: "split8").
+template <int kShift>
+C10_HOST_DEVICE inline float combine_weight_and_remainder(uint16_t weight_bits,
+                                                          int32_t remainder) {
   const uint32_t weight = static_cast<uint32_t>(weight_bits) << 16;
   const uint32_t magnitude = weight & kFloatMagnitudeMask;
   const bool wraps_below_zero = magnitude == 0u && remainder < 0;
   const bool beyond_inf =
       magnitude > kFloatInfBits || (magnitude == kFloatInfBits && remainder > 0);
-  const uint32_t combined = weight + static_cast<uint32_t>(static_cast<int32_t>(remainder));
+  const uint32_t combined = weight + (static_cast<uint32_t>(remainder) << kShift);
   return float_of_bits((wraps_below_zero || beyond_inf) ? weight : combined);
+}
+
+C10_HOST_DEVICE inline float combine_master(uint16_t weight_bits, int16_t remainder) {
+  return combine_weight_and_remainder<0>(weight_bits, remainder);
+}
+
+
+// master_weights="split8": a 24-bit master (sign, 8 exponent bits, 15 mantissa bits: the upper
+// three bytes of an FP32 pattern) stored as its BF16 rounding (the model's weight) plus a
+// signed 8-bit remainder: 1 extra byte per parameter instead of split's 2, for a master with
+// 16 significant bits instead of 24 (BF16 alone: 8).
+//
+// The step's FP32 result is first rounded to 24 bits, to nearest with ties to even (an update
+// below 2^-17 of the weight is lost, as one below half a BF16 ulp is without a master), then
+// split as "split" splits, one byte lower: weight = the 24-bit pattern rounded half away from
+// zero at its lowest byte, remainder = pattern - weight * 2^8 in [-128, 127], so every 24-bit
+// pattern has exactly one (weight, remainder) pair. The edge cases follow split's: a NaN keeps
+// its upper half, made quiet, and no remainder; a remainder below a zero weight or beyond an
+// infinite one is ignored.
+struct Split8Master {
+  uint16_t weight_bits;
+  int8_t remainder;  // 24-bit master pattern − weight pattern · 2^8
+};
+
+C10_HOST_DEVICE inline Split8Master split_master8(float master) {
+  const uint32_t bits = float_bits(master);
+  const bool nan = bits_are_nan(bits);
+  // Round the magnitude to 24 bits, ties to even: + 0x7F, + 1 if the kept part is odd. No
+  // finite or infinite pattern wraps (the largest, 0xFF800000, stays far below 2^32 − 2^8);
+  // the largest finite magnitudes round up to infinity, as IEEE rounding does.
+  const uint32_t pattern24 = (bits + 0x7Fu + ((bits >> 8) & 1u)) >> 8;
+  const uint32_t weight = nan ? ((bits >> 16) | kBf16QuietBit) : ((pattern24 + 0x80u) >> 8);
+  const uint32_t rest = nan ? 0u : pattern24 - (weight << 8);
+  return {static_cast<uint16_t>(weight), static_cast<int8_t>(static_cast<uint8_t>(rest))};
+}
+
+C10_HOST_DEVICE inline float combine_master8(uint16_t weight_bits, int8_t remainder) {
+  return combine_weight_and_remainder<8>(weight_bits, remainder);
 }
 
 }  // namespace fusedamp::math

@@ -35,13 +35,23 @@ namespace fusedamp::optim {
 //   kSplit       BF16 only: an int16 remainder (+2 B/param); weight + remainder is exactly the
 //                FP32 master of kFp32 (math/split_math.h; the weight differs from kFp32's only
 //                where the master lies exactly halfway between two BF16 values)
+//   kSplit8      BF16 only: an int8 remainder (+1 B/param); weight + remainder is a 24-bit
+//                master (16 significant bits): the FP32 result of each step rounded to nearest
+//                24 bits (math/split_math.h)
 //   kKahan       a compensation buffer of the weight's dtype (+2 B/param) carrying what
 //                rounding dropped (math/kahan_math.h)
 //   kStochastic  BF16 only: no extra state; the weight is rounded stochastically, reproducibly
 //                from rounding_seed (math/stochastic_rounding_math.h)
 class MasterWeights {
  public:
-  enum Kind : uint8_t { kOff = 0, kFp32 = 1, kSplit = 2, kKahan = 3, kStochastic = 4 };
+  enum Kind : uint8_t {
+    kOff = 0,
+    kFp32 = 1,
+    kSplit = 2,
+    kKahan = 3,
+    kStochastic = 4,
+    kSplit8 = 5
+  };
 
   constexpr MasterWeights(bool fp32_master = true) : kind_(fp32_master ? kFp32 : kOff) {}
   constexpr MasterWeights(Kind kind) : kind_(kind) {}
@@ -51,16 +61,17 @@ class MasterWeights {
   constexpr bool operator!=(const MasterWeights& o) const { return kind_ != o.kind_; }
   // Whether FP16/BF16 weights keep state besides themselves.
   constexpr bool keeps_state() const {
-    return kind_ == kFp32 || kind_ == kSplit || kind_ == kKahan;
+    return kind_ == kFp32 || kind_ == kSplit || kind_ == kSplit8 || kind_ == kKahan;
   }
   // Whether the mode exists for parameters of this dtype (FP32 parameters: every mode, as
   // nothing is kept for them).
   bool fits(at::ScalarType param_dtype) const;
-  // Python's spelling: "True", "False", "split", "kahan", "stochastic".
+  // Python's spelling: "True", "False", "split", "split8", "kahan", "stochastic".
   const char* name() const;
-  // From the number set_group_option and archives carry (0..4); throws c10::ValueError.
+  // From the number set_group_option and archives carry (0..5); throws c10::ValueError.
   static MasterWeights from_code(double code);
-  // From "split", "kahan", "stochastic", "fp32" or "float32" (= true) and "off" (= false);
+  // From "split", "split8", "kahan", "stochastic", "fp32" or "float32" (= true) and "off"
+  // (= false);
   // throws c10::ValueError.
   static MasterWeights from_name(const std::string& name);
 

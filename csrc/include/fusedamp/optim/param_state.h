@@ -7,7 +7,8 @@
 // dense in the same element order as the parameter itself. The moments and momentum buffers
 // are FP32 or BF16 (state_dtype), or Adam's moments 8-bit codes with block scales (int8);
 // what keeps the weight's lower bits depends on master_weights
-// (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"),
+// (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"; int8,
+// "split8"),
 // kahan_compensation (the weight's dtype, "kahan"), or nothing. A state dict may hold any of
 // them: the next step converts it to what the group's mode keeps (exactly, between FP32 and
 // split).
@@ -34,7 +35,8 @@ struct ParamState {
   at::Tensor exp_avg_sq;       // Adam: second moment
   at::Tensor max_exp_avg_sq;   // Adam with amsgrad: running maximum of exp_avg_sq
   at::Tensor momentum_buffer;  // SGD with momentum
-  at::Tensor param_remainder;  // int16: BF16 weight + remainder = FP32 master ("split")
+  at::Tensor param_remainder;  // BF16 weight + remainder = FP32 master (int16, "split") or a
+                               // 24-bit one (int8, "split8")
   at::Tensor kahan_compensation;  // the weight's dtype: what rounding dropped ("kahan")
   // state_dtype int8: exp_avg holds int8 codes, exp_avg_sq uint8 codes, and this FP32
   // [ceil(numel / 32), 2] tensor each block's two scales (math/quantized_moments_math.h).
