@@ -143,8 +143,12 @@ def write_markdown(path, doc):
     L = [f"# Compact optimizer state — {doc['device']}", "",
          f"`{doc['command']}`", "",
          f"{doc['machine'].get('date_utc', '')}; commit {doc['machine'].get('fusedamp_commit', '?')}; "
-         f"{doc['machine'].get('cpu', doc['machine'].get('device_name', ''))}; "
-         f"torch {torch.__version__}. Method: the docstring of benchmarks/bench_state_formats.py.",
+         f"{doc['machine'].get('cpu', doc['machine'].get('device_name', ''))} "
+         f"(flags: {', '.join(doc['machine'].get('cpu_flags', [])) or '—'}; torch CPU "
+         f"capability {doc['machine'].get('cpu_capability', '?')}), "
+         f"{doc['machine'].get('cpu_cores', '?')} cores; torch {doc['machine'].get('torch', '')}; "
+         f"whole run {doc.get('wall_s', 0) / 60:.1f} min. Method: the docstring of "
+         "benchmarks/bench_state_formats.py.",
          ""]
     if "bytes" in doc:
         L += ["## Bytes per parameter (BF16 weights and gradients, measured from the tensors)",
