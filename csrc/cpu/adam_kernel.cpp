@@ -77,10 +77,22 @@ void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
 //   latency a single block cannot hide; 8 independent ones overlap;
 // - constant trip counts for full groups: GCC's -O2 vectorises the conversions between codes
 //   and floats only then;
-// - flatten: GCC otherwise called adam_update, the reductions and the code functions out of
-//   line, with their vectors passed through memory.
+// - flatten (vector instruction sets): GCC otherwise called adam_update, the reductions and the
+//   code functions out of line, with their vectors passed through memory. Not for DEFAULT,
+//   whose Vectorized is loops over arrays: flattened, its translation unit took 127 s to
+//   compile (AVX512's 62 s), for the fallback of CPUs without AVX2.
+// GCC 12 on the flattened AVX2 groups also reports torch's Vectorized<BFloat16/Half>::loadu
+// tail memset as writing 8 GB (-Wstringop-overflow) on a branch it cannot exclude though the
+// group's element count is a constant: a false positive, silenced for these functions only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define FUSEDAMP_FLATTEN __attribute__((flatten))
+#else
+#define FUSEDAMP_FLATTEN
+#endif
 template <typename TP, typename TG, WeightStore kStore, int64_t kBlocks, bool kFull>
-__attribute__((flatten)) void adam_quantized_blocks(
+FUSEDAMP_FLATTEN void adam_quantized_blocks(
     const StepWeights<TP, kStore>& w, TG* g, int8_t* m_codes, uint8_t* v_codes, float* scales,
     int64_t count, const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult,
     bool write_grads) {
@@ -144,6 +156,9 @@ __attribute__((flatten)) void adam_quantized_blocks(
     v_codes[l] = static_cast<uint8_t>(v[l]);
   }
 }
+
+#undef FUSEDAMP_FLATTEN
+#pragma GCC diagnostic pop
 
 template <typename TP, typename TG, WeightStore kStore>
 void adam_quantized_lists(const CpuStep& step, const math::AdamHyper& h) {
