@@ -20,10 +20,16 @@
 
 namespace fusedamp::cuda {
 
-// L int8 values through 32-bit words (4 to a word) where L allows: moved as arrays of bytes,
-// ptxas kept an 8-byte pack of them in local memory (a spill in the split8 AdamW kernel).
+// A split store's L remainders. The int8 ones go through 32-bit words (4 to a word) where L
+// allows: moved as arrays of bytes, ptxas kept an 8-byte pack of them in local memory (a spill
+// in the split8 AdamW kernel).
 template <int L>
-__device__ __forceinline__ void load_bytes(const int8_t* p, int8_t (&out)[L]) {
+__device__ __forceinline__ void load_remainders(const int16_t* p, int16_t (&out)[L]) {
+  load_raw<L>(p, out);
+}
+
+template <int L>
+__device__ __forceinline__ void load_remainders(const int8_t* p, int8_t (&out)[L]) {
   if constexpr (L % 4 == 0) {
     uint32_t words[L / 4];
     load_raw<L / 4>(reinterpret_cast<const uint32_t*>(p), words);
@@ -86,23 +92,14 @@ struct StepWeights {
           lanes[l] = math::weight_to_update(lanes[l], params[l], rounded);
         }
       }
-    } else if constexpr (kStore == WeightStore::kSplit) {
+    } else if constexpr (is_split_store(kStore)) {
       uint16_t weight_bits[L];
-      int16_t remainder[L];
+      SplitRemainder<kStore> remainder[L];
       load_raw<L>(reinterpret_cast<const uint16_t*>(param) + i, weight_bits);
-      load_raw<L>(static_cast<const int16_t*>(extra) + i, remainder);
+      load_remainders<L>(static_cast<const SplitRemainder<kStore>*>(extra) + i, remainder);
 #pragma unroll
       for (int l = 0; l < L; ++l) {
-        lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
-      }
-    } else if constexpr (kStore == WeightStore::kSplit8) {
-      uint16_t weight_bits[L];
-      int8_t remainder[L];
-      load_raw<L>(reinterpret_cast<const uint16_t*>(param) + i, weight_bits);
-      load_bytes<L>(static_cast<const int8_t*>(extra) + i, remainder);
-#pragma unroll
-      for (int l = 0; l < L; ++l) {
-        lanes[l] = math::combine_master8(weight_bits[l], remainder[l]);
+        lanes[l] = math::combine_split(weight_bits[l], remainder[l]);
       }
     } else if constexpr (kStore == WeightStore::kKahan) {
       float compensation[L];
@@ -128,9 +125,7 @@ struct StepWeights {
       int16_t remainder[L];
 #pragma unroll
       for (int l = 0; l < L; ++l) {
-        const math::SplitMaster split = math::split_master(lanes[l]);
-        weight_bits[l] = split.weight_bits;
-        remainder[l] = split.remainder;
+        math::split_into(lanes[l], weight_bits[l], remainder[l]);
       }
       store_raw<L>(reinterpret_cast<uint16_t*>(param) + i, weight_bits);
       store_raw<L>(static_cast<int16_t*>(extra) + i, remainder);

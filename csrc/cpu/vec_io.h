@@ -168,21 +168,12 @@ struct StepWeights {
         a = math::weight_to_update(a, pa, ra);
         b = math::weight_to_update(b, pb, rb);
       }
-    } else if constexpr (kStore == WeightStore::kSplit) {
+    } else if constexpr (is_split_store(kStore)) {
       alignas(64) float lanes[kPair] = {};
       const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(param + i);
-      const int16_t* remainder = static_cast<const int16_t*>(extra) + i;
+      const auto* remainder = static_cast<const SplitRemainder<kStore>*>(extra) + i;
       for_each_lane(n, [&](int64_t l) {
-        lanes[l] = math::combine_master(weight_bits[l], remainder[l]);
-      });
-      a = Vec::loadu(lanes);
-      b = Vec::loadu(lanes + Vec::size());
-    } else if constexpr (kStore == WeightStore::kSplit8) {
-      alignas(64) float lanes[kPair] = {};
-      const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(param + i);
-      const int8_t* remainder = static_cast<const int8_t*>(extra) + i;
-      for_each_lane(n, [&](int64_t l) {
-        lanes[l] = math::combine_master8(weight_bits[l], remainder[l]);
+        lanes[l] = math::combine_split(weight_bits[l], remainder[l]);
       });
       a = Vec::loadu(lanes);
       b = Vec::loadu(lanes + Vec::size());
@@ -204,28 +195,13 @@ struct StepWeights {
     if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
       PairIO<float>::store(static_cast<float*>(extra) + i, n, a, b);
       PairIO<TP>::store(param + i, n, a, b);
-    } else if constexpr (kStore == WeightStore::kSplit) {
+    } else if constexpr (is_split_store(kStore)) {
       alignas(64) float lanes[kPair];
       a.store(lanes);
       b.store(lanes + Vec::size());
       uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
-      int16_t* remainder = static_cast<int16_t*>(extra) + i;
-      for_each_lane(n, [&](int64_t l) {
-        const math::SplitMaster split = math::split_master(lanes[l]);
-        weight_bits[l] = split.weight_bits;
-        remainder[l] = split.remainder;
-      });
-    } else if constexpr (kStore == WeightStore::kSplit8) {
-      alignas(64) float lanes[kPair];
-      a.store(lanes);
-      b.store(lanes + Vec::size());
-      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
-      int8_t* remainder = static_cast<int8_t*>(extra) + i;
-      for_each_lane(n, [&](int64_t l) {
-        const math::Split8Master split = math::split_master8(lanes[l]);
-        weight_bits[l] = split.weight_bits;
-        remainder[l] = split.remainder;
-      });
+      auto* remainder = static_cast<SplitRemainder<kStore>*>(extra) + i;
+      for_each_lane(n, [&](int64_t l) { math::split_into(lanes[l], weight_bits[l], remainder[l]); });
     } else if constexpr (kStore == WeightStore::kKahan) {
       Vec ra = a, rb = b;
       PairIO<TP>::store_read_back(param + i, n, ra, rb);
@@ -254,10 +230,8 @@ inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int6
   StepWeights<TP, kStore> w{static_cast<TP*>(row.param) + begin, nullptr};
   if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
     w.extra = static_cast<float*>(row.master) + begin;
-  } else if constexpr (kStore == WeightStore::kSplit) {
-    w.extra = static_cast<int16_t*>(row.master) + begin;
-  } else if constexpr (kStore == WeightStore::kSplit8) {
-    w.extra = static_cast<int8_t*>(row.master) + begin;
+  } else if constexpr (is_split_store(kStore)) {
+    w.extra = static_cast<SplitRemainder<kStore>*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kKahan) {
     w.extra = static_cast<TP*>(row.master) + begin;
   } else if constexpr (kStore == WeightStore::kStochastic) {

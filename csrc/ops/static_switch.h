@@ -89,6 +89,14 @@ enum class WeightStore : uint8_t {
   kStochastic,            // BF16 params, stochastic rounding (math/stochastic_rounding_math.h)
 };
 
+// The remainder element of a split store (int16_t for kSplit, int8_t for kSplit8).
+template <WeightStore kStore>
+using SplitRemainder = std::conditional_t<kStore == WeightStore::kSplit8, int8_t, int16_t>;
+
+constexpr bool is_split_store(WeightStore store) {
+  return store == WeightStore::kSplit || store == WeightStore::kSplit8;
+}
+
 // Which stores exist for a param element type; no kernel is instantiated for the others (the
 // argument checks reject them first).
 template <typename TP>

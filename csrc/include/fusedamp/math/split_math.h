@@ -92,4 +92,23 @@ C10_HOST_DEVICE inline float combine_master8(uint16_t weight_bits, int8_t remain
   return combine_weight_and_remainder<8>(weight_bits, remainder);
 }
 
+// Both splits under one name each, told apart by the remainder's type: the CPU and CUDA weight
+// stores are written once for "split" (int16_t) and "split8" (int8_t).
+C10_HOST_DEVICE inline float combine_split(uint16_t weight_bits, int16_t remainder) {
+  return combine_master(weight_bits, remainder);
+}
+C10_HOST_DEVICE inline float combine_split(uint16_t weight_bits, int8_t remainder) {
+  return combine_master8(weight_bits, remainder);
+}
+C10_HOST_DEVICE inline void split_into(float master, uint16_t& weight_bits, int16_t& remainder) {
+  const SplitMaster split = split_master(master);
+  weight_bits = split.weight_bits;
+  remainder = split.remainder;
+}
+C10_HOST_DEVICE inline void split_into(float master, uint16_t& weight_bits, int8_t& remainder) {
+  const Split8Master split = split_master8(master);
+  weight_bits = split.weight_bits;
+  remainder = split.remainder;
+}
+
 }  // namespace fusedamp::math
