@@ -318,8 +318,8 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                       has_block_scale_shape(p, t) && m != dict.end() &&
                       m->second.scalar_type() == at::kChar,
                   "fusedamp::optim::", who, ": state 'moment_scales' of parameter ", index,
-                  " must be a float32 tensor of shape [", (p.numel() + 31) / 32,
-                  ", 2] beside int8 'exp_avg' codes, got ", t.scalar_type(), " of shape ",
+                  " must be a float32 tensor of shape ", at::IntArrayRef(block_scales_shape(p)),
+                  " beside int8 'exp_avg' codes, got ", t.scalar_type(), " of shape ",
                   t.sizes());
     } else {
       TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.is_floating_point(),
@@ -365,9 +365,11 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
         s.step = t.reshape({});
       }
     } else if (name == kMomentScales) {
-      s.moment_scales = copy ? t.to(p.device(), at::kFloat, /*non_blocking=*/false,
-                                    /*copy=*/true).contiguous()
-                             : t;
+      // Kept in the parameter's own shape of scales (the same blocks either way).
+      s.moment_scales = (copy ? t.to(p.device(), at::kFloat, /*non_blocking=*/false,
+                                     /*copy=*/true).contiguous()
+                              : t)
+                            .view(block_scales_shape(p));
     } else {
       s.*(slot_named(name)->member) = copy ? copy_like(p, t, kept_dtype(name, p, t)) : t;
     }
@@ -389,6 +391,10 @@ void ParamStateStore::replace_all(std::unordered_map<const c10::TensorImpl*, Par
 }  // namespace fusedamp::optim::detail
 
 namespace fusedamp::optim {
+
+std::vector<int64_t> moment_scales_shape(const at::Tensor& param) {
+  return detail::block_scales_shape(param);
+}
 
 ConvertedParamState convert_param_state(const at::Tensor& weight,
                                         const Optimizer::StateDict& state, MasterWeights mode,

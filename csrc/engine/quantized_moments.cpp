@@ -23,13 +23,26 @@ at::Tensor host_like(const at::Tensor& param, const at::Tensor& src, at::ScalarT
 }
 
 at::Tensor scales_for(const at::Tensor& param, const at::TensorOptions& options) {
-  return at::zeros({math::moment_blocks(param.numel()), 2}, options.dtype(at::kFloat));
+  return at::zeros(block_scales_shape(param), options.dtype(at::kFloat));
 }
 
 }  // namespace
 
+std::vector<int64_t> block_scales_shape(const at::Tensor& param) {
+  // R from the sizes, not numel / size(0): an empty shard of rows keeps its parameter's shape.
+  int64_t row = 1;
+  for (int64_t d = 1; d < param.dim(); ++d) {
+    row *= param.size(d);
+  }
+  if (param.dim() >= 2 && row > 0 && row % kMomentBlock == 0 && param.is_contiguous()) {
+    return {param.size(0), row / kMomentBlock, 2};
+  }
+  return {math::moment_blocks(param.numel()), 2};
+}
+
 bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t) {
-  return t.dim() == 2 && t.size(0) == math::moment_blocks(param.numel()) && t.size(1) == 2;
+  return t.sizes() == at::IntArrayRef(block_scales_shape(param)) ||
+         (t.dim() == 2 && t.size(0) == math::moment_blocks(param.numel()) && t.size(1) == 2);
 }
 
 QuantizedMoments zero_quantized_moments(const at::Tensor& param) {

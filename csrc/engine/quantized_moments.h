@@ -6,14 +6,21 @@
 #include <ATen/core/Tensor.h>
 
 #include <utility>
+#include <vector>
 
 namespace fusedamp::optim::detail {
 
 struct QuantizedMoments {
   at::Tensor exp_avg;     // int8 codes, param's shape and strides
   at::Tensor exp_avg_sq;  // uint8 codes
-  at::Tensor scales;      // FP32 [ceil(numel / 32), 2], contiguous
+  at::Tensor scales;      // FP32 of block_scales_shape(param), contiguous
 };
+
+// The shape of param's block scales: one row [exp_avg scale, exp_avg_sq scale] per block.
+// [size(0), R / 32, 2] for a contiguous parameter of two or more dimensions whose rows (R =
+// numel / size(0) elements) are whole blocks, so that a range of rows (an FSDP2 shard of dim
+// 0) has that range of the scales whatever the sharding; [ceil(numel / 32), 2] otherwise.
+std::vector<int64_t> block_scales_shape(const at::Tensor& param);
 
 // exp_avg and exp_avg_sq (any floating dtype, param's shape) as the codes and scales a step
 // would leave for these values, on param's device. Blocks run over param's element order in
@@ -25,7 +32,8 @@ QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp
 std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
                                                      const QuantizedMoments& q);
 
-// Whether t has the shape of param's block scales (dtype and layout aside).
+// Whether t holds param's block scales, in block_scales_shape(param) or as [blocks, 2] (dtype
+// and layout aside): the scales of the same blocks either way.
 bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t);
 
 // Fresh (all-zero) codes and scales for param.

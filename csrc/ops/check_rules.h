@@ -154,14 +154,16 @@ C10_ALWAYS_INLINE void check_no_overlap(const char* op, size_t i, const TensorFa
 }
 
 // moment_scales[i] (quantized moments, math/quantized_moments_math.h): a contiguous float32
-// [blocks, 2] tensor for the blocks of params[i].
+// tensor of one row [exp_avg scale, exp_avg_sq scale] per block of params[i], in any leading
+// shape ([blocks, 2], or the engine's [rows, blocks per row, 2]): the kernels read its memory.
 [[noreturn]] C10_NOINLINE inline void raise_block_scales(const char* op, size_t i,
-                                                         const Tensor& t, const Tensor& params,
-                                                         int64_t blocks) {
-  TORCH_CHECK(false, op, ": moment_scales[", i, "] must be a contiguous float32 tensor of shape [",
-              blocks, ", 2] (one row per block of ", math::kMomentBlock, " elements of params[",
-              i, "], which has ", params.sym_numel(), "); got ", t.scalar_type(), " of shape ",
-              t.sym_sizes(), " strides ", t.sym_strides());
+                                                         const Tensor& t, const Tensor& params) {
+  TORCH_CHECK(false, op, ": moment_scales[", i, "] must be a contiguous float32 tensor of ",
+              "shape [..., 2] with one row per block of ", math::kMomentBlock,
+              " elements of params[", i, "] (", params.sym_numel(), " elements: ",
+              (params.sym_numel() + (math::kMomentBlock - 1)) / math::kMomentBlock,
+              " rows); got ", t.scalar_type(), " of shape ", t.sym_sizes(), " strides ",
+              t.sym_strides());
 }
 
 C10_ALWAYS_INLINE void check_block_scales(const char* op, size_t i, const TensorFacts& t,
@@ -169,15 +171,14 @@ C10_ALWAYS_INLINE void check_block_scales(const char* op, size_t i, const Tensor
   const Tensor& a = *t.tensor;
   const Tensor& p = *params.tensor;
   const bool concrete = C10_LIKELY(t.concrete && params.concrete);
-  const int64_t blocks = concrete ? math::moment_blocks(p.numel()) : -1;
   const bool right =
-      t.dtype == at::kFloat &&
-      (concrete ? a.dim() == 2 && a.size(0) == blocks && a.size(1) == 2 && a.is_contiguous()
+      t.dtype == at::kFloat && a.dim() >= 2 &&
+      (concrete ? a.size(-1) == 2 && a.numel() == 2 * math::moment_blocks(p.numel()) &&
+                      a.is_contiguous()
                 : a.sym_numel() == (p.sym_numel() + (math::kMomentBlock - 1)) /
-                                           math::kMomentBlock * 2 &&
-                      a.dim() == 2);
+                                       math::kMomentBlock * 2);
   if (C10_UNLIKELY(!right)) {
-    raise_block_scales(op, i, a, p, blocks);
+    raise_block_scales(op, i, a, p);
   }
 }
 

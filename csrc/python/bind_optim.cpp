@@ -300,6 +300,8 @@ void bind_optim(py::module_& m) {
       py::arg("weight"), py::arg("state"), py::arg("master_weights"), py::arg("state_dtype"),
       py::arg("index") = 0);
 
+  m.def("moment_scales_shape", &optim::moment_scales_shape, py::arg("param"));
+
   py::class_<optim::Adam, Optimizer>(m, "Adam")
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
         return std::make_unique<optim::Adam>(make_groups(groups));

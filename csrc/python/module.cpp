@@ -1,6 +1,7 @@
 // fusedamp._C — the pybind11 module. Bindings of the C++ engine live in one file per
 // concept (bind_*.cpp) and are registered here.
 #include <ATen/Version.h>
+#include <fusedamp/math/quantized_moments_math.h>
 #include <torch/extension.h>
 
 #include "bindings.h"
@@ -16,5 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "Whether libfusedamp was built with its CUDA kernels.");
+  // state_dtype=int8: elements per block of the moments' codes (one pair of scales each).
+  m.attr("MOMENT_BLOCK") = fusedamp::math::kMomentBlock;
   fusedamp::python::bind_all(m);
 }

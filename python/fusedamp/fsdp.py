@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ._library import _C
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # torch built without distributed
     DTensor = None
 
@@ -64,6 +64,52 @@ def _local(p):
     # Under no_grad DTensor.to_local() is the local tensor object itself (no autograd node).
     with torch.no_grad():
         return p.to_local()
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def _scales_layout(p):
+    """The full shape of DTensor p's 8-bit moment scales when every local shard holds whole
+    blocks of p and its scales are the dim-0 shard of that shape that p's placements give (the
+    codes and scales are then one process's, and reshard as the parameter does); None when not.
+
+    p's scales (fusedamp._C.moment_scales_shape) have p's rows where its rows are whole blocks:
+    any dim-0 sharding keeps that. Otherwise they are [blocks, 2] over p's elements: each shard
+    must begin on a block and hold the rows torch.chunk gives it of the blocks."""
+    sharded = [(d, pl) for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if len(sharded) > 1 or any(type(pl) is not Shard or pl.dim != 0 for _, pl in sharded):
+        return None  # sharded on another dimension, or more than once
+    shape = tuple(_C.moment_scales_shape(torch.empty_strided(p.shape, p.stride(),
+                                                             device="meta")))
+    if len(shape) == 3 or not sharded:
+        return shape
+    shards = p.device_mesh.size(sharded[0][0])
+    rows = p.shape[0] if p.dim() else 1
+    row = p.numel() // rows if rows else 0
+    block = _C.MOMENT_BLOCK
+    blocks = shape[0]
+    rows_each, blocks_each = -(-rows // shards), -(-blocks // shards)
+    for r in range(shards):
+        first = min(r * rows_each, rows)
+        n = (min(first + rows_each, rows) - first) * row
+        if n and (first * row) % block:
+            return None
+        if -(-n // block) != max(0, min(blocks_each, blocks - r * blocks_each)):
+            return None
+    return shape
 
 
 def local_grad_views(params):
@@ -237,23 +283,32 @@ class ShardEngine(_PartEngine):
         self._engine = engine_cls(self._locals)
         self._param_groups = None  # torch.optim's group dicts, as last synced
 
-    # 8-bit moments keep one scale per 32 elements of a parameter; a local shard's elements
-    # are not the parameter's, so its blocks would depend on the sharding. Refused before the
-    # options reach the engine.
-    @staticmethod
-    def _refuse_int8_state(param_groups):
+    # 8-bit moments keep a pair of scales per block of 32 elements of each parameter. The local
+    # shards' codes and scales are one process's only where every shard holds whole blocks of
+    # its parameter, laid out as a dim-0 shard of the parameter's scales (_scales_layout);
+    # other parameters are refused before the options reach the engine.
+    def _check_int8_blocks(self, param_groups):
         for i, g in enumerate(param_groups):
-            if g.get("state_dtype") in (torch.int8, "int8", "torch.int8"):
-                raise ValueError(f"fusedamp: param group {i}: state_dtype=torch.int8 is not "
-                                 "supported on FSDP2 (DTensor) parameters yet: the moments' "
-                                 "blocks of 32 elements would follow the shards")
+            if g.get("state_dtype") not in (torch.int8, "int8", "torch.int8"):
+                continue
+            for p in g["params"]:
+                if isinstance(p, DTensor) and _scales_layout(p) is None:
+                    raise ValueError(
+                        f"fusedamp: param group {i}: state_dtype=torch.int8 keeps one pair of "
+                        f"scales per block of {_C.MOMENT_BLOCK} elements of each parameter, but "
+                        f"the parameter of shape {tuple(p.shape)} is sharded "
+                        f"({tuple(p.placements)} on a mesh of {tuple(p.device_mesh.shape)}) into "
+                        "pieces that are not whole blocks of it, so its moments would depend on "
+                        "the sharding. Give such parameters (typically small vectors: biases, "
+                        "norm weights) a param group of their own with another state_dtype "
+                        "(e.g. torch.bfloat16).")
 
     def sync_options(self, param_groups):
-        self._refuse_int8_state(param_groups)
+        self._check_int8_blocks(param_groups)
         super().sync_options(param_groups)
 
     def sync_changed_options(self, param_groups, synced):
-        self._refuse_int8_state(param_groups)
+        self._check_int8_blocks(param_groups)
         super().sync_changed_options(param_groups, synced)
 
     # ---- the step -------------------------------------------------------------------------
@@ -332,10 +387,17 @@ class ShardEngine(_PartEngine):
     def param_state(self, p):
         local = self._local_of(p)
         state = self._engine.param_state(local)
-        return {name: (DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride())
-                       if t.shape == local.shape and name != "step" else t)
-                for name, t in state.items()}
+        out = {}
+        for name, t in state.items():
+            if name == "moment_scales":  # a dim-0 shard of the parameter's scales
+                shape = _scales_layout(p)
+                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                       shape=shape, stride=_contiguous_strides(shape))
+            elif t.shape == local.shape and name != "step":
+                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            out[name] = t
+        return out
 
     def _to_local_state(self, p, state):
         out = {}
@@ -343,10 +405,18 @@ class ShardEngine(_PartEngine):
             if name == "step" or not isinstance(v, torch.Tensor):
                 out[name] = v
                 continue
+            full_shape = p.shape
+            if name == "moment_scales":
+                full_shape = _scales_layout(p)
+                if full_shape is None:
+                    raise ValueError("fusedamp.optim: 8-bit moments of a parameter sharded into "
+                                     "pieces that are not whole blocks of it cannot be loaded")
+                if not isinstance(v, DTensor) and v.numel() == _numel(full_shape):
+                    v = v.reshape(full_shape)  # the same blocks as [blocks, 2]
             if isinstance(v, DTensor):
                 if v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):
                     v = v.redistribute(p.device_mesh, p.placements)
-            elif tuple(v.shape) == tuple(p.shape):  # a full tensor: this rank's slice of it
+            elif tuple(v.shape) == tuple(full_shape):  # a full tensor: this rank's slice of it
                 v = distribute_tensor(v.to(_local(p).device), p.device_mesh, p.placements,
                                       src_data_rank=None)
             else:

@@ -49,19 +49,31 @@ for _sd in (torch.float32, torch.bfloat16):
     for _mode, _label in ((True, "true"), ("split", "split"), ("kahan", "kahan"), (False, "off")):
         CASES[f"adamw_{_label}_bf16_{_tag}"] = ("adamw", _mode, _sd, "bf16")
 CASES["sgd_true_bf16_fp32state"] = ("sgd", True, torch.float32, "bf16")
+# 8-bit moments keep scales per block of 32 elements of each parameter: their cases train a
+# model whose shards hold whole blocks on 1, 2 and 3 ranks, except the last bias (BLOCK_SPLIT),
+# which takes a param group with BF16 moments.
+CASES["adamw_true_policy_int8state"] = ("adamw", True, torch.int8, "policy")
+CASES["adamw_true_bf16_int8state"] = ("adamw", True, torch.int8, "bf16")
+CASES["adamw_split8_bf16_int8state"] = ("adamw", "split8", torch.int8, "bf16")
+BLOCK_SPLIT = ("3.bias",)
 
 
-def make_model(seed=0):
+def make_model(seed=0, int8=False):
     """35 rows shard unevenly over 2 and 3 ranks (18/17, 12/12/11); the 2-row last layer
-    leaves the third of 3 ranks an empty shard."""
+    leaves the third of 3 ranks an empty shard. For 8-bit moments (int8): 192 rows, whole
+    blocks of 32 on every shard of the 1-D parameters (96/96, 64/64/64), rows of 32 and 192
+    elements in the 2-D ones (an empty shard again on the third of 3 ranks)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 35), nn.LayerNorm(35), nn.GELU(), nn.Linear(35, 2))
+    rows = 192 if int8 else 35
+    return nn.Sequential(nn.Linear(32 if int8 else 16, rows), nn.LayerNorm(rows), nn.GELU(),
+                         nn.Linear(rows, 2))
 
 
 def build(case, mesh, seed=0):
     """The model (sharded on `mesh`, or plain when mesh is None) and its optimizer."""
     kind, mode, state_dtype, layout = CASES[case]
-    model = make_model(seed)
+    int8 = state_dtype == torch.int8
+    model = make_model(seed, int8)
     if layout == "bf16":
         fusedamp.convert_module(model, torch.bfloat16)
     if mesh is not None:
@@ -76,7 +88,12 @@ def build(case, mesh, seed=0):
         fully_shard(model, mesh=mesh, **kw)
     hyper = ADAM if kind == "adamw" else SGD
     cls = fusedamp.optim.AdamW if kind == "adamw" else fusedamp.optim.SGD
-    opt = cls(model.parameters(), master_weights=mode, state_dtype=state_dtype, **hyper)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not (int8 and n in BLOCK_SPLIT)]}]
+    if int8:
+        groups.append({"params": [p for n, p in named if n in BLOCK_SPLIT],
+                       "state_dtype": torch.bfloat16})
+    opt = cls(groups, master_weights=mode, state_dtype=state_dtype, **hyper)
     return model, opt
 
 
@@ -120,15 +137,16 @@ def continue_fixed(model, opt):
     return pieces(model, opt)
 
 
-def _batch(step):
+def _batch(step, width):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+    return (torch.randn(GLOBAL_BATCH, width, generator=g),
+            torch.randn(GLOBAL_BATCH, 2, generator=g))
 
 
 def train(model, opt, rank, world):
     n = GLOBAL_BATCH // world
     for step in range(TRAIN_STEPS):
-        x, y = _batch(step)
+        x, y = _batch(step, model[0].in_features)
         out = model(x[rank * n:(rank + 1) * n])
         F.mse_loss(out.float(), y[rank * n:(rank + 1) * n]).backward()
         if step == INF_STEP and rank == world - 1:
@@ -206,6 +224,39 @@ def load_case(case, mesh, ckpt_dir):
     return {"loaded": loaded, "export": export, "continued": continue_fixed(model, opt)}
 
 
+def int8_refusal(mesh):
+    """8-bit moments for the 35-row model: its bias of 35 elements shards into pieces that are
+    not whole blocks of 32 (18/17, 12/12/11), so every rank refuses it, at construction and
+    when a group is switched to int8, changing nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    out = {}
+    try:
+        fusedamp.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=torch.int8)
+    except ValueError as e:
+        out["construction"] = str(e)
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3)
+    for i, p in enumerate(model.parameters()):
+        p.grad = fixed_grad(i, p, 0)
+    opt.step()
+    before = pieces(model, opt)
+    opt.param_groups[0]["state_dtype"] = torch.int8
+    for i, p in enumerate(model.parameters()):
+        p.grad = fixed_grad(i, p, 1)
+    try:
+        opt.step()
+    except ValueError as e:
+        out["switch"] = str(e)
+    after = pieces(model, opt)
+    out["unchanged"] = all(
+        torch.equal(after["params"][n], before["params"][n]) and
+        all(torch.equal(after["state"][n][k], v) for k, v in before["state"][n].items())
+        for n in before["params"])
+    return out
+
+
 def _wait_for_peer(peer_dir):
     deadline = time.monotonic() + PEER_WAIT_S
     while not os.path.exists(os.path.join(peer_dir, "saved")):
@@ -227,7 +278,8 @@ def main():
                             world_size=world, timeout=datetime.timedelta(seconds=PEER_WAIT_S))
     mesh = init_device_mesh("cpu", (world,))
     ckpt_dir = os.path.join(out_dir, "ckpt")
-    out = {"saved": {case: save_case(case, mesh, rank, world, ckpt_dir) for case in CASES}}
+    out = {"saved": {case: save_case(case, mesh, rank, world, ckpt_dir) for case in CASES},
+           "int8_refusal": int8_refusal(mesh)}
     dist.barrier()
     if rank == 0:
         open(os.path.join(out_dir, "saved"), "w").close()

@@ -242,10 +242,13 @@ def test_one_rank_equals_plain_tensors_and_follows_new_local_tensors(one_rank_me
     assert torch.equal(state["exp_avg"].to_local(), opts[1].state[plain[0].weight]["exp_avg"])
 
 
-@pytest.mark.parametrize("mode", ["split", "kahan", "stochastic"])
-def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode):
-    """The 16-bit weight stores and BF16 moments on FSDP2's DTensor parameters (a BF16 model
-    sharded as it is): on one rank the same bits as on plain tensors, state included."""
+@pytest.mark.parametrize("mode,state_dtype", [
+    ("split", torch.bfloat16), ("kahan", torch.bfloat16), ("stochastic", torch.bfloat16),
+    ("split8", torch.bfloat16), ("split8", torch.int8), (True, torch.int8)])
+def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_dtype):
+    """The compact weight stores and moments on FSDP2's DTensor parameters (a BF16 model
+    sharded as it is): on one rank the same bits as on plain tensors, state included; 8-bit
+    moments' scales are DTensors of the parameter's scales shape."""
     from fsdp_worker import global_batch, loss_of, make_model, shard
 
     def bf16_model():
@@ -255,7 +258,7 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode):
     plain = bf16_model()
     start = [p.detach().clone() for p in plain.parameters()]
     opts = [fusedamp.optim.AdamW(m.parameters(), lr=1e-3, master_weights=mode,
-                                 state_dtype=torch.bfloat16, rounding_seed=3)
+                                 state_dtype=state_dtype, rounding_seed=3)
             for m in (sharded, plain)]
     for step in range(4):
         x, y = global_batch(step)
@@ -266,35 +269,41 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode):
         for a, b in zip(sharded.parameters(), plain.parameters()):
             assert torch.equal(a.to_local(), b), step
     assert not torch.equal(plain[0].weight, start[0])  # the steps moved the weights
-    weight = sharded[0].weight
-    assert weight.to_local().dtype == torch.bfloat16
-    state, plain_state = opts[0].state[weight], opts[1].state[plain[0].weight]
-    assert state.keys() == plain_state.keys()
-    for key, value in plain_state.items():
-        mine = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
-        assert mine.dtype == value.dtype and torch.equal(mine, value), key
-    assert state["exp_avg"].to_local().dtype == torch.bfloat16
-    assert {"split": "param_remainder", "kahan": "kahan_compensation"}.get(mode, "step") in state
+    for weight, plain_weight in zip(sharded.parameters(), plain.parameters()):
+        assert weight.to_local().dtype == plain_weight.dtype  # convert_module keeps norms FP32
+        state, plain_state = opts[0].state[weight], opts[1].state[plain_weight]
+        assert state.keys() == plain_state.keys()
+        for key, value in plain_state.items():
+            mine = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
+            assert mine.dtype == value.dtype and torch.equal(mine, value), key
+        moment = {torch.int8: torch.int8}.get(state_dtype, torch.bfloat16)
+        assert state["exp_avg"].to_local().dtype == moment
+        if state_dtype == torch.int8:
+            scales = state["moment_scales"]
+            assert list(scales.shape) == fusedamp._C.moment_scales_shape(plain_weight)
+        store = {"split": "param_remainder", "split8": "param_remainder",
+                 "kahan": "kahan_compensation"}.get(mode, "step")
+        assert store in state or plain_weight.dtype == torch.float32
+    assert sharded[0].weight.to_local().dtype == torch.bfloat16
 
 
-def test_int8_moments_on_dtensor_parameters_are_refused_changing_nothing(one_rank_mesh):
-    """8-bit moments' blocks follow each parameter's own elements; a shard's are not its
-    parameter's, so FSDP2 parameters refuse state_dtype=torch.int8 (at construction, and when
-    a group is switched to it), before anything changes."""
-    from fsdp_worker import global_batch, loss_of, make_model, shard
+def test_int8_moments_on_unaligned_dtensor_parameters_are_refused_changing_nothing(one_rank_mesh):
+    """8-bit moments' blocks follow each parameter's own elements: a DTensor parameter whose
+    shards would not hold whole blocks (here sharded on dim 1) is refused, at construction and
+    when a group is switched to int8, before anything changes. (Dim-0 shards over two and three
+    ranks: fsdp_checkpoint_worker.)"""
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    sharded = shard(make_model(), one_rank_mesh, None)
-    with pytest.raises(ValueError, match="not supported on FSDP2"):
-        fusedamp.optim.AdamW(sharded.parameters(), lr=1e-3, state_dtype=torch.int8)
-    opt = fusedamp.optim.AdamW(sharded.parameters(), lr=1e-3)
-    x, y = global_batch(0)
-    loss_of(sharded(x), y).backward()
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 40), one_rank_mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        fusedamp.optim.AdamW([param], lr=1e-3, state_dtype=torch.int8)
+    opt = fusedamp.optim.AdamW([param], lr=1e-3)
+    param.grad = distribute_tensor(torch.randn(4, 40), one_rank_mesh, [Shard(1)])
     opt.step()
-    weights = [p.to_local().clone() for p in sharded.parameters()]
-    moments = [opt.state[p]["exp_avg"].to_local().clone() for p in sharded.parameters()]
+    weight = param.to_local().clone()
+    moment = opt.state[param]["exp_avg"].to_local().clone()
     opt.param_groups[0]["state_dtype"] = torch.int8
-    with pytest.raises(ValueError, match="not supported on FSDP2"):
+    with pytest.raises(ValueError, match="not whole blocks"):
         opt.step()
-    for p, w, m in zip(sharded.parameters(), weights, moments):
-        assert torch.equal(p.to_local(), w)
-        assert torch.equal(opt.state[p]["exp_avg"].to_local(), m)
+    assert torch.equal(param.to_local(), weight)
+    assert torch.equal(opt.state[param]["exp_avg"].to_local(), moment)

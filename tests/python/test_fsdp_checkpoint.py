@@ -34,13 +34,18 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
 pytest.importorskip("torch.distributed.checkpoint.state_dict")
 
-from fsdp_checkpoint_worker import CASES, TRAIN_STEPS, load_case, reference  # noqa: E402
+import fusedamp  # noqa: E402
+from fsdp_checkpoint_worker import (BLOCK_SPLIT, CASES, TRAIN_STEPS, load_case,  # noqa: E402
+                                    reference)
 from test_distributed import _launch  # noqa: E402  (the launcher pattern)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp_checkpoint_worker.py")
 WORLDS = (2, 3)
 RESHARDS = [pytest.param(s, l, id=f"{s}to{l}") for s, l in ((2, 3), (3, 2))]
-STORE = {True: "master_param", "split": "param_remainder", "kahan": "kahan_compensation"}
+STORE = {True: "master_param", "split": "param_remainder", "split8": "param_remainder",
+         "kahan": "kahan_compensation"}
+# 8-bit moments: (exp_avg, exp_avg_sq) codes, beside the blocks' scales.
+INT8_MOMENTS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +148,31 @@ def test_checkpoint_holds_the_modes_state(ranks, case, world):
     for name, state in saved["state"].items():
         param = saved["params"][name]
         store = STORE.get(mode) if param.dtype == torch.bfloat16 else None
-        assert set(state) == {"step", *moments} | ({store} if store else set()), (name, state)
+        int8 = state_dtype == torch.int8 and name not in BLOCK_SPLIT
+        extra = ({store} if store else set()) | ({"moment_scales"} if int8 else set())
+        assert set(state) == {"step", *moments} | extra, (name, state)
         assert state["step"].item() == TRAIN_STEPS - 1  # the inf step was skipped
         for m in moments:
-            assert state[m].dtype == state_dtype and state[m].count_nonzero() > 0, (name, m)
+            want = INT8_MOMENTS[m] if int8 else (
+                torch.bfloat16 if state_dtype == torch.int8 else state_dtype)
+            assert state[m].dtype == want and state[m].count_nonzero() > 0, (name, m)
+        if int8:  # the parameter's own scales shape, gathered from the shards
+            assert list(state["moment_scales"].shape) == fusedamp._C.moment_scales_shape(param)
         if store == "master_param":  # bits below the BF16 weight
             assert not torch.equal(state[store], param.float()), name
         elif store:
             assert state[store].count_nonzero() > 0, (name, store)
     if layout == "policy":  # the FP32 sharded parameters are the masters
         assert all(p.dtype == torch.float32 for p in saved["params"].values())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_int8_moments_of_parameters_split_mid_block_are_refused(ranks, world):
+    for r in ranks[world]:
+        out = r["int8_refusal"]
+        for when in ("construction", "switch"):
+            assert "not whole blocks" in out.get(when, "") and "(35,)" in out[when], out
+        assert out["unchanged"]
 
 
 @pytest.mark.parametrize("saver, loader", RESHARDS)

@@ -5,6 +5,8 @@
 // does the same conversion itself at the first step after a load (param_state.h).
 #include <fusedamp/optim/optimizer.h>
 
+#include <vector>
+
 namespace fusedamp::optim {
 
 struct ConvertedParamState {
@@ -25,5 +27,11 @@ struct ConvertedParamState {
 ConvertedParamState convert_param_state(const at::Tensor& weight,
                                         const Optimizer::StateDict& state, MasterWeights mode,
                                         at::ScalarType state_dtype, size_t index = 0);
+
+// The shape of param's 'moment_scales' under state_dtype int8: [size(0), R / 32, 2] for a
+// contiguous parameter of two or more dimensions whose rows (R elements each) are whole blocks
+// of 32 (a range of rows then has that range of the scales: FSDP2's dim-0 shards lay them out
+// as they lay out the parameter), [ceil(numel / 32), 2] otherwise.
+std::vector<int64_t> moment_scales_shape(const at::Tensor& param);
 
 }  // namespace fusedamp::optim
