@@ -282,17 +282,24 @@ class ShardEngine(_PartEngine):
                        for i, p in enumerate(g)}
         self._engine = engine_cls(self._locals)
         self._param_groups = None  # torch.optim's group dicts, as last synced
+        self._layouts = {}  # id(p): _scales_layout(p), fixed by p's shape, mesh and placements
 
     # 8-bit moments keep a pair of scales per block of 32 elements of each parameter. The local
     # shards' codes and scales are one process's only where every shard holds whole blocks of
     # its parameter, laid out as a dim-0 shard of the parameter's scales (_scales_layout);
     # other parameters are refused before the options reach the engine.
+    def _scales_layout(self, p):
+        key = id(p)  # p is one of self._params: alive while the engine is
+        if key not in self._layouts:
+            self._layouts[key] = _scales_layout(p)
+        return self._layouts[key]
+
     def _check_int8_blocks(self, param_groups):
         for i, g in enumerate(param_groups):
             if g.get("state_dtype") not in (torch.int8, "int8", "torch.int8"):
                 continue
             for p in g["params"]:
-                if isinstance(p, DTensor) and _scales_layout(p) is None:
+                if isinstance(p, DTensor) and self._scales_layout(p) is None:
                     raise ValueError(
                         f"fusedamp: param group {i}: state_dtype=torch.int8 keeps one pair of "
                         f"scales per block of {_C.MOMENT_BLOCK} elements of each parameter, but "
@@ -390,7 +397,7 @@ class ShardEngine(_PartEngine):
         out = {}
         for name, t in state.items():
             if name == "moment_scales":  # a dim-0 shard of the parameter's scales
-                shape = _scales_layout(p)
+                shape = self._scales_layout(p)
                 t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                                        shape=shape, stride=_contiguous_strides(shape))
             elif t.shape == local.shape and name != "step":
@@ -407,7 +414,7 @@ class ShardEngine(_PartEngine):
                 continue
             full_shape = p.shape
             if name == "moment_scales":
-                full_shape = _scales_layout(p)
+                full_shape = self._scales_layout(p)
                 if full_shape is None:
                     raise ValueError("fusedamp.optim: 8-bit moments of a parameter sharded into "
                                      "pieces that are not whole blocks of it cannot be loaded")
