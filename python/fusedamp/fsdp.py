@@ -29,6 +29,7 @@ DTensors are refused: their gradients are per rank and would be counted once per
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -64,21 +65,6 @@ def _local(p):
     # Under no_grad DTensor.to_local() is the local tensor object itself (no autograd node).
     with torch.no_grad():
         return p.to_local()
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
 
 
 def _scales_layout(p):
@@ -399,7 +385,8 @@ class ShardEngine(_PartEngine):
             if name == "moment_scales":  # a dim-0 shard of the parameter's scales
                 shape = self._scales_layout(p)
                 t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                                       shape=shape, stride=_contiguous_strides(shape))
+                                       shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
             elif t.shape == local.shape and name != "step":
                 t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())
@@ -418,7 +405,7 @@ class ShardEngine(_PartEngine):
                 if full_shape is None:
                     raise ValueError("fusedamp.optim: 8-bit moments of a parameter sharded into "
                                      "pieces that are not whole blocks of it cannot be loaded")
-                if not isinstance(v, DTensor) and v.numel() == _numel(full_shape):
+                if not isinstance(v, DTensor) and v.numel() == math.prod(full_shape):
                     v = v.reshape(full_shape)  # the same blocks as [blocks, 2]
             if isinstance(v, DTensor):
                 if v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):

@@ -276,7 +276,7 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_d
         for key, value in plain_state.items():
             mine = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
             assert mine.dtype == value.dtype and torch.equal(mine, value), key
-        moment = {torch.int8: torch.int8}.get(state_dtype, torch.bfloat16)
+        moment = torch.int8 if state_dtype == torch.int8 else torch.bfloat16
         assert state["exp_avg"].to_local().dtype == moment
         if state_dtype == torch.int8:
             scales = state["moment_scales"]
