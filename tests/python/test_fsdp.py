@@ -307,3 +307,50 @@ def test_int8_moments_on_unaligned_dtensor_parameters_are_refused_changing_nothi
         opt.step()
     assert torch.equal(param.to_local(), weight)
     assert torch.equal(opt.state[param]["exp_avg"].to_local(), moment)
+
+
+def test_one_rank_int8_checkpoint_with_flat_scales_resumes_on_dtensor_parameters(one_rank_mesh):
+    """A plain-tensor checkpoint of 8-bit moments whose scales are flat [blocks, 2] (the same
+    blocks, in an older layout) loads into FSDP2's DTensor parameters: the scales take the
+    parameter's scales shape ([rows, row / 32, 2] for the weight), and the run continues bit
+    for bit as the plain optimizer's own."""
+    from fsdp_worker import shard
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 4), torch.nn.LayerNorm(4),
+                                   torch.nn.GELU(), torch.nn.Linear(4, 2))
+
+    x, y = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2)
+
+    def step(m, opt):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    plain = model()
+    opt = fusedamp.optim.AdamW(plain.parameters(), lr=1e-2, state_dtype=torch.int8)
+    for _ in range(2):
+        step(plain, opt)
+    saved = opt.state_dict()
+    for s in saved["state"].values():
+        s["moment_scales"] = s["moment_scales"].reshape(-1, 2).clone()
+    assert saved["state"][0]["moment_scales"].shape == (8, 2)  # the weight's [4, 2, 2], flat
+
+    sharded = shard(model(), one_rank_mesh, None)
+    with torch.no_grad():
+        for a, b in zip(sharded.parameters(), plain.parameters()):
+            a.to_local().copy_(b)
+    resumed = fusedamp.optim.AdamW(sharded.parameters(), lr=1e-2, state_dtype=torch.int8)
+    resumed.load_state_dict(saved)
+    weight = sharded[0].weight
+    assert tuple(resumed.state[weight]["moment_scales"].shape) == (4, 2, 2)
+    for _ in range(2):
+        step(plain, opt)
+        step(sharded, resumed)
+    for a, b in zip(sharded.parameters(), plain.parameters()):
+        assert torch.equal(a.to_local(), b)
+        for key, value in opt.state[b].items():
+            mine = resumed.state[a][key]
+            mine = mine.to_local() if hasattr(mine, "to_local") else mine
+            assert torch.equal(mine.reshape(value.shape), value), key
