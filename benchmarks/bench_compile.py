@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """torch.compile and the AMP step: fusedamp against torch.amp, eager and compiled, side by side.
 
-The same FP16 training step of the demo's character GPT, four ways:
+The same FP16 training step of the demo's character GPT, six ways:
 
   torch.amp eager      autocast(fp16) forward, torch.amp.GradScaler, torch.optim.AdamW(fused=True)
   torch.amp compiled   the same with the model compiled (torch.compile(model)) and the
@@ -12,7 +12,9 @@ The same FP16 training step of the demo's character GPT, four ways:
   fusedamp compiled    the same with the model and opt.step compiled the same way (the step
                        is the C++ engine's, which torch.compile cannot trace: it breaks there)
 
-and, for each framework, the optimizer half of a step (scaler.step(opt); scaler.update();
+a fifth and sixth way compile the whole step function (forward, backward, scaler, optimizer)
+with compiled autograd (torch._dynamo.config.compiled_autograd), for the fewest graphs torch
+allows; and, for each framework, the optimizer half of a step (scaler.step(opt); scaler.update();
 opt.zero_grad()) compiled alone with fullgraph=True, to show whether it is one graph. Per row:
 the median step time after warm-up (and the ratio fusedamp / torch.amp of the same kind), the
 compile time (the first call), and from torch._dynamo's counters the graphs compiled, the graph
@@ -55,10 +57,12 @@ LR = 1e-3
 
 
 def counters():
-    """What torch._dynamo counted since the last reset: graphs, breaks, recompilations."""
+    """What torch._dynamo counted since the last reset: graphs, breaks, recompilations, and
+    the backward graphs compiled autograd captured."""
     from torch._dynamo.utils import counters as c
 
     return {"graphs": int(c["stats"]["unique_graphs"]),
+            "autograd_captures": int(c["compiled_autograd"]["captures"]),
             "graph_breaks": int(sum(c["graph_break"].values())),
             "break_reasons": sorted({r.strip().splitlines()[0][:120] for r in c["graph_break"]}),
             "recompiles": int(sum(c["recompiles"].values()))
@@ -87,9 +91,15 @@ def build(framework, vocab, args):
     return model, opt, scaler
 
 
-def make_step(framework, model, opt, scaler, vocab, compiled):
-    forward = torch.compile(model) if compiled else model
-    if compiled:
+MODES = ("eager", "compiled", "compiled autograd")
+
+
+def make_step(framework, model, opt, scaler, vocab, mode):
+    """mode "compiled": the model and opt.step compiled apart (torch's recommendation);
+    "compiled autograd": the whole step function compiled, backward included (compiled
+    autograd, torch._dynamo.config.compiled_autograd), as few graphs as dynamo manages."""
+    forward = torch.compile(model) if mode == "compiled" else model
+    if mode == "compiled":
         opt.step = torch.compile(opt.step)  # torch's recommended way to compile a step
 
     def step(x, y):
@@ -104,13 +114,26 @@ def make_step(framework, model, opt, scaler, vocab, compiled):
         scaler.update()
         opt.zero_grad()
         return loss.detach()
-    return step
+    return torch.compile(step) if mode == "compiled autograd" else step
 
 
-def run(framework, compiled, data, vocab, args):
+def run(framework, mode, data, vocab, args):
     reset_dynamo()
     model, opt, scaler = build(framework, vocab, args)
-    step = make_step(framework, model, opt, scaler, vocab, compiled)
+    # Set, not patched in a context: under config.patch torch 2.11's compiled frames did not
+    # engage compiled autograd (no captures).
+    torch._dynamo.config.compiled_autograd = mode == "compiled autograd"
+    try:
+        step = make_step(framework, model, opt, scaler, vocab, mode)
+        out = timed_steps(framework, step, opt, data, args)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    out["mode"] = mode
+    out.update(counters() if mode != "eager" else {})
+    return out
+
+
+def timed_steps(framework, step, opt, data, args):
     gen = torch.Generator().manual_seed(1)
     batches = [char_batch(data, args.batch, args.context, gen) for _ in range(args.steps + 3)]
     t0 = time.perf_counter()
@@ -124,12 +147,10 @@ def run(framework, compiled, data, vocab, args):
         t0 = time.perf_counter()
         step(*b)
         times.append(time.perf_counter() - t0)
-    out = {"framework": framework, "compiled": compiled,
-           "step_ms": 1e3 * statistics.median(times), "first_call_s": first,
-           "skipped": int(getattr(opt, "skipped_steps", 0) or 0)
-           if framework == "fusedamp" else None}
-    out.update(counters() if compiled else {})
-    return out
+    return {"framework": framework, "step_ms": 1e3 * statistics.median(times),
+            "first_call_s": first,
+            "skipped": int(getattr(opt, "skipped_steps", 0) or 0)
+            if framework == "fusedamp" else None}
 
 
 def optimizer_half_fullgraph(framework, data, vocab, args):
@@ -168,11 +189,10 @@ def main():
     args = ap.parse_args()
     data, _, vocab = char_data(torch.device("cpu"), context=args.context)
     info = machine_info("cpu")
-    rows = [run(fw, compiled, data, vocab, args) for compiled in (False, True)
-            for fw in ("torch", "fusedamp")]
+    rows = [run(fw, mode, data, vocab, args) for mode in MODES for fw in ("torch", "fusedamp")]
     fullgraph = {fw: optimizer_half_fullgraph(fw, data, vocab, args)
                  for fw in ("torch", "fusedamp")}
-    by = {(r["framework"], r["compiled"]): r for r in rows}
+    by = {(r["framework"], r["mode"]): r for r in rows}
     lines = ["# torch.compile and the AMP step (CPU)", "",
              f"`PYTHONPATH=python python3 benchmarks/bench_compile.py --steps {args.steps}`", "",
              f"{info['date_utc']}, fusedamp {info.get('fusedamp_commit', '?')}, {info['cpu']} "
@@ -181,16 +201,23 @@ def main():
              f"blocks, context {args.context}), batch {args.batch}, FP16, AdamW lr {LR} as a "
              f"tensor decayed every step, loss scale from 2**24 (the first steps overflow and "
              f"are skipped), {args.steps} timed steps after 3 untimed.", "",
+             "Step \"compiled\": the model and `opt.step` compiled apart; \"compiled "
+             "autograd\": the whole step function compiled with "
+             "`torch._dynamo.config.compiled_autograd=True` (dynamo graphs, and the backward "
+             "graphs compiled autograd captured, counted apart).", "",
              "| framework | step | step ms (median) | fusedamp / torch.amp | first call s | "
-             "graphs | graph breaks | recompiles |", "|---|---|--:|--:|--:|--:|--:|--:|"]
+             "graphs | backward graphs | graph breaks | recompiles |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
-        other = by[("torch", r["compiled"])]
+        other = by[("torch", r["mode"])]
         ratio = r["step_ms"] / other["step_ms"] if r["framework"] == "fusedamp" else None
+        captures = r.get("autograd_captures", "") if r["mode"] == "compiled autograd" else ""
         lines.append(
             f"| {'fusedamp' if r['framework'] == 'fusedamp' else 'torch.amp'} | "
-            f"{'compiled' if r['compiled'] else 'eager'} | {r['step_ms']:.1f} | "
+            f"{r['mode']} | {r['step_ms']:.1f} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {r['first_call_s']:.2f} | "
-            f"{r.get('graphs', '')} | {r.get('graph_breaks', '')} | {r.get('recompiles', '')} |")
+            f"{r.get('graphs', '')} | {captures} | {r.get('graph_breaks', '')} | "
+            f"{r.get('recompiles', '')} |")
     lines += ["", "The optimizer half (`scaler.step(opt); scaler.update(); opt.zero_grad()`) "
               "under `torch.compile(fullgraph=True)`:", ""]
     for fw, err in fullgraph.items():
@@ -199,20 +226,27 @@ def main():
     lines += ["", "Graph-break reasons of the compiled steps (torch._dynamo's counters, first "
               "line of each):", ""]
     for r in rows:
-        if r["compiled"]:
+        if r["mode"] != "eager":
             for reason in r.get("break_reasons", []):
-                lines.append(f"- {r['framework']}: {reason}")
-    te, tc = by[("torch", False)], by[("torch", True)]
-    fe, fc = by[("fusedamp", False)], by[("fusedamp", True)]
+                lines.append(f"- {r['framework']}, {r['mode']}: {reason}")
+    te, tc = by[("torch", "eager")], by[("torch", "compiled")]
+    fe, fc = by[("fusedamp", "eager")], by[("fusedamp", "compiled")]
+    ta, fa = by[("torch", "compiled autograd")], by[("fusedamp", "compiled autograd")]
+    one_graph = [fw for fw, err in fullgraph.items() if err is None]
     lines += ["", "## Reading", "",
               f"Compiling changed torch.amp's step time by {tc['step_ms'] / te['step_ms']:.2f}x "
               f"and fusedamp's by {fc['step_ms'] / fe['step_ms']:.2f}x; compiled, fusedamp's step "
-              f"took {fc['step_ms'] / tc['step_ms']:.2f}x torch.amp's. Neither optimizer half is "
-              "one graph: torch.amp's scaler calls functions dynamo skips, and fusedamp's scaler "
-              "and optimizer are the C++ engine behind pybind11, opaque to dynamo, so "
-              "`torch.compile(opt.step)` breaks at the engine call and the step runs eagerly "
-              "(as one fused pass, without a host sync). On this CPU the FP16 forward and "
-              "backward, without FP16 arithmetic, dominate the step either way.", ""]
+              f"took {fc['step_ms'] / tc['step_ms']:.2f}x torch.amp's. With compiled autograd "
+              f"the whole step took {ta['graphs']} dynamo graphs and {ta['autograd_captures']} "
+              f"backward captures for torch.amp ({ta['step_ms'] / te['step_ms']:.2f}x its eager "
+              f"step), {fa['graphs']} and {fa['autograd_captures']} for fusedamp "
+              f"({fa['step_ms'] / fe['step_ms']:.2f}x). "
+              + ("The optimizer half is one graph for: " + ", ".join(one_graph) + ". "
+                 if one_graph else "Neither optimizer half is one graph. ")
+              + "fusedamp's scaler and optimizer are the C++ engine behind pybind11, opaque to "
+              "dynamo: a compiled step breaks at the engine call, which runs eagerly (one fused "
+              "pass, without a host sync). On this CPU the FP16 forward and backward, without "
+              "FP16 arithmetic, dominate the step either way.", ""]
     text = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compile_cpu.md"), "w") as f:

@@ -278,6 +278,22 @@ def make_rows(device, fusedamp_kw: dict) -> list[Row]:
                     note="FP32 math, BF16 moments (zeros_like(param)), stochastic rounding of "
                          "the weight; torch.compile per parameter shape, one fused kernel per "
                          "parameter assumed"))
+    # Other libraries' 8-bit AdamW: both keep BF16 weights updated in place (no master bits)
+    # and two 8-bit codes per element with one FP32 absmax per block of 256 and a 256-entry
+    # dynamic quantization map; a different algorithm from fusedamp's blocks of 32.
+    eight = [("exp_avg (uint8 codes)", 1), ("exp_avg_sq (uint8 codes)", 1),
+             ("absmax (2 fp32 per 256 elements)", 2 * 4 / 256)]
+    bnb, why = _try_import("bitsandbytes")
+    rows.append(Row("bitsandbytes AdamW8bit", "bitsandbytes", "bitsandbytes.optim.AdamW8bit",
+                    {}, eight, unavailable=why, state_dtype_text="8-bit (blocks of 256)",
+                    note="plain BF16 round-to-nearest weights; dynamic-map 8-bit moments"))
+    ao8, why = _try_import("torchao.optim")
+    if ao8 is not None and not hasattr(ao8, "AdamW8bit"):
+        why = "torchao.optim has no AdamW8bit in this version"
+    rows.append(Row("torchao AdamW8bit", "torchao", "torchao.optim.AdamW8bit", {}, eight,
+                    unavailable=why, state_dtype_text="8-bit (blocks of 256)",
+                    note="plain BF16 round-to-nearest weights; dynamic-map 8-bit moments as "
+                         "tensor subclasses, torch.compile per parameter shape"))
     # fusedamp
     fa, why = _try_import("fusedamp")
     stats = fusedamp_kw.get("skip_nonfinite", True)
@@ -307,11 +323,16 @@ def fp32_reference_row() -> Row:
 def measured_state_bytes(opt) -> float:
     """Bytes of every tensor held in optimizer.state (scalars included), per parameter."""
     n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    def nbytes(t):
+        # A tensor subclass (torchao's quantized state) is counted by the tensors it holds.
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
     total = 0
     for st in opt.state.values():
         for v in st.values():
             if torch.is_tensor(v):
-                total += v.numel() * v.element_size()
+                total += nbytes(v)
     return total / max(n, 1)
 
 
@@ -553,6 +574,7 @@ def machine_info(device) -> dict:
 def library_versions() -> dict:
     out = {"torch": torch.__version__}
     for dist, mod in [("torch-optimi", "optimi"), ("torchao", "torchao"),
+                      ("bitsandbytes", "bitsandbytes"),
                       ("fusedamp", "fusedamp"), ("triton", "triton")]:
         m, why = _try_import(mod)
         out[dist] = (_version(dist, m) or getattr(m, "__version__", "?")) if m else why

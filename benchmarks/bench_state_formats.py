@@ -24,7 +24,9 @@ Speed: median step time on the GPT-2-124M and resnet50 parameter shapes (bench_s
 derivations), one thread, against torch's plain BF16 fused AdamW (which keeps no master copy
 and BF16 moments: a different algorithm, the baseline the 8-bit state is measured against).
 
-Results: benchmarks/results/state_formats_<device>.{json,md}.
+Results: benchmarks/results/state_formats_<device>.{json,md} (bytes and accuracy) and
+state_formats_speed_<device>.{json,md} (`--parts speed --stem state_formats_speed`), so the
+long accuracy run and the step timing, which wants a quiet machine, are taken apart.
 """
 from __future__ import annotations
 
@@ -44,13 +46,16 @@ import bench_master_modes as mm  # noqa: E402
 ROWS = ["torch AdamW fused", "fusedamp fp32-master / fp32 state",
         "fusedamp split / bf16 state", "fusedamp fp32-master / int8 state",
         "fusedamp split / int8 state", "fusedamp split8 / bf16 state",
-        "fusedamp split8 / int8 state"]
+        "fusedamp split8 / int8 state", "bitsandbytes AdamW8bit", "torchao AdamW8bit"]
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
 def pick_rows(device):
     rows = {r.key: r for r in mm.make_rows(device, {})}
-    return [rows[k] for k in ROWS if k in rows]
+    for k in ROWS:
+        if k in rows and rows[k].unavailable:
+            print(f"skipped: {k} ({rows[k].unavailable})", file=sys.stderr)
+    return [rows[k] for k in ROWS if k in rows and not rows[k].unavailable]
 
 
 def bytes_part(rows, size, device):
@@ -191,6 +196,9 @@ def main(argv=None):
     ap.add_argument("--models", nargs="*", default=["digits-cnn", "char-gpt"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--stem", default="state_formats",
+                    help="results file name before _<device> (a run of some parts only keeps "
+                         "the others' file)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.reps, args.model_steps = 30, [0], 2, []
@@ -215,7 +223,7 @@ def main(argv=None):
     if not args.quick:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"state_formats_{args.device}"
+        stem = out / f"{args.stem}_{args.device}"
         stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
         write_markdown(stem.with_suffix(".md"), doc)
         print(f"wrote {stem}.{{json,md}}", file=sys.stderr)
