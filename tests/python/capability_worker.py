@@ -1,0 +1,84 @@
+"""Runs a fixed set of fused steps on the CPU and saves every result, for
+test_cpu_capabilities.py: run once per instruction set (ATEN_CPU_CAPABILITY=default / avx2 /
+the machine's best), the files must hold the same bits.
+
+    python capability_worker.py OUT.pt
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+import fusedamp  # noqa: E402
+
+# Sizes that leave partial vectors, partial 8-bit blocks and a tail past the last full group.
+SHAPES = [(7,), (33, 3), (257, 129), (3000,)]
+LR = 1e-2
+
+# (name, optimizer, parameter dtype, constructor arguments)
+CASES = [
+    ("adamw_fp32", "AdamW", torch.float32, dict(weight_decay=0.1)),
+    ("adam_amsgrad_bf16_state", "Adam", torch.float32,
+     dict(amsgrad=True, state_dtype=torch.bfloat16, weight_decay=0.01)),
+    ("adamw_fp16_master", "AdamW", torch.float16, dict(master_weights=True)),
+    ("adamw_bf16_split", "AdamW", torch.bfloat16, dict(master_weights="split")),
+    ("adamw_bf16_split8_int8", "AdamW", torch.bfloat16,
+     dict(master_weights="split8", state_dtype=torch.int8)),
+    ("adamw_bf16_master_int8", "AdamW", torch.bfloat16,
+     dict(master_weights=True, state_dtype=torch.int8)),
+    ("adamw_bf16_kahan", "AdamW", torch.bfloat16, dict(master_weights="kahan")),
+    ("adamw_bf16_stochastic", "AdamW", torch.bfloat16,
+     dict(master_weights="stochastic", rounding_seed=5)),
+    ("sgd_nesterov", "SGD", torch.float32, dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd_bf16_split_dampening", "SGD", torch.bfloat16,
+     dict(momentum=0.9, dampening=0.1, master_weights="split")),
+]
+
+
+def run_case(name, cls, dtype, kwargs):
+    # numpy's generator, not torch's: torch.randn's vectorised path is itself compiled per
+    # instruction set and draws other low bits under ATEN_CPU_CAPABILITY=default.
+    rng = np.random.default_rng(sum(map(ord, name)))
+
+    def randn(shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+    params = [torch.nn.Parameter((randn(s) * 0.1).to(dtype)) for s in SHAPES]
+    # No clipping: the global norm's sum is taken in vector-width partial sums, whose order
+    # (and so its last bits) is the instruction set's.
+    opt = getattr(fusedamp.optim, cls)(params, lr=LR, **kwargs)
+    scaler = fusedamp.GradScaler("cpu", init_scale=1024.0) if dtype == torch.float16 else None
+    for step in range(3):
+        for p in params:
+            g = randn(p.shape) * 10 ** -(step + 1)
+            p.grad = (g * (1024.0 if scaler else 1.0)).to(dtype)
+        if scaler is not None:
+            if step == 1:  # an overflow: the step is skipped, the scale backs off
+                params[1].grad.view(-1)[5] = float("inf")
+            scaler.scale(torch.ones(()))  # as a loss would be: the scale is made on first use
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
+    if scaler is not None:
+        out["scale"] = torch.tensor(scaler.get_scale())
+    for i, p in enumerate(params):
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                out[f"param{i}.{key}"] = value.clone()
+    return out
+
+
+def main(path):
+    torch.set_num_threads(1)
+    results = {"capability": fusedamp._C.cpu_capability()}
+    for name, cls, dtype, kwargs in CASES:
+        results[name] = run_case(name, cls, dtype, kwargs)
+    torch.save(results, path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
