@@ -155,6 +155,9 @@ def write_markdown(path, doc):
          f"whole run {doc.get('wall_s', 0) / 60:.1f} min. Method: the docstring of "
          "benchmarks/bench_state_formats.py.",
          ""]
+    if "libraries" in doc:
+        L += ["Libraries: " + ", ".join(f"{k} {v}" for k, v in doc["libraries"].items()) + "."
+              + (f" {doc['note']}." if doc.get("note") else ""), ""]
     if "bytes" in doc:
         L += ["## Bytes per parameter (BF16 weights and gradients, measured from the tensors)",
               "", "| row | weights | gradients | state | total |", "| --- | --: | --: | --: | --: |"]
@@ -196,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--models", nargs="*", default=["digits-cnn", "char-gpt"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--note", default="", help="how the run was set up, for the results")
     ap.add_argument("--stem", default="state_formats",
                     help="results file name before _<device> (a run of some parts only keeps "
                          "the others' file)")
@@ -209,7 +213,8 @@ def main(argv=None):
     names = ["gpt2-124M/8", "resnet50/8"] if args.quick else ["gpt2-124M", "resnet50"]
     doc = {"device": args.device, "command": "python3 benchmarks/bench_state_formats.py "
            + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": mm.machine_info(args.device), "rows": ROWS}
+           "machine": mm.machine_info(args.device), "libraries": mm.library_versions(),
+           "rows": ROWS, "note": args.note}
     t0 = time.time()
     if "bytes" in args.parts:
         doc["bytes"] = bytes_part(rows, sizes[names[0]], args.device)
