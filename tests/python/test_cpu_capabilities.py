@@ -21,6 +21,7 @@ import fusedamp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import capability_worker  # noqa: E402
+from op_helpers import _bits  # noqa: E402
 
 BEST = fusedamp._C.cpu_capability()
 OTHERS = {"DEFAULT": ["default"], "AVX2": ["default"], "AVX512": ["default", "avx2"]}.get(
@@ -46,10 +47,6 @@ def _run_worker(capability, tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
-
-
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.skipif(not OTHERS, reason=f"no other instruction set than {BEST} is built here")
