@@ -122,6 +122,34 @@ def test_op_skipped_step_touches_nothing(device):
     assert step.item() == 3.0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_op_applied_nonfinite_gradient_spoils_only_its_own_block(device, bad):
+    # No loss scaler: a non-finite gradient is applied, as torch's AdamW would apply it. Its
+    # block's scales become non-finite (inf, or NaN) and its codes 0; the other blocks step as
+    # if it were not there.
+    gen = torch.Generator().manual_seed(1)
+    n = 3 * B
+    p = torch.randn(n, generator=gen).to(device)
+    g = (torch.randn(n, generator=gen) * 1e-2).to(device)
+    mq, vq, scales = random_quantized_state(n, device, gen)
+    clean = [t.clone() for t in (p, g, mq, vq, scales)]
+    g[B + 7] = bad
+    for q, s, grad in ((p, scales, g), (clean[0], clean[4], clean[1])):
+        state = (mq, vq) if q is p else (clean[2], clean[3])
+        torch.ops.fusedamp.adam_step_(
+            [q], [], [grad], [state[0]], [state[1]], [torch.tensor(2.0, device=device)],
+            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            decoupled_weight_decay=True, moment_scales=[s])
+    spoiled = slice(B, 2 * B)
+    assert not scales[1].isfinite().any()
+    assert (mq[spoiled] == 0).all() and (vq[spoiled] == 0).all()
+    assert not p[B + 7].isfinite()
+    for part in (slice(0, B), slice(2 * B, n)):
+        assert torch.equal(p[part], clean[0][part])
+        assert torch.equal(mq[part], clean[2][part]) and torch.equal(vq[part], clean[3][part])
+    assert torch.equal(scales[[0, 2]], clean[4][[0, 2]])
+
+
 def test_op_blocks_follow_each_parameter_not_the_call(device):
     """The same parameters stepped in one call or one call each: the same bits (blocks are
     fixed in each parameter's own elements)."""

@@ -17,6 +17,8 @@ struct LaneOps {
     return (x != x || y != y) ? x + y : (x > y ? x : y);
   }
   static C10_HOST_DEVICE inline V abs(V x) { return std::fabs(x); }
+  // Per lane: the larger of |x| and |y|, NaN if either is NaN (a block scale's running top).
+  static C10_HOST_DEVICE inline V max_magnitude(V x, V y) { return max(abs(x), abs(y)); }
   // Per lane: candidate where it is finite and larger than acc, otherwise acc.
   static C10_HOST_DEVICE inline V max_finite(V acc, V candidate) {
     return (candidate > acc && candidate - candidate == V(0.f)) ? candidate : acc;
