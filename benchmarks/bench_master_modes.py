@@ -412,7 +412,7 @@ def time_row(row: Row, size: Size, w, g, device, hyper, reps, warmup) -> dict:
         torch.cuda.empty_cache()
     return {"row": row.key, "size": size.name, "reps": reps, "warmup": warmup,
             "median_s": statistics.median(times), "p10_s": percentile(times, 0.1),
-            "p90_s": percentile(times, 0.9), "first_step_s": first,
+            "p90_s": percentile(times, 0.9), "first_step_s": first, "times_s": times,
             "state_bytes_measured": state_measured, "weight_changed": changed}
 
 

@@ -22,7 +22,9 @@ row's mean ± 2 sd.
 
 Speed: median step time on the GPT-2-124M and resnet50 parameter shapes (bench_step.py's
 derivations), one thread, against torch's plain BF16 fused AdamW (which keeps no master copy
-and BF16 moments: a different algorithm, the baseline the 8-bit state is measured against).
+and BF16 moments: a different algorithm, the baseline the 8-bit state is measured against);
+the rows take turns in --rounds rounds (speed_part), so that a slow spell of a shared machine
+does not land on one row.
 
 Results: benchmarks/results/state_formats_<device>.{json,md} (bytes and accuracy) and
 state_formats_speed_<device>.{json,md} (`--parts speed --stem state_formats_speed`), so the
@@ -126,15 +128,28 @@ def summarize_accuracy(results):
     return out
 
 
-def speed_part(rows, sizes, device, reps, warmup):
+def speed_part(rows, sizes, device, reps, warmup, rounds):
+    """Each row timed in `rounds` rounds of reps / rounds steps, the rows taking turns, so that
+    a slow spell of a shared machine falls on every row alike rather than on whichever row
+    was running; the median is over all the rounds' steps."""
     out = []
     torch.set_num_threads(1)
+    per_round = max(1, -(-reps // rounds))
     for size in sizes:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(size.numel, generator=gen) * 0.02
         g = torch.randn(size.numel, generator=gen) * mm.GRAD_STD
+        runs = {row.key: [] for row in rows}
+        for _ in range(rounds):
+            for row in rows:
+                runs[row.key].append(mm.time_row(row, size, w, g, device, HYPER, per_round,
+                                                 warmup))
         for row in rows:
-            r = mm.time_row(row, size, w, g, device, HYPER, reps, warmup)
+            r = dict(runs[row.key][0])
+            times = [t for run in runs[row.key] for t in run["times_s"]]
+            r.update(reps=len(times), rounds=rounds, times_s=times,
+                     median_s=statistics.median(times), p10_s=mm.percentile(times, 0.1),
+                     p90_s=mm.percentile(times, 0.9))
             out.append(r)
             print(f"{size.name:>12} | {row.key:<42} {1e3 * r['median_s']:8.2f} ms",
                   file=sys.stderr, flush=True)
@@ -197,7 +212,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--models", nargs="*", default=["digits-cnn", "char-gpt"])
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="speed: the rows take turns this many times (reps split among them)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--note", default="", help="how the run was set up, for the results")
     ap.add_argument("--stem", default="state_formats",
@@ -211,8 +228,12 @@ def main(argv=None):
     rows = pick_rows(args.device)
     sizes = mm.all_sizes()
     names = ["gpt2-124M/8", "resnet50/8"] if args.quick else ["gpt2-124M", "resnet50"]
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--note" in given:  # its text is printed beside the libraries, not in the command
+        at = given.index("--note")
+        given[at:at + 2] = ["--note", "'...'"]
     doc = {"device": args.device, "command": "python3 benchmarks/bench_state_formats.py "
-           + " ".join(argv if argv is not None else sys.argv[1:]),
+           + " ".join(given),
            "machine": mm.machine_info(args.device), "libraries": mm.library_versions(),
            "rows": ROWS, "note": args.note}
     t0 = time.time()
@@ -223,7 +244,8 @@ def main(argv=None):
         doc["accuracy"] = {"steps": steps, "lr": args.lr, "seeds": args.seeds,
                            "runs": results, "summary": summarize_accuracy(results)}
     if "speed" in args.parts:
-        doc["speed"] = speed_part(rows, [sizes[n] for n in names], args.device, args.reps, 2)
+        doc["speed"] = speed_part(rows, [sizes[n] for n in names], args.device, args.reps, 2,
+                                   1 if args.quick else args.rounds)
     doc["wall_s"] = time.time() - t0
     if not args.quick:
         out = Path(args.out)
