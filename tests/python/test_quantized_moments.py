@@ -134,12 +134,15 @@ def test_op_applied_nonfinite_gradient_spoils_only_its_own_block(device, bad):
     mq, vq, scales = random_quantized_state(n, device, gen)
     clean = [t.clone() for t in (p, g, mq, vq, scales)]
     g[B + 7] = bad
-    for q, s, grad in ((p, scales, g), (clean[0], clean[4], clean[1])):
-        state = (mq, vq) if q is p else (clean[2], clean[3])
+
+    def step(p, g, mq, vq, scales):
         torch.ops.fusedamp.adam_step_(
-            [q], [], [grad], [state[0]], [state[1]], [torch.tensor(2.0, device=device)],
-            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-            decoupled_weight_decay=True, moment_scales=[s])
+            [p], [], [g], [mq], [vq], [torch.tensor(2.0, device=device)], lr=1e-2, beta1=0.9,
+            beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+            moment_scales=[scales])
+
+    step(p, g, mq, vq, scales)
+    step(*clean)
     spoiled = slice(B, 2 * B)
     assert not scales[1].isfinite().any()
     assert (mq[spoiled] == 0).all() and (vq[spoiled] == 0).all()
