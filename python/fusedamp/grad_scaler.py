@@ -36,6 +36,7 @@ import weakref
 
 import torch
 
+from . import compiled_step
 from ._library import _C
 from .fsdp import (check_plain_step, has_dtensors, local_grad_views, local_names,
                    unscale_shards)
@@ -92,6 +93,8 @@ class GradScaler:
                              bool(telemetry), int(telemetry_capacity))
         self._engine = _C.GradScaler(*self._engine_args)
         self._records_telemetry = self._engine.has_telemetry()
+        self._step_target = compiled_step.make_target(self)  # in a compiled graph (its ops)
+        self._torch_step_targets = {}  # id(optimizer): its target (prepare_compiled_step)
 
     # ---- the iteration -----------------------------------------------------------------
     def scale(self, outputs):
@@ -137,6 +140,8 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if compiled_step.available and torch.compiler.is_compiling():
+            return compiled_step.scaler_step(self, optimizer, args, kwargs)
         self._require_scale("step")
         key = id(optimizer)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -179,11 +184,30 @@ class GradScaler:
             optimizer.__dict__.pop("_fusedamp_telemetry_of", None)
             self._engine.end_step(key)
 
+    def prepare_compiled_step(self, optimizer):
+        """Lets a compiled graph (torch.compile, fullgraph=True included) step a torch
+        optimizer through this scaler: call it once, before compiling. fusedamp's optimizers
+        need nothing. The compiled ``step`` runs this scaler's eager step of the optimizer (for
+        torch's fused and capturable optimizers one without a host sync)."""
+        if not compiled_step.available:
+            raise RuntimeError("fusedamp: compiling the scaler's step needs torch's opaque "
+                               f"objects (torch >= 2.10); this is torch {torch.__version__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"fusedamp: prepare_compiled_step takes a torch.optim.Optimizer, "
+                            f"not {type(optimizer).__name__}")
+        key = id(optimizer)
+        if getattr(optimizer, "_step_target", None) is None and key not in self._torch_step_targets:
+            self._torch_step_targets[key] = compiled_step.make_target(optimizer)
+            # Dropped with the optimizer, so that no other object reusing its id finds it.
+            weakref.finalize(optimizer, self._torch_step_targets.pop, key, None)
+
     def update(self, new_scale=None):
         """Updates the scale from this iteration's overflow checks (or sets it)."""
         if not self._enabled:
             return
-        if new_scale is None:
+        if compiled_step.available and torch.compiler.is_compiling():
+            compiled_step.scaler_update(self, new_scale)
+        elif new_scale is None:
             self._engine.update()
         else:
             if isinstance(new_scale, torch.Tensor):
@@ -292,7 +316,8 @@ class GradScaler:
         if self._enabled and self._engine.in_iteration():
             raise AssertionError("A GradScaler instance may only be pickled at the beginning of "
                                  "an iteration, or at the end after scaler.update().")
-        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_engine", "_step_target", "_torch_step_targets")}
         state["_state_dict"] = self.state_dict()
         return state
 
@@ -307,6 +332,8 @@ class GradScaler:
         self.__dict__.update(state)
         self._engine = _C.GradScaler(*self._engine_args)
         self._records_telemetry = self._engine.has_telemetry()
+        self._step_target = compiled_step.make_target(self)
+        self._torch_step_targets = {}
         if state_dict:
             self.load_state_dict(state_dict)
 

@@ -50,6 +50,7 @@ from typing import Iterable
 import torch
 import torch.optim.optimizer as _torch_optimizer
 
+from . import compiled_step
 from ._library import _C
 from .fsdp import make_engine
 
@@ -95,6 +96,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self._partition_of = None
         super().__init__(params, defaults)
         self._build_engine()
+        self._step_target = compiled_step.make_target(self)  # in a compiled graph (its op)
 
     def _build_engine(self):
         for group in self.param_groups:
@@ -144,6 +146,8 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def step(self, *args, **kwargs):
         """step(closure=None): one fused step; under a loss scaler (torch's AMP protocol) a
         scaled one."""
+        if compiled_step.available and torch.compiler.is_compiling():
+            return compiled_step.optimizer_step(self, args, kwargs)
         if args or kwargs or _step_hooks_of(self):
             # Hooks see the arguments exactly as given (torch's wrapper passes them on).
             return self._step_through_torch_wrapper(*args, **kwargs)
@@ -179,6 +183,16 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             # fusedamp.GradScaler's telemetry: this step's gradient pass records for it.
             engine.step_amp(grad_scale, found_inf,
                             getattr(self, "_fusedamp_telemetry_of", None), record_as)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # torch's zero_grad is kept out of dynamo's tracing (torch._disable_dynamo), which a
+        # fullgraph compile of the optimizer half would break on: there, the same effect traced.
+        if compiled_step.available and torch.compiler.is_compiling():
+            compiled_step.zero_grad(self, set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
+    zero_grad.__doc__ = torch.optim.Optimizer.zero_grad.__doc__
 
     def grad_norm_history(self):
         """Deprecated (removed in the next release): read ``scaler.telemetry()["grad_norm"]``
@@ -283,7 +297,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_engine", "_pre_state", "_synced_options", "_fusedamp_scaler",
-                              "_partition_of")}
+                              "_partition_of", "_step_target")}
         state["_engine_state"] = self.state_dict()
         return state
 
@@ -292,6 +306,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         state["_partition_of"] = None  # a process group does not travel
         super().__setstate__(state)
         self._build_engine()
+        self._step_target = compiled_step.make_target(self)
         self.load_state_dict(engine_state)
 
 

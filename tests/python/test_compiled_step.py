@@ -1,0 +1,246 @@
+"""The optimizer half of a step -- ``scaler.step(opt); scaler.update(); opt.zero_grad()`` --
+under ``torch.compile(fullgraph=True)``: one graph (a graph break fails the compile), no
+recompilation over 200 steps with a changing tensor lr, skipped steps, scale growth and backoff,
+and every parameter, optimizer state and scaler state equal to eager's bit for bit.
+
+The gradients a backward would leave are made outside the compiled function from one seeded
+generator, so the eager and compiled runs see the same ones.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fusedamp
+from fusedamp import compiled_step
+
+pytestmark = pytest.mark.skipif(not compiled_step.available,
+                                reason="torch's opaque objects (torch >= 2.10) are needed")
+
+STEPS = 200
+INF_AT = {3, 4, 57, 120}  # two overflowing steps in a row, then single ones
+GROWTH_INTERVAL = 5
+
+
+def _model(device, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
+    return model.to(device=device, dtype=dtype)
+
+
+def _build(kind, device, **options):
+    """(parameters, optimizer, scaler) of one configuration, the lr a device tensor."""
+    dtype = torch.float32 if kind == "torch_fused_adamw" else torch.bfloat16
+    params = list(_model(device, dtype).parameters())
+    lr = torch.tensor(1e-2, device=device)
+    if kind == "torch_fused_adamw":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=True)
+    elif kind == "sgd":
+        opt = fusedamp.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4,
+                                 **options)
+    else:
+        cls = fusedamp.optim.AdamW if kind == "adamw" else fusedamp.optim.Adam
+        opt = cls(params, lr=lr, weight_decay=0.1, **options)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=GROWTH_INTERVAL)
+    if kind == "torch_fused_adamw":
+        scaler.prepare_compiled_step(opt)
+    return params, opt, scaler
+
+
+def _optimizer_half(scaler, opt, set_to_none):
+    scaler.step(opt)
+    scaler.update()
+    if isinstance(opt, fusedamp.optim.FusedOptimizer):
+        opt.zero_grad(set_to_none=set_to_none)
+    else:  # torch's zero_grad is kept out of tracing (torch._disable_dynamo): its effect
+        for p in opt.param_groups[0]["params"]:
+            p.grad = None
+
+
+def _train(kind, device, compiled, set_to_none=True, steps=STEPS, **options):
+    params, opt, scaler = _build(kind, device, **options)
+    half = _optimizer_half
+    if compiled:
+        half = torch.compile(_optimizer_half, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        scaler.scale(torch.ones((), device=device))  # the iteration starts with scale()
+        scale = scaler.get_scale()
+        for p in params:
+            g = torch.randn(p.shape, generator=gen) * 1e-2 * scale
+            if p.grad is None:
+                p.grad = g.to(device=device, dtype=p.dtype)
+            else:
+                p.grad.copy_(g)
+        if i in INF_AT:
+            params[i % len(params)].grad.view(-1)[0] = float("inf")
+        opt.param_groups[0]["lr"].fill_(1e-2 / (1 + 0.05 * i))  # a schedule, on the device
+        half(scaler, opt, set_to_none)
+    return params, opt, scaler
+
+
+def _state_tensors(opt):
+    out = []
+    for state in opt.state_dict()["state"].values():
+        out += [v for _, v in sorted(state.items()) if torch.is_tensor(v)]
+    return out
+
+
+CONFIGS = [("adamw", dict(master_weights=m)) for m in
+           (True, False, "split", "split8", "kahan", "stochastic")]
+CONFIGS += [("adamw", dict(master_weights="split", state_dtype=torch.int8)),
+            ("adamw", dict(master_weights=True, max_grad_norm=0.5)),
+            ("adam", dict(master_weights=True, amsgrad=True)),
+            ("adam", dict(master_weights="split8")),
+            ("sgd", dict(master_weights=True)),
+            ("sgd", dict(master_weights="kahan")),
+            ("torch_fused_adamw", {})]
+
+
+@pytest.mark.parametrize("kind,options", CONFIGS,
+                         ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items()) or 'default'}"
+                              for k, o in CONFIGS])
+def test_fullgraph_optimizer_half_equals_eager_without_recompiling(device, kind, options):
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _train(kind, device, compiled=False, **options)
+    compiled = _train(kind, device, compiled=True, **options)
+
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    assert sum(counters["graph_break"].values()) == 0
+    for a, b in zip(eager[0], compiled[0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(_state_tensors(eager[1]), _state_tensors(compiled[1]), strict=True):
+        assert torch.equal(a, b)
+    assert eager[2].state_dict() == compiled[2].state_dict()
+    tel_e, tel_c = eager[2].telemetry(), compiled[2].telemetry()
+    assert tel_e["scale"] == tel_c["scale"] and tel_e["found_inf"] == tel_c["found_inf"]
+    # The run did what it is meant to exercise: skipped steps, backoff and growth.
+    assert sum(tel_c["found_inf"]) == len(INF_AT)
+    scales = tel_c["scale"]
+    assert any(b < a for a, b in zip(scales, scales[1:]))
+    assert any(b > a for a, b in zip(scales, scales[1:]))
+    if isinstance(compiled[1], fusedamp.optim.FusedOptimizer):
+        assert int(compiled[1].skipped_steps) == len(INF_AT)
+
+
+def test_zero_grad_keeping_the_tensors_equals_eager(device):
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _train("adamw", device, compiled=False, set_to_none=False, steps=20)
+    compiled = _train("adamw", device, compiled=True, set_to_none=False, steps=20)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    for a, b in zip(eager[0], compiled[0], strict=True):
+        assert torch.equal(a, b) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_compiled_step_holds_no_copy_of_parameters_or_state(device):
+    """inductor's code calls the step op on the parameters and gradients themselves: no
+    clone or copy of them (the ops' mutations were reinplaced), nothing else but the ops."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    params, opt, scaler = _build("adamw", device, master_weights="split")
+    scaler.scale(torch.ones((), device=device))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    _, codes = run_and_get_code(torch.compile(_optimizer_half, fullgraph=True), scaler, opt, True)
+    (code,) = codes
+    body = code[code.index("def call(self, args):"):]
+    body = body[:body.index("return ")]  # what the compiled graph runs
+    calls = [line.strip() for line in body.splitlines()[1:]
+             if line.strip() and not line.strip().startswith(("#", "del ", "assert_size_stride"))]
+    assert calls[0].endswith("= args") and calls[1] == "args.clear()"
+    assert [c.split("(")[0] for c in calls[2:]] == ["torch.ops.fusedamp.scaler_step_.default",
+                                                  "torch.ops.fusedamp.scaler_update_.default"]
+    assert all(p.grad is None for p in params)
+
+
+def test_compiled_optimizer_step_alone_is_one_graph(device):
+    """torch's recommended ``opt.step = torch.compile(opt.step)``: one graph, the eager step's
+    result, also when an eager scaler steps the optimizer (through the compiled step)."""
+    torch._dynamo.reset()
+    counters.clear()
+    params = list(_model(device, torch.bfloat16).parameters())
+    opt = fusedamp.optim.AdamW(params, lr=1e-2, master_weights="split")
+    ref = copy.deepcopy(opt)
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    opt.step = torch.compile(opt.step, fullgraph=True)
+    scaler, ref_scaler = fusedamp.GradScaler(device), fusedamp.GradScaler(device)
+    for i in range(4):
+        for p, q in zip(params, ref_params, strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        if i < 2:
+            opt.step()
+            ref.step()
+        else:
+            for s in (scaler, ref_scaler):
+                s.scale(torch.ones((), device=device))
+            scaler.step(opt)
+            ref_scaler.step(ref)
+            scaler.update()
+            ref_scaler.update()
+    assert counters["stats"]["unique_graphs"] == 1
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_closure_under_compile_is_refused(device):
+    torch._dynamo.reset()
+    params = list(_model(device, torch.bfloat16).parameters())
+    opt = fusedamp.optim.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in params]
+
+    def with_closure():
+        opt.step(lambda: None)
+
+    with pytest.raises(Exception, match="takes no arguments"):
+        torch.compile(with_closure, fullgraph=True)()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+def test_torch_optimizer_not_prepared_is_refused_with_the_remedy(device):
+    torch._dynamo.reset()
+    params = list(_model(device, torch.float32).parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    scaler = fusedamp.GradScaler(device)
+    scaler.scale(torch.ones((), device=device))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(Exception, match="prepare_compiled_step"):
+        torch.compile(lambda: scaler.step(opt), fullgraph=True)()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        scaler.prepare_compiled_step(params)
+
+
+def test_a_prepared_optimizer_is_forgotten_with_it(device):
+    scaler = fusedamp.GradScaler(device)
+    opt = torch.optim.AdamW(list(_model(device, torch.float32).parameters()), fused=True)
+    scaler.prepare_compiled_step(opt)
+    assert len(scaler._torch_step_targets) == 1
+    del opt
+    import gc
+
+    gc.collect()
+    assert scaler._torch_step_targets == {}
+
+
+def test_scaler_and_optimizer_still_pickle_after_a_compiled_step(device):
+    torch._dynamo.reset()
+    params, opt, scaler = _train("adamw", device, compiled=True, steps=3)
+    scaler2 = pickle.loads(pickle.dumps(scaler))
+    opt2 = copy.deepcopy(opt)
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert scaler2._step_target is not scaler._step_target
+    assert opt2._step_target is not opt._step_target
+    for a, b in zip(_state_tensors(opt), _state_tensors(opt2), strict=True):
+        assert torch.equal(a, b)
