@@ -1,5 +1,5 @@
 // The one place where fusedamp's kernel operators are *defined*. Backends only implement them
-// (cpu/register_cpu.cpp, meta/register_meta.cpp, ../cuda/register_cuda.cpp). The three through
+// (cpu/register_cpu.cpp, meta/register_meta.cpp, ../cuda/register_cuda.cpp). Those through
 // which a compiled graph runs the engine's step take Python objects and are declared in
 // python/fusedamp/compiled_step.py.
 // Every mutated list or tensor is annotated (a!) and every op returns (): the ops update

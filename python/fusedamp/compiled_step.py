@@ -1,13 +1,17 @@
 """The optimizer half of a step under torch.compile: one graph, the engine's own eager step.
 
 The scaler and the optimizers are the C++ engine behind pybind11, which dynamo cannot trace.
-Under compilation their step entries (``scaler.step(opt)``, ``scaler.update()``, ``opt.step()``)
-therefore become calls of the operators below, whose arguments are
+Under compilation their step entries (``scaler.step(opt)``, ``scaler.unscale_(opt)``,
+``scaler.update()``, ``opt.step()``, and a fusedamp.lr_scheduler's ``step()``) therefore become calls of the operators below, whose
+arguments are
 
 - a ``StepTarget``: the fusedamp object itself, as an opaque reference (torch's opaque objects,
   torch >= 2.10): the graph takes it as an input and treats it as a black box that holds state;
 - the tensors the graph can also see: the parameters and their gradients (declared mutated), the
-  groups' tensor learning rates and a ``new_scale`` tensor (read).
+  groups' tensor learning rates and a ``new_scale`` tensor (read), a schedule's lrs and count.
+
+``scaler.scale(loss)`` is traced as the product of the loss and a copy of the scale
+(``scaler_scale_factor``), so autograd and the compiler see it.
 
 Each op runs the object's eager step at run time, so a compiled step is the eager one bit for
 bit (same kernels, same decisions on the device, no host sync), and its state (masters, moments,
@@ -89,11 +93,40 @@ if available:
         scaler = scaler.obj
         type(scaler).step(scaler, optimizer.obj)
 
+    @torch.library.custom_op("fusedamp::scaler_unscale_", mutates_args=("grads",))
+    def _scaler_unscale(scaler: StepTarget, optimizer: StepTarget,
+                        grads: list[torch.Tensor]) -> None:
+        scaler = scaler.obj
+        type(scaler).unscale_(scaler, optimizer.obj)
+
     @torch.library.custom_op("fusedamp::scaler_update_", mutates_args=())
     def _scaler_update(scaler: StepTarget, new_scale: torch.Tensor | None,
                        new_value: float | None) -> None:
         scaler = scaler.obj
         type(scaler).update(scaler, new_scale if new_value is None else new_value)
+
+    @torch.library.custom_op("fusedamp::scaler_scale_factor", mutates_args=())
+    def _scaler_scale_factor(scaler: StepTarget, like: torch.Tensor) -> torch.Tensor:
+        # The scale as a 0-dim FP32 tensor on like's device, made there by the first scale()
+        # (torch's rule) and copied: an op's output may not alias state it does not declare.
+        engine = scaler.obj._engine
+        if not engine.has_scale():
+            engine.scale(like.new_empty(0))
+        return engine.scale_tensor().reshape(()).to(like.device, copy=True)
+
+    @torch.library.custom_op("fusedamp::schedule_step_", mutates_args=("lrs", "applied"))
+    def _schedule_step(schedule: StepTarget, lrs: list[torch.Tensor],
+                       applied: torch.Tensor) -> None:
+        schedule = schedule.obj
+        type(schedule).step(schedule)
+
+    @_scaler_scale_factor.register_fake
+    def _(scaler, like):
+        return torch.empty((), dtype=torch.float32, device=like.device)
+
+    @_schedule_step.register_fake
+    def _(schedule, lrs, applied):
+        return None
 
     @_optimizer_step.register_fake
     def _(optimizer, params, grads, lrs):
@@ -103,11 +136,16 @@ if available:
     def _(scaler, optimizer, params, grads, lrs):
         return None
 
+    @_scaler_unscale.register_fake
+    def _(scaler, optimizer, grads):
+        return None
+
     @_scaler_update.register_fake
     def _(scaler, new_scale, new_value):
         return None
 
-    for _op in (_optimizer_step, _scaler_step, _scaler_update):
+    for _op in (_optimizer_step, _scaler_step, _scaler_unscale, _scaler_update,
+                _scaler_scale_factor, _schedule_step):
         _op.register_effect(EffectType.ORDERED)
 else:
     StepTarget = None
@@ -139,19 +177,48 @@ def scaler_step(scaler, optimizer, args, kwargs):
     """``scaler.step(optimizer)`` in a compiled graph: the scaler's eager step through the op,
     with the optimizer's own target (fusedamp's) or the one prepared for it (torch's)."""
     _refuse_arguments("scaler.step(optimizer)", args, kwargs)
+    torch.ops.fusedamp.scaler_step_(scaler._step_target, _target_of(scaler, optimizer, "step"),
+                                    *_step_tensors(optimizer))
+    return None
+
+
+def scaler_unscale(scaler, optimizer):
+    """``scaler.unscale_(optimizer)`` in a compiled graph: the scaler's eager unscale_."""
+    target = _target_of(scaler, optimizer, "unscale_")
+    _, grads, _ = _step_tensors(optimizer)
+    torch.ops.fusedamp.scaler_unscale_(scaler._step_target, target, grads)
+
+
+def _target_of(scaler, optimizer, what):
+    """The optimizer's own target (fusedamp's) or the one the scaler prepared for it."""
     target = getattr(optimizer, "_step_target", None)
-    if target is not None:
-        torch.ops.fusedamp.scaler_step_(scaler._step_target, target, *_step_tensors(optimizer))
-        return None
-    target = scaler._torch_step_targets.get(id(optimizer))
+    if target is None:
+        target = scaler._torch_step_targets.get(id(optimizer))
     if target is None:
         raise RuntimeError(
-            f"fusedamp: under torch.compile, scaler.step() of a torch optimizer "
+            f"fusedamp: under torch.compile, scaler.{what}() of a torch optimizer "
             f"({type(optimizer).__name__}) needs scaler.prepare_compiled_step(optimizer) once "
-            "before compiling: the compiled graph steps it through a handle made there (dynamo "
-            "cannot make one, nor hand the scale to a torch optimizer's attributes)")
-    torch.ops.fusedamp.scaler_step_(scaler._step_target, target, *_step_tensors(optimizer))
-    return None
+            "before compiling: the compiled graph reaches it through a handle made there "
+            "(dynamo cannot make one, nor hand the scale to a torch optimizer's attributes)")
+    return target
+
+
+def scale(scaler, outputs):
+    """``scaler.scale(tensor)`` in a compiled graph: the product traced (autograd and the
+    compiler see it), the scale from the engine."""
+    if not outputs.is_floating_point():
+        raise RuntimeError(f"fusedamp.GradScaler::scale: the tensor must be floating point, "
+                           f"got {outputs.dtype}")
+    # like: the loss without its graph (only its device and dtype are read).
+    factor = torch.ops.fusedamp.scaler_scale_factor(scaler._step_target, outputs.detach())
+    return outputs * factor
+
+
+def schedule_step(schedule):
+    """``scheduler.step()`` of a fusedamp.lr_scheduler schedule, in a compiled graph: its eager
+    step (the same lr bits), after the optimizer's step in the graph's order."""
+    lrs = [g["lr"] for g in schedule.optimizer.param_groups]
+    torch.ops.fusedamp.schedule_step_(schedule._step_target, lrs, schedule._applied)
 
 
 def zero_grad(optimizer, set_to_none):

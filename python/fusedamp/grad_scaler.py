@@ -102,6 +102,8 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
+            if compiled_step.available and torch.compiler.is_compiling():
+                return compiled_step.scale(self, outputs)
             return self._engine.scale(outputs)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
@@ -120,7 +122,9 @@ class GradScaler:
     def unscale_(self, optimizer):
         """Divides the optimizer's gradients by the scale, in place (e.g. before manual
         clipping), recording inf/NaN. At most once per optimizer per iteration."""
-        if self._enabled:
+        if self._enabled and compiled_step.available and torch.compiler.is_compiling():
+            compiled_step.scaler_unscale(self, optimizer)
+        elif self._enabled:
             self._require_scale("unscale_")
             params = [p for g in optimizer.param_groups for p in g["params"]
                       if p.grad is not None]

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from . import compiled_step
+
 __all__ = ["AppliedStepSchedule", "ConstantLR", "LinearLR", "StepLR", "ExponentialLR",
            "PolynomialLR", "CosineAnnealingLR", "OneCycleLR", "WarmupCosine", "InverseSqrt",
            "SequentialLR", "from_torch", "check_convertible"]
@@ -54,6 +56,7 @@ class AppliedStepSchedule:
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32,
                                            device=device)
         self._applied = torch.zeros((), dtype=torch.float64, device=device)
+        self._step_target = compiled_step.make_target(self)  # in a compiled graph (its op)
         self._write()
 
     def lr_at(self, t, base_lr):
@@ -61,6 +64,9 @@ class AppliedStepSchedule:
 
     def step(self):
         """Advances by the optimizer's last step if it was applied; call it after that step."""
+        if compiled_step.available and torch.compiler.is_compiling():
+            compiled_step.schedule_step(self)
+            return
         applied = self.optimizer.last_step_applied
         if applied is None:
             raise RuntimeError("fusedamp.lr_scheduler: step() before the optimizer's first step")
@@ -71,6 +77,13 @@ class AppliedStepSchedule:
     def _write(self):
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"].copy_(self.lr_at(self._applied, base))
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_step_target"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._step_target = compiled_step.make_target(self)
 
     @property
     def applied_steps(self):

@@ -49,7 +49,9 @@ def _build(kind, device, **options):
     return params, opt, scaler
 
 
-def _optimizer_half(scaler, opt, set_to_none):
+def _optimizer_half(scaler, opt, set_to_none, unscale_first=False):
+    if unscale_first:
+        scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
     if isinstance(opt, fusedamp.optim.FusedOptimizer):
@@ -59,7 +61,8 @@ def _optimizer_half(scaler, opt, set_to_none):
             p.grad = None
 
 
-def _train(kind, device, compiled, set_to_none=True, steps=STEPS, **options):
+def _train(kind, device, compiled, set_to_none=True, steps=STEPS, unscale_first=False,
+           **options):
     params, opt, scaler = _build(kind, device, **options)
     half = _optimizer_half
     if compiled:
@@ -77,7 +80,7 @@ def _train(kind, device, compiled, set_to_none=True, steps=STEPS, **options):
         if i in INF_AT:
             params[i % len(params)].grad.view(-1)[0] = float("inf")
         opt.param_groups[0]["lr"].fill_(1e-2 / (1 + 0.05 * i))  # a schedule, on the device
-        half(scaler, opt, set_to_none)
+        half(scaler, opt, set_to_none, unscale_first)
     return params, opt, scaler
 
 
@@ -125,6 +128,19 @@ def test_fullgraph_optimizer_half_equals_eager_without_recompiling(device, kind,
     assert any(b > a for a, b in zip(scales, scales[1:]))
     if isinstance(compiled[1], fusedamp.optim.FusedOptimizer):
         assert int(compiled[1].skipped_steps) == len(INF_AT)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "torch_fused_adamw"])
+def test_unscale_before_the_step_equals_eager(device, kind):
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _train(kind, device, compiled=False, steps=30, unscale_first=True)
+    compiled = _train(kind, device, compiled=True, steps=30, unscale_first=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    for a, b in zip(eager[0], compiled[0], strict=True):
+        assert torch.equal(a, b)
+    assert eager[2].state_dict() == compiled[2].state_dict()
 
 
 def test_zero_grad_keeping_the_tensors_equals_eager(device):
@@ -244,3 +260,71 @@ def test_scaler_and_optimizer_still_pickle_after_a_compiled_step(device):
     assert opt2._step_target is not opt._step_target
     for a, b in zip(_state_tensors(opt), _state_tensors(opt2), strict=True):
         assert torch.equal(a, b)
+
+
+def test_schedule_in_the_compiled_half_counts_applied_steps_as_eager(device):
+    """A fusedamp.lr_scheduler schedule stepped inside the fullgraph half: one graph, no
+    recompile, its lr and the weights bit-equal to eager's, skipped steps holding the lr."""
+    def train(compiled):
+        params, opt, scaler = _build("adamw", device, master_weights="split")
+        sched = fusedamp.lr_scheduler.WarmupCosine(opt, warmup_steps=10, total_steps=80,
+                                                   min_lr_ratio=0.1)
+
+        def half():
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+
+        if compiled:
+            half = torch.compile(half, fullgraph=True)
+        gen = torch.Generator().manual_seed(1)
+        lrs = []
+        for i in range(60):
+            scaler.scale(torch.ones((), device=device))
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2 * scaler.get_scale()).to(
+                    device=device, dtype=p.dtype)
+            if i in INF_AT:
+                params[0].grad.view(-1)[0] = float("nan")
+            half()
+            lrs.append(opt.param_groups[0]["lr"].item())
+        return params, sched, lrs
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = train(False), train(True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    assert eager[2] == compiled[2]
+    assert compiled[2][3] == compiled[2][2] == compiled[2][4]  # steps 3 and 4 were skipped
+    assert float(compiled[1].applied_steps) == 60 - 3
+    for a, b in zip(eager[0], compiled[0], strict=True):
+        assert torch.equal(a, b)
+    clone = copy.deepcopy(compiled[1])
+    assert clone._step_target is not compiled[1]._step_target
+
+
+def test_scale_is_traced_and_equals_eager(device):
+    """scaler.scale(loss) in a fullgraph compile: the same values (FP16 loss: an FP32 result,
+    as torch's), the scale made on the loss's device by the first call, backward through it."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager_scaler, compiled_scaler = (fusedamp.GradScaler(device, init_scale=2.0 ** 12)
+                                     for _ in range(2))
+    x = torch.randn(7, device=device, dtype=torch.float16, requires_grad=True)
+
+    def scaled(scaler, t):
+        return scaler.scale(t.sum())
+
+    compiled = torch.compile(scaled, fullgraph=True)
+    got = compiled(compiled_scaler, x)
+    ref = scaled(eager_scaler, x)
+    assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref)
+    assert torch.equal(compiled_scaler.get_scale_tensor(), eager_scaler.get_scale_tensor())
+    (gx,) = torch.autograd.grad(got, x)
+    (rx,) = torch.autograd.grad(ref, x)
+    assert torch.equal(gx, rx)
+    with pytest.raises(Exception, match="floating point"):
+        torch.compile(lambda: compiled_scaler.scale(torch.ones(2, dtype=torch.int64)),
+                      fullgraph=True)()
