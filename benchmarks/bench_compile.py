@@ -264,9 +264,9 @@ def main():
                  if one_graph else "Neither optimizer half is one graph. ")
               + "fusedamp's scaler and optimizer steps enter a graph as its own operators "
               "(fusedamp.compiled_step), which run the C++ engine's eager step: one fused pass "
-              "without a host sync, the same bits as eager. The remaining breaks of its compiled "
-              "autograd step are `scaler.scale(loss)` and `backward()`. On this CPU the FP16 "
-              "forward and backward, without FP16 arithmetic, dominate the step either way.", ""]
+              "without a host sync, the same bits as eager. What still breaks its compiled "
+              "autograd step: " + ("; ".join(fa.get("break_reasons", [])) or "nothing")
+              + ". On this CPU the FP16 forward and backward dominate the step either way.", ""]
     text = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compile_cpu.md"), "w") as f:
