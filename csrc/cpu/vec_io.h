@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 namespace fusedamp::math {
 template <>
@@ -84,6 +85,51 @@ struct LaneOps<at::vec::Vectorized<float>> {
     return at::vec::clamp_max(x, top) & (x > at::vec::Vectorized<float>(0.f));
   }
 };
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Pattern lanes as int32 vectors (the split weight stores). AVX-512 keeps the comparisons in
+// mask registers; AVX2 in all-ones lanes.
+template <>
+struct PatternOps<at::vec::Vectorized<int32_t>> {
+  using P = at::vec::Vectorized<int32_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+  using Mask = __mmask16;
+  static inline Mask greater(const P& x, const P& y) { return _mm512_cmpgt_epi32_mask(x, y); }
+  static inline Mask equal(const P& x, const P& y) { return _mm512_cmpeq_epi32_mask(x, y); }
+  static inline Mask both(Mask a, Mask b) { return a & b; }
+  static inline Mask either(Mask a, Mask b) { return a | b; }
+  static inline P select(Mask m, const P& if_true, const P& if_false) {
+    return _mm512_mask_blend_epi32(m, if_false, if_true);
+  }
+  template <int k>
+  static inline P shift_right(const P& x) {
+    return _mm512_srli_epi32(x, k);
+  }
+  template <int k>
+  static inline P shift_left(const P& x) {
+    return _mm512_slli_epi32(x, k);
+  }
+#else
+  using Mask = __m256i;
+  static inline Mask greater(const P& x, const P& y) { return _mm256_cmpgt_epi32(x, y); }
+  static inline Mask equal(const P& x, const P& y) { return _mm256_cmpeq_epi32(x, y); }
+  static inline Mask both(Mask a, Mask b) { return _mm256_and_si256(a, b); }
+  static inline Mask either(Mask a, Mask b) { return _mm256_or_si256(a, b); }
+  static inline P select(Mask m, const P& if_true, const P& if_false) {
+    return _mm256_blendv_epi8(if_false, if_true, m);
+  }
+  template <int k>
+  static inline P shift_right(const P& x) {
+    return _mm256_srli_epi32(x, k);
+  }
+  template <int k>
+  static inline P shift_left(const P& x) {
+    return _mm256_slli_epi32(x, k);
+  }
+#endif
+  static inline P splat(uint32_t c) { return P(static_cast<int32_t>(c)); }
+};
+#endif
 }  // namespace fusedamp::math
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
@@ -156,6 +202,84 @@ inline void for_each_lane(int64_t n, const F& f) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// FP32 bit patterns, one per float lane (math::PatternOps).
+using PatternLanes = at::vec::Vectorized<int32_t>;
+static_assert(PatternLanes::size() == Vec::size(), "one pattern lane per float lane");
+
+inline PatternLanes as_patterns(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castps_si512(x);
+#else
+  return _mm256_castps_si256(x);
+#endif
+}
+inline Vec as_floats(const PatternLanes& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(x);
+#else
+  return _mm256_castsi256_ps(x);
+#endif
+}
+
+// The first min(n, kPair) 8- or 16-bit integers at p, sign-extended into two vectors of
+// int32 lanes (the lanes beyond n hold 0).
+template <typename R>
+inline void load_sign_extended(const R* p, int64_t n, PatternLanes& a, PatternLanes& b) {
+  constexpr int64_t k = Vec::size();
+  if (n >= kPair) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (sizeof(R) == 1) {
+      a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)));
+    } else {
+      a = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      b = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)));
+    }
+#else
+    if constexpr (sizeof(R) == 1) {
+      a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k)));
+    } else {
+      a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      b = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)));
+    }
+#endif
+    return;
+  }
+  alignas(64) int32_t lanes[kPair] = {};
+  for (int64_t l = 0; l < n; ++l) {
+    lanes[l] = p[l];
+  }
+  a = PatternLanes::loadu(lanes);
+  b = PatternLanes::loadu(lanes + k);
+}
+
+// The lower 8 or 16 bits of the first min(n, kPair) lanes of (a, b), stored at p.
+template <typename R>
+inline void store_narrowed(R* p, int64_t n, const PatternLanes& a, const PatternLanes& b) {
+  constexpr int64_t k = Vec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n >= kPair) {  // truncating narrowing stores (vpmovdb / vpmovdw)
+    if constexpr (sizeof(R) == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + k), _mm512_cvtepi32_epi8(b));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k), _mm512_cvtepi32_epi16(b));
+    }
+    return;
+  }
+#endif
+  alignas(64) int32_t lanes[kPair];
+  a.store(lanes);
+  b.store(lanes + k);
+  for_each_lane(n, [&](int64_t l) {
+    p[l] = static_cast<R>(static_cast<std::make_unsigned_t<R>>(static_cast<uint32_t>(lanes[l])));
+  });
+}
+#endif
+
 // The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh), for
 // each way of storing them (static_switch.h WeightStore):
 //   kParams         the params themselves are read and written;
@@ -187,14 +311,25 @@ struct StepWeights {
         b = math::weight_to_update(b, pb, rb);
       }
     } else if constexpr (is_split_store(kStore)) {
+      using R = SplitRemainder<kStore>;
+      const auto* remainder = static_cast<const R*>(extra) + i;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      // The widened weights are their patterns in the upper half, as the formula takes them.
+      PairIO<TP>::load(param + i, n, a, b);
+      PatternLanes ra, rb;
+      load_sign_extended(remainder, n, ra, rb);
+      constexpr int kShift = math::kRemainderShift<R>;
+      a = as_floats(math::combine_patterns<kShift>(as_patterns(a), ra));
+      b = as_floats(math::combine_patterns<kShift>(as_patterns(b), rb));
+#else
       alignas(64) float lanes[kPair] = {};
       const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(param + i);
-      const auto* remainder = static_cast<const SplitRemainder<kStore>*>(extra) + i;
       for_each_lane(n, [&](int64_t l) {
         lanes[l] = math::combine_split(weight_bits[l], remainder[l]);
       });
       a = Vec::loadu(lanes);
       b = Vec::loadu(lanes + Vec::size());
+#endif
     } else if constexpr (kStore == WeightStore::kKahan) {
       Vec ca, cb;
       PairIO<TP>::load(param + i, n, a, b);
@@ -214,12 +349,21 @@ struct StepWeights {
       PairIO<float>::store(static_cast<float*>(extra) + i, n, a, b);
       PairIO<TP>::store(param + i, n, a, b);
     } else if constexpr (is_split_store(kStore)) {
+      using R = SplitRemainder<kStore>;
+      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
+      auto* remainder = static_cast<R*>(extra) + i;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      PatternLanes wa, ra, wb, rb;
+      math::split_patterns_for(R{}, as_patterns(a), wa, ra);
+      math::split_patterns_for(R{}, as_patterns(b), wb, rb);
+      store_narrowed(weight_bits, n, wa, wb);
+      store_narrowed(remainder, n, ra, rb);
+#else
       alignas(64) float lanes[kPair];
       a.store(lanes);
       b.store(lanes + Vec::size());
-      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
-      auto* remainder = static_cast<SplitRemainder<kStore>*>(extra) + i;
       for_each_lane(n, [&](int64_t l) { math::split_into(lanes[l], weight_bits[l], remainder[l]); });
+#endif
     } else if constexpr (kStore == WeightStore::kKahan) {
       Vec ra = a, rb = b;
       PairIO<TP>::store_read_back(param + i, n, ra, rb);

@@ -5,6 +5,7 @@
 // per-lane choice) go through LaneOps, which the CPU kernels specialise for Vectorized<float>.
 #include <c10/macros/Macros.h>
 #include <cmath>
+#include <cstdint>
 
 namespace fusedamp::math {
 
@@ -47,6 +48,36 @@ struct LaneOps {
   // Per lane: x within [0, top]; NaN gives 0 (an 8-bit code of a quantized state).
   static C10_HOST_DEVICE inline V code_in(V x, V top) {
     return x > V(0.f) ? (x < top ? x : top) : V(0.f);
+  }
+};
+
+// The integer twin of LaneOps, for formulas on FP32 bit patterns (math/split_math.h): a
+// pattern lane P is a `uint32_t` on the GPU and in scalar code; the CPU kernels specialise
+// PatternOps for at::vec::Vectorized<int32_t>. +, -, & and | are shared (wrapping, as unsigned
+// arithmetic wraps); shifts, comparisons and the per-lane choice go through here. A Mask is
+// what the comparisons give and select takes.
+template <typename P>
+struct PatternOps {
+  using Mask = bool;
+  static C10_HOST_DEVICE inline P splat(uint32_t c) { return c; }
+  template <int k>
+  static C10_HOST_DEVICE inline P shift_right(P x) {  // logical
+    return x >> k;
+  }
+  template <int k>
+  static C10_HOST_DEVICE inline P shift_left(P x) {
+    return x << k;
+  }
+  // Signed (two's complement) comparison: the formulas compare magnitudes (below 2^31) and
+  // sign-extended remainders.
+  static C10_HOST_DEVICE inline Mask greater(P x, P y) {
+    return static_cast<int32_t>(x) > static_cast<int32_t>(y);
+  }
+  static C10_HOST_DEVICE inline Mask equal(P x, P y) { return x == y; }
+  static C10_HOST_DEVICE inline Mask both(Mask a, Mask b) { return a && b; }
+  static C10_HOST_DEVICE inline Mask either(Mask a, Mask b) { return a || b; }
+  static C10_HOST_DEVICE inline P select(Mask m, P if_true, P if_false) {
+    return m ? if_true : if_false;
   }
 };
 

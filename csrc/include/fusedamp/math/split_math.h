@@ -19,6 +19,7 @@
 // (the pattern would wrap into NaN or the other sign), or above an infinite one — the master is
 // the weight itself: a pruned weight stays exactly zero.
 #include <fusedamp/math/float_bits.h>
+#include <fusedamp/math/lane_ops.h>
 
 namespace fusedamp::math {
 
@@ -27,37 +28,76 @@ struct SplitMaster {
   int16_t remainder;     // master pattern − weight pattern · 2^16
 };
 
-// Both functions are branch-free (selects only), so that the CPU compiler vectorises the loops
-// that call them lane by lane.
-C10_HOST_DEVICE inline SplitMaster split_master(float master) {
-  const uint32_t bits = float_bits(master);
-  const bool nan = bits_are_nan(bits);
+struct Split8Master {
+  uint16_t weight_bits;
+  int8_t remainder;  // 24-bit master pattern − weight pattern · 2^8
+};
+
+// The formulas, on pattern lanes P (PatternOps, math/lane_ops.h): one FP32 pattern per lane, so
+// that the CPU kernels run them on vectors and everything else on uint32_t. Branch-free
+// (selects only).
+
+// "split": bits (an FP32 pattern) into the weight pattern (the lane's lower 16 bits) and the
+// remainder (lower 16 bits, two's complement).
+template <typename P>
+C10_HOST_DEVICE inline void split_patterns(P bits, P& weight, P& remainder) {
+  using O = PatternOps<P>;
+  const auto nan = O::greater(bits & O::splat(kFloatMagnitudeMask), O::splat(kFloatInfBits));
   // + 2^15 then truncation rounds the magnitude half away from zero. No finite or infinite
   // pattern wraps: the largest, 0xFF800000 (−inf), stays below 2^32 − 2^15. A NaN keeps its
   // upper half, made quiet, and no remainder.
-  const uint32_t weight = nan ? ((bits >> 16) | kBf16QuietBit) : ((bits + 0x8000u) >> 16);
-  const uint32_t rest = nan ? 0u : bits - (weight << 16);
+  weight = O::select(nan, O::template shift_right<16>(bits) | O::splat(kBf16QuietBit),
+                     O::template shift_right<16>(bits + O::splat(0x8000u)));
+  remainder = O::select(nan, O::splat(0u), bits - O::template shift_left<16>(weight));
+}
+
+// "split8": bits rounded to 24 bits, then split one byte lower (remainder: the lower 8 bits).
+template <typename P>
+C10_HOST_DEVICE inline void split8_patterns(P bits, P& weight, P& remainder) {
+  using O = PatternOps<P>;
+  const auto nan = O::greater(bits & O::splat(kFloatMagnitudeMask), O::splat(kFloatInfBits));
+  // Round the magnitude to 24 bits, ties to even: + 0x7F, + 1 if the kept part is odd. No
+  // finite or infinite pattern wraps (the largest, 0xFF800000, stays far below 2^32 − 2^8);
+  // the largest finite magnitudes round up to infinity, as IEEE rounding does.
+  const P pattern24 = O::template shift_right<8>(
+      bits + O::splat(0x7Fu) + (O::template shift_right<8>(bits) & O::splat(1u)));
+  weight = O::select(nan, O::template shift_right<16>(bits) | O::splat(kBf16QuietBit),
+                     O::template shift_right<8>(pattern24 + O::splat(0x80u)));
+  remainder = O::select(nan, O::splat(0u), pattern24 - O::template shift_left<8>(weight));
+}
+
+// The FP32 pattern of a weight (its pattern in the upper half: weight_bits · 2^16) and a
+// remainder (sign-extended) counted in units of 2^kShift of the FP32 pattern (0: "split",
+// whose remainder is the lower half itself; 8: "split8").
+template <int kShift, typename P>
+C10_HOST_DEVICE inline P combine_patterns(P weight, P remainder) {
+  using O = PatternOps<P>;
+  const P zero = O::splat(0u), inf = O::splat(kFloatInfBits);
+  const P magnitude = weight & O::splat(kFloatMagnitudeMask);
+  const auto wraps_below_zero = O::both(O::equal(magnitude, zero), O::greater(zero, remainder));
+  const auto beyond_inf = O::either(O::greater(magnitude, inf),
+                                    O::both(O::equal(magnitude, inf), O::greater(remainder, zero)));
+  return O::select(O::either(wraps_below_zero, beyond_inf), weight,
+                   weight + O::template shift_left<kShift>(remainder));
+}
+
+// One value at a time.
+C10_HOST_DEVICE inline SplitMaster split_master(float master) {
+  uint32_t weight, rest;
+  split_patterns(float_bits(master), weight, rest);
   return {static_cast<uint16_t>(weight), static_cast<int16_t>(static_cast<uint16_t>(rest))};
 }
 
-// The FP32 value of a weight pattern and a remainder counted in units of 2^kShift of the FP32
-// pattern (0: "split", whose remainder is the lower half itself; 8: "split8").
 template <int kShift>
 C10_HOST_DEVICE inline float combine_weight_and_remainder(uint16_t weight_bits,
                                                           int32_t remainder) {
-  const uint32_t weight = static_cast<uint32_t>(weight_bits) << 16;
-  const uint32_t magnitude = weight & kFloatMagnitudeMask;
-  const bool wraps_below_zero = magnitude == 0u && remainder < 0;
-  const bool beyond_inf =
-      magnitude > kFloatInfBits || (magnitude == kFloatInfBits && remainder > 0);
-  const uint32_t combined = weight + (static_cast<uint32_t>(remainder) << kShift);
-  return float_of_bits((wraps_below_zero || beyond_inf) ? weight : combined);
+  return float_of_bits(combine_patterns<kShift>(static_cast<uint32_t>(weight_bits) << 16,
+                                                static_cast<uint32_t>(remainder)));
 }
 
 C10_HOST_DEVICE inline float combine_master(uint16_t weight_bits, int16_t remainder) {
   return combine_weight_and_remainder<0>(weight_bits, remainder);
 }
-
 
 // master_weights="split8": a 24-bit master (sign, 8 exponent bits, 15 mantissa bits: the upper
 // three bytes of an FP32 pattern) stored as its BF16 rounding (the model's weight) plus a
@@ -71,20 +111,9 @@ C10_HOST_DEVICE inline float combine_master(uint16_t weight_bits, int16_t remain
 // pattern has exactly one (weight, remainder) pair. The edge cases follow split's: a NaN keeps
 // its upper half, made quiet, and no remainder; a remainder below a zero weight or beyond an
 // infinite one is ignored.
-struct Split8Master {
-  uint16_t weight_bits;
-  int8_t remainder;  // 24-bit master pattern − weight pattern · 2^8
-};
-
 C10_HOST_DEVICE inline Split8Master split_master8(float master) {
-  const uint32_t bits = float_bits(master);
-  const bool nan = bits_are_nan(bits);
-  // Round the magnitude to 24 bits, ties to even: + 0x7F, + 1 if the kept part is odd. No
-  // finite or infinite pattern wraps (the largest, 0xFF800000, stays far below 2^32 − 2^8);
-  // the largest finite magnitudes round up to infinity, as IEEE rounding does.
-  const uint32_t pattern24 = (bits + 0x7Fu + ((bits >> 8) & 1u)) >> 8;
-  const uint32_t weight = nan ? ((bits >> 16) | kBf16QuietBit) : ((pattern24 + 0x80u) >> 8);
-  const uint32_t rest = nan ? 0u : pattern24 - (weight << 8);
+  uint32_t weight, rest;
+  split8_patterns(float_bits(master), weight, rest);
   return {static_cast<uint16_t>(weight), static_cast<int8_t>(static_cast<uint8_t>(rest))};
 }
 
@@ -110,5 +139,16 @@ C10_HOST_DEVICE inline void split_into(float master, uint16_t& weight_bits, int8
   weight_bits = split.weight_bits;
   remainder = split.remainder;
 }
+// The pattern formulas of either split, told apart the same way.
+template <typename P>
+C10_HOST_DEVICE inline void split_patterns_for(int16_t, P bits, P& weight, P& remainder) {
+  split_patterns(bits, weight, remainder);
+}
+template <typename P>
+C10_HOST_DEVICE inline void split_patterns_for(int8_t, P bits, P& weight, P& remainder) {
+  split8_patterns(bits, weight, remainder);
+}
+template <typename Remainder>
+constexpr int kRemainderShift = sizeof(Remainder) == 1 ? 8 : 0;
 
 }  // namespace fusedamp::math
