@@ -72,11 +72,46 @@ def run_case(name, cls, dtype, kwargs):
     return out
 
 
+def split_edges():
+    """The split weight stores' load and store alone (lr 0: the update adds nothing exactly):
+    random BF16 patterns with random remainders, zeros with negative remainders, infinities,
+    NaNs, over sizes with partial vectors. No FP32 arithmetic is involved, so every
+    instruction set must give the same bits, DEFAULT included."""
+    rng = np.random.default_rng(11)
+    out = {}
+    for mode, rdtype in (("split", np.int16), ("split8", np.int8)):
+        for n in (1, 7, 31, 32, 33, 65, 1000):
+            weights = torch.from_numpy(rng.integers(0, 2 ** 16, n, dtype=np.int64))
+            weights = weights.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+            special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0],
+                                   dtype=torch.bfloat16)
+            weights[:min(n, 6)] = special[:min(n, 6)]
+            info = np.iinfo(rdtype)
+            rest = torch.from_numpy(rng.integers(info.min, info.max + 1, n).astype(rdtype))
+            if n > 1:
+                rest[0] = rest[1] = info.min  # below both zeros
+            p = torch.nn.Parameter(weights.clone())
+            opt = fusedamp.optim.AdamW([p], lr=0.0, master_weights=mode)
+            p.grad = torch.ones_like(p)
+            opt.step()  # makes the state (remainders 0)
+            state = opt.state[p]
+            key = "param_remainder"
+            with torch.no_grad():
+                p.copy_(weights)
+                state[key].copy_(rest)
+            for _ in range(2):
+                opt.step()
+            out[f"{mode}.{n}.param"] = p.detach().clone()
+            out[f"{mode}.{n}.remainder"] = state[key].clone()
+    return out
+
+
 def main(path):
     torch.set_num_threads(1)
     results = {"capability": fusedamp._C.cpu_capability()}
     for name, cls, dtype, kwargs in CASES:
         results[name] = run_case(name, cls, dtype, kwargs)
+    results["split_edges"] = split_edges()
     torch.save(results, path)
 
 
