@@ -32,6 +32,8 @@ import weakref
 
 import torch
 
+from .fsdp import has_dtensors
+
 try:  # torch >= 2.10
     from torch._library.effects import EffectType
     from torch._library.opaque_object import register_opaque_type
@@ -162,6 +164,11 @@ def _step_tensors(optimizer):
     """What the graph sees of an optimizer's step: every parameter, the gradients present and
     the groups' tensor learning rates."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if has_dtensors(params):
+        raise RuntimeError(
+            "fusedamp: under torch.compile, the step of DTensor (FSDP2) parameters is not taken "
+            "into the graph (the step's operators have no sharding rule); compile the model "
+            "and leave scaler.step / opt.step eager, where they are one fused pass per shard")
     grads = [p.grad for p in params if p.grad is not None]
     lrs = [g["lr"] for g in optimizer.param_groups if isinstance(g["lr"], torch.Tensor)]
     return params, grads, lrs

@@ -343,3 +343,19 @@ def test_scale_is_traced_and_equals_eager(device):
     with pytest.raises(Exception, match="floating point"):
         torch.compile(lambda: compiled_scaler.scale(torch.ones(2, dtype=torch.int64)),
                       fullgraph=True)()
+
+
+def test_dtensor_parameters_under_compile_are_refused(one_rank_process_group):
+    """FSDP2's DTensor parameters: a clear error at compile time, nothing stepped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (1,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    opt = fusedamp.optim.AdamW([p], lr=1e-2)
+    p.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    before = p.detach().full_tensor().clone()
+    with pytest.raises(Exception, match="DTensor \\(FSDP2\\) parameters is not taken"):
+        torch.compile(lambda: opt.step(), fullgraph=True)()
+    assert torch.equal(p.detach().full_tensor(), before)
