@@ -202,3 +202,62 @@ def test_a_captured_step_with_a_skip_aware_schedule_equals_eager():
     assert float(sched_graph.applied_steps) == float(sched_eager.applied_steps) == 7.0
     assert torch.equal(opt_graph.param_groups[0]["lr"], opt_eager.param_groups[0]["lr"])
     assert torch.equal(p_graph, p_eager)
+
+
+@needs_cuda
+def test_a_captured_whole_training_step_equals_eager():
+    """A whole training step -- forward, scaler.scale(loss).backward(), scaler.step, update and
+    a skip-aware schedule -- captured once (torch's whole-network recipe: warm-up iterations on
+    a side stream, gradients set to None so that the captured backward allocates them, static
+    inputs refilled before each replay) and replayed over batches that include an overflowing
+    one: weights, lr, applied steps and scale equal to the same iterations run eagerly."""
+    import fusedamp
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 8)).to("cuda", torch.float16)
+        opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = fusedamp.lr_scheduler.WarmupCosine(opt, warmup_steps=2, total_steps=12)
+        return model, opt, sched, fusedamp.GradScaler("cuda", init_scale=2.0 ** 10)
+
+    def iteration(run, x, y):
+        model, opt, sched, scaler = run
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(16, 32, generator=gen).to("cuda", torch.float16),
+                torch.randn(16, 8, generator=gen).to("cuda")) for _ in range(10)]
+    batches[6][1][0, 0] = 1e30  # the loss overflows: the step is skipped, the scale backs off
+    eager, graphed = make(), make()
+    for x, y in batches[:3]:
+        eager[1].zero_grad(set_to_none=True)
+        iteration(eager, x, y)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, y in batches[:3]:
+            graphed[1].zero_grad(set_to_none=True)
+            iteration(graphed, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    static_x, static_y = batches[3][0].clone(), batches[3][1].clone()
+    graphed[1].zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), sync_forbidden():
+        iteration(graphed, static_x, static_y)
+    for x, y in batches[3:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        eager[1].zero_grad(set_to_none=True)
+        iteration(eager, x, y)
+    torch.cuda.synchronize()
+    assert float(graphed[2].applied_steps) == float(eager[2].applied_steps) == 9.0
+    assert graphed[3].get_scale() == eager[3].get_scale()
+    assert torch.equal(graphed[1].param_groups[0]["lr"], eager[1].param_groups[0]["lr"])
+    for a, b in zip(graphed[0].parameters(), eager[0].parameters(), strict=True):
+        assert torch.equal(a, b)
