@@ -97,8 +97,16 @@ CONFIGS += [("adamw", dict(master_weights="split", state_dtype=torch.int8)),
             ("adamw", dict(master_weights=True, max_grad_norm=0.5)),
             ("adam", dict(master_weights=True, amsgrad=True)),
             ("adam", dict(master_weights="split8")),
+            ("adam", dict(master_weights=False)),
+            ("adam", dict(master_weights="kahan")),
+            ("adam", dict(master_weights="stochastic")),
+            ("adam", dict(master_weights="split", state_dtype=torch.bfloat16)),
             ("sgd", dict(master_weights=True)),
+            ("sgd", dict(master_weights=False)),
+            ("sgd", dict(master_weights="split")),
+            ("sgd", dict(master_weights="split8")),
             ("sgd", dict(master_weights="kahan")),
+            ("sgd", dict(master_weights="stochastic")),
             ("torch_fused_adamw", {})]
 
 
