@@ -29,7 +29,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
 
 from ._library import _C
 from .flat_shard import converted_state, flat_shards
-from .optim import StepResults, amp_handover, closure_loss, pack_param_groups
+from .optim import (StepResults, amp_handover, closure_loss, names_int8_state,
+                    pack_param_groups)
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedOptimizer", "ZeroRedundancyOptimizer", "optimizer_state_bytes"]
@@ -89,7 +90,7 @@ class ShardedOptimizer(StepResults, torch.optim.Optimizer):
                                "torch.distributed process group (dist.init_process_group)")
         params = list(params)
         for value in [state_dtype] + [g.get("state_dtype") for g in params if isinstance(g, dict)]:
-            if value in (torch.int8, "int8", "torch.int8"):
+            if names_int8_state(value):
                 raise ValueError("fusedamp.distributed.ShardedOptimizer: state_dtype=torch.int8 "
                                  "is not supported (its flat shards would cut the 32-element "
                                  "blocks of 8-bit moments); use "

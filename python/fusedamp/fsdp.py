@@ -281,8 +281,10 @@ class ShardEngine(_PartEngine):
         return self._layouts[key]
 
     def _check_int8_blocks(self, param_groups):
+        from .optim import names_int8_state  # optim builds its engines here: imported late
+
         for i, g in enumerate(param_groups):
-            if g.get("state_dtype") not in (torch.int8, "int8", "torch.int8"):
+            if not names_int8_state(g.get("state_dtype")):
                 continue
             for p in g["params"]:
                 if isinstance(p, DTensor) and self._scales_layout(p) is None:

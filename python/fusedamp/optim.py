@@ -333,6 +333,17 @@ class _EngineState(defaultdict):
 _STORAGE_OPTIONS = ("master_weights", "state_dtype")
 
 
+def names_int8_state(value):
+    """Whether a state_dtype option -- a dtype, or its name as a state dict spells it -- is
+    torch.int8 (the 8-bit moments)."""
+    if isinstance(value, str):
+        try:
+            value = _dtype_named(value)
+        except ValueError:
+            return False
+    return value is torch.int8
+
+
 def _dtype_named(name):
     """torch.bfloat16 for "torch.bfloat16" (or "bfloat16"); an unknown name is refused."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
