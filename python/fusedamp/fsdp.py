@@ -98,6 +98,18 @@ def _scales_layout(p):
     return shape
 
 
+def _dequantized(p, state):
+    """A full state entry with its 8-bit moments (codes and moment_scales) as FP32 moments,
+    converted by the engine (nothing else in it changes)."""
+    moments = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "moment_scales") if k in state}
+    moments["step"] = state.get("step", torch.zeros(()))
+    full = torch.empty(p.shape, dtype=p.dtype)  # the blocks follow the full parameter's order
+    _, converted = _C.convert_param_state(full, moments, False, torch.float32)
+    out = {k: v for k, v in state.items() if k != "moment_scales"}
+    out["exp_avg"], out["exp_avg_sq"] = converted["exp_avg"], converted["exp_avg_sq"]
+    return out
+
+
 def local_grad_views(params):
     """For a loss scaler that unscales or checks gradients itself: each DTensor parameter is
     replaced by an alias of its local shard carrying the local gradient shard (plain tensors
@@ -396,6 +408,13 @@ class ShardEngine(_PartEngine):
         return out
 
     def _to_local_state(self, p, state):
+        scales = state.get("moment_scales")
+        if (isinstance(scales, torch.Tensor) and not isinstance(scales, DTensor)
+                and self._scales_layout(p) is None):
+            # A full checkpoint's 8-bit moments of a parameter this sharding cuts mid-block,
+            # for a group without them (one with them was refused at construction): their FP32
+            # values, from the engine's own conversion, shard as any full moment does.
+            state = _dequantized(p, state)
         out = {}
         for name, v in state.items():
             if name == "step" or not isinstance(v, torch.Tensor):

@@ -257,6 +257,37 @@ def int8_refusal(mesh):
     return out
 
 
+def int8_full_checkpoint():
+    """One process, the 35-row model with 8-bit moments, 2 fixed steps: the model and the
+    optimizer's state dict (full tensors, codes and block scales)."""
+    model = make_model()
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=torch.int8)
+    for step in range(2):
+        for i, p in enumerate(model.parameters()):
+            p.grad = fixed_grad(i, p, step)
+        opt.step()
+    return model, opt.state_dict()
+
+
+def int8_checkpoint_into_bf16_moments(model, state_dict, mesh=None):
+    """A copy of `model` (sharded on `mesh`: every sharding here cuts its 35-element bias
+    mid-block) whose optimizer keeps BF16 moments loads the 8-bit checkpoint and takes one
+    fixed step: this rank's pieces after it."""
+    import copy
+
+    model = copy.deepcopy(model)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh)
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=torch.bfloat16)
+    opt.load_state_dict(state_dict)
+    for i, p in enumerate(model.parameters()):
+        p.grad = fixed_grad(i, p, 2)
+    opt.step()
+    return pieces(model, opt)
+
+
 def _wait_for_peer(peer_dir):
     deadline = time.monotonic() + PEER_WAIT_S
     while not os.path.exists(os.path.join(peer_dir, "saved")):
@@ -279,7 +310,8 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     ckpt_dir = os.path.join(out_dir, "ckpt")
     out = {"saved": {case: save_case(case, mesh, rank, world, ckpt_dir) for case in CASES},
-           "int8_refusal": int8_refusal(mesh)}
+           "int8_refusal": int8_refusal(mesh),
+           "int8_into_bf16": int8_checkpoint_into_bf16_moments(*int8_full_checkpoint(), mesh)}
     dist.barrier()
     if rank == 0:
         open(os.path.join(out_dir, "saved"), "w").close()

@@ -35,8 +35,9 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
 pytest.importorskip("torch.distributed.checkpoint.state_dict")
 
 import fusedamp  # noqa: E402
-from fsdp_checkpoint_worker import (BLOCK_SPLIT, CASES, TRAIN_STEPS, load_case,  # noqa: E402
-                                    reference)
+from fsdp_checkpoint_worker import (BLOCK_SPLIT, CASES, TRAIN_STEPS,  # noqa: E402
+                                    int8_checkpoint_into_bf16_moments, int8_full_checkpoint,
+                                    load_case, reference)
 from test_distributed import _launch  # noqa: E402  (the launcher pattern)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp_checkpoint_worker.py")
@@ -173,6 +174,20 @@ def test_int8_moments_of_parameters_split_mid_block_are_refused(ranks, world):
         for when in ("construction", "switch"):
             assert "not whole blocks" in out.get(when, "") and "(35,)" in out[when], out
         assert out["unchanged"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_full_int8_checkpoint_of_parameters_split_mid_block_loads_into_bf16_moments(ranks, world):
+    """8-bit moments need whole blocks per shard, BF16 moments do not: a full checkpoint with
+    codes and scales loads into a sharded optimizer with BF16 moments (dequantized as one
+    process dequantizes them), and a step after it equals one process's, bit for bit."""
+    model, state_dict = int8_full_checkpoint()
+    ref = int8_checkpoint_into_bf16_moments(model, state_dict)
+    got = {k: _full([r["int8_into_bf16"][k] for r in ranks[world]]) for k in ("params", "state")}
+    assert set(got["state"]["0.bias"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert got["state"]["0.bias"]["exp_avg"].dtype == torch.bfloat16
+    _assert_bits_equal(got["state"], ref["state"], "state")
+    _assert_bits_equal(got["params"], ref["params"], "params")
 
 
 @pytest.mark.parametrize("saver, loader", RESHARDS)
