@@ -280,6 +280,43 @@ inline void store_narrowed(R* p, int64_t n, const PatternLanes& a, const Pattern
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Eight uint64_t lanes, with the operators math::counter_mix takes (AVX-512DQ's 64-bit
+// multiply; AVX2 has none, and draws lane by lane).
+struct Lanes64 {
+  __m512i v;
+  Lanes64(__m512i x) : v(x) {}  // NOLINT(google-explicit-constructor): results of intrinsics
+  explicit Lanes64(uint64_t c) : v(_mm512_set1_epi64(static_cast<long long>(c))) {}
+  friend Lanes64 operator+(const Lanes64& x, const Lanes64& y) {
+    return _mm512_add_epi64(x.v, y.v);
+  }
+  friend Lanes64 operator^(const Lanes64& x, const Lanes64& y) {
+    return _mm512_xor_si512(x.v, y.v);
+  }
+  friend Lanes64 operator*(const Lanes64& x, const Lanes64& y) {
+    return _mm512_mullo_epi64(x.v, y.v);
+  }
+  Lanes64 operator>>(int k) const { return _mm512_srli_epi64(v, k); }
+};
+
+// math::counter_random_bits(seed, step, first + l) for the kPair lanes l of one pair, as the
+// two vectors of 32-bit lanes it splits into.
+inline void counter_random_pair(uint64_t seed, uint32_t step, uint64_t first, PatternLanes& a,
+                                PatternLanes& b) {
+  constexpr uint64_t kWeyl = math::kWeylStep;
+  const Lanes64 iota(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  const Lanes64 eight(kWeyl * 8);
+  Lanes64 z = Lanes64(math::counter_start(seed, step) + kWeyl * first) + iota * Lanes64(kWeyl);
+  __m256i bits[4];
+  for (auto& quarter : bits) {
+    quarter = _mm512_cvtepi64_epi32((math::counter_mix(z) >> 32).v);
+    z = z + eight;
+  }
+  a = _mm512_inserti64x4(_mm512_castsi256_si512(bits[0]), bits[1], 1);
+  b = _mm512_inserti64x4(_mm512_castsi256_si512(bits[2]), bits[3], 1);
+}
+#endif
+
 // The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh), for
 // each way of storing them (static_switch.h WeightStore):
 //   kParams         the params themselves are read and written;
@@ -370,15 +407,22 @@ struct StepWeights {
       PairIO<TP>::store(static_cast<TP*>(extra) + i, n, math::kahan_compensation(a, ra),
                         math::kahan_compensation(b, rb));
     } else if constexpr (kStore == WeightStore::kStochastic) {
+      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
+      const uint64_t first = static_cast<uint64_t>(first_index + i);
+#if defined(CPU_CAPABILITY_AVX512)
+      PatternLanes ra, rb;
+      counter_random_pair(seed, step, first, ra, rb);
+      store_narrowed(weight_bits, n, math::stochastic_round_patterns(as_patterns(a), ra),
+                     math::stochastic_round_patterns(as_patterns(b), rb));
+#else
       alignas(64) float lanes[kPair];
       a.store(lanes);
       b.store(lanes + Vec::size());
-      uint16_t* weight_bits = reinterpret_cast<uint16_t*>(param + i);
-      const uint64_t first = static_cast<uint64_t>(first_index + i);
       for_each_lane(n, [&](int64_t l) {
         weight_bits[l] = math::stochastic_round_bf16(
             lanes[l], math::counter_random_bits(seed, step, first + static_cast<uint64_t>(l)));
       });
+#endif
     } else {
       PairIO<TP>::store(param + i, n, a, b);
     }

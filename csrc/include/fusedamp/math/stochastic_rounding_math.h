@@ -10,28 +10,50 @@
 // tensor (the engine derives it from the optimizer's seed and the parameter's index); the
 // counter is the tensor's step count before the update and the element's index in the tensor.
 #include <fusedamp/math/float_bits.h>
+#include <fusedamp/math/lane_ops.h>
 
 namespace fusedamp::math {
 
-// 32 well-mixed bits of (seed, step, index): a SplitMix64-style finaliser (two xor-shift-
-// multiply rounds) over a Weyl-sequence combination of the three.
-C10_HOST_DEVICE inline uint32_t counter_random_bits(uint64_t seed, uint32_t step, uint64_t index) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1) +
-               0xD1B54A32D192ED03ull * (static_cast<uint64_t>(step) + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+// The counter's Weyl-sequence combination: z(index) = counter_start(seed, step) + kWeylStep *
+// index (mod 2^64), so a run of consecutive indices needs one multiplication, then additions.
+constexpr uint64_t kWeylStep = 0x9E3779B97F4A7C15ull;
+C10_HOST_DEVICE inline uint64_t counter_start(uint64_t seed, uint32_t step) {
+  return seed + kWeylStep + 0xD1B54A32D192ED03ull * (static_cast<uint64_t>(step) + 1);
 }
 
-// The BF16 pattern of x rounded stochastically with 16 random bits: adding them below the
-// kept half and truncating carries into the kept half with probability (lower half) / 2^16.
-// inf and NaN are kept (NaN stays quiet). Branch-free, for the CPU vectoriser.
+// A SplitMix64-style finaliser (two xor-shift-multiply rounds) over 64-bit lanes U: uint64_t,
+// or a CPU kernel's vector of them (+, ^, * and >> by a constant, wrapping as uint64_t does).
+// The random bits are the upper 32 of the result.
+template <typename U>
+C10_HOST_DEVICE inline U counter_mix(U z) {
+  z = (z ^ (z >> 30)) * U(0xBF58476D1CE4E5B9ull);
+  z = (z ^ (z >> 27)) * U(0x94D049BB133111EBull);
+  return z ^ (z >> 31);
+}
+
+// 32 well-mixed bits of (seed, step, index).
+C10_HOST_DEVICE inline uint32_t counter_random_bits(uint64_t seed, uint32_t step, uint64_t index) {
+  return static_cast<uint32_t>(counter_mix(counter_start(seed, step) + kWeylStep * index) >> 32);
+}
+
+// The BF16 pattern (the lane's lower 16 bits) of an FP32 pattern rounded stochastically with 16
+// random bits, on pattern lanes P (PatternOps, math/lane_ops.h): adding them below the kept half
+// and truncating carries into the kept half with probability (lower half) / 2^16. inf and NaN
+// are kept (NaN stays quiet). Branch-free.
+template <typename P>
+C10_HOST_DEVICE inline P stochastic_round_patterns(P bits, P random) {
+  using O = PatternOps<P>;
+  const P magnitude = bits & O::splat(kFloatMagnitudeMask);
+  const auto special = O::greater(magnitude, O::splat(kFloatInfBits - 1u));  // inf, NaN
+  const auto nan = O::greater(magnitude, O::splat(kFloatInfBits));
+  const P kept = O::template shift_right<16>(bits) |
+                 O::select(nan, O::splat(kBf16QuietBit), O::splat(0u));
+  const P rounded = O::template shift_right<16>(bits + (random & O::splat(0xFFFFu)));
+  return O::select(special, kept, rounded);
+}
+
 C10_HOST_DEVICE inline uint16_t stochastic_round_bf16(float x, uint32_t random) {
-  const uint32_t bits = float_bits(x);
-  const bool special = (bits & kFloatMagnitudeMask) >= kFloatInfBits;
-  const uint32_t kept = (bits >> 16) | (bits_are_nan(bits) ? kBf16QuietBit : 0u);
-  const uint32_t rounded = (bits + (random & 0xFFFFu)) >> 16;
-  return static_cast<uint16_t>(special ? kept : rounded);
+  return static_cast<uint16_t>(stochastic_round_patterns(float_bits(x), random));
 }
 
 }  // namespace fusedamp::math
