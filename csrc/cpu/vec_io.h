@@ -222,29 +222,34 @@ inline Vec as_floats(const PatternLanes& x) {
 #endif
 }
 
-// The first min(n, kPair) 8- or 16-bit integers at p, sign-extended into two vectors of
-// int32 lanes (the lanes beyond n hold 0).
+// Vec::size() 8- or 16-bit integers at p as int32 lanes, sign- or zero-extended as R is
+// signed or not.
 template <typename R>
-inline void load_sign_extended(const R* p, int64_t n, PatternLanes& a, PatternLanes& b) {
-  constexpr int64_t k = Vec::size();
-  if (n >= kPair) {
+inline PatternLanes widened(const R* p) {
+  static_assert(sizeof(R) == 1 || std::is_signed_v<R>, "unsigned: 8-bit codes only");
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (sizeof(R) == 1) {
-      a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)));
-    } else {
-      a = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      b = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)));
-    }
+  if constexpr (sizeof(R) == 2) {
+    return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return std::is_signed_v<R> ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x);
+  }
 #else
-    if constexpr (sizeof(R) == 1) {
-      a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-      b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + k)));
-    } else {
-      a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      b = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k)));
-    }
+  if constexpr (sizeof(R) == 2) {
+    return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return std::is_signed_v<R> ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x);
+  }
 #endif
+}
+
+// The first min(n, kPair) integers at p, widened, as two vectors (the lanes beyond n hold 0).
+template <typename R>
+inline void load_extended(const R* p, int64_t n, PatternLanes& a, PatternLanes& b) {
+  if (n >= kPair) {
+    a = widened(p);
+    b = widened(p + Vec::size());
     return;
   }
   alignas(64) int32_t lanes[kPair] = {};
@@ -252,7 +257,7 @@ inline void load_sign_extended(const R* p, int64_t n, PatternLanes& a, PatternLa
     lanes[l] = p[l];
   }
   a = PatternLanes::loadu(lanes);
-  b = PatternLanes::loadu(lanes + k);
+  b = PatternLanes::loadu(lanes + Vec::size());
 }
 
 // The lower 8 or 16 bits of the first min(n, kPair) lanes of (a, b), stored at p.
@@ -277,6 +282,103 @@ inline void store_narrowed(R* p, int64_t n, const PatternLanes& a, const Pattern
   for_each_lane(n, [&](int64_t l) {
     p[l] = static_cast<R>(static_cast<std::make_unsigned_t<R>>(static_cast<uint32_t>(lanes[l])));
   });
+}
+#endif
+
+// 8-bit codes (int8 or uint8: a quantized state) and float lanes holding their values: the
+// first min(n, kPair) of them (loaded lanes beyond n are 0). The vector instruction sets widen
+// and narrow them in registers; DEFAULT goes through an array.
+template <typename R>
+inline void load_codes(const R* p, int64_t n, Vec& a, Vec& b) {
+  static_assert(sizeof(R) == 1, "8-bit codes");
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  PatternLanes ia, ib;
+  load_extended(p, n, ia, ib);
+#if defined(CPU_CAPABILITY_AVX512)
+  a = _mm512_cvtepi32_ps(ia);
+  b = _mm512_cvtepi32_ps(ib);
+#else
+  a = _mm256_cvtepi32_ps(ia);
+  b = _mm256_cvtepi32_ps(ib);
+#endif
+#else
+  alignas(64) float lanes[kPair] = {};
+  for (int64_t l = 0; l < std::min(n, kPair); ++l) {
+    lanes[l] = static_cast<float>(p[l]);
+  }
+  a = Vec::loadu(lanes);
+  b = Vec::loadu(lanes + Vec::size());
+#endif
+}
+
+// a, b hold integers in R's range.
+template <typename R>
+inline void store_codes(R* p, int64_t n, const Vec& a, const Vec& b) {
+  static_assert(sizeof(R) == 1, "8-bit codes");
+#if defined(CPU_CAPABILITY_AVX512)
+  store_narrowed(p, n, PatternLanes(_mm512_cvttps_epi32(a)), PatternLanes(_mm512_cvttps_epi32(b)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  store_narrowed(p, n, PatternLanes(_mm256_cvttps_epi32(a)), PatternLanes(_mm256_cvttps_epi32(b)));
+#else
+  alignas(64) float lanes[kPair];
+  a.store(lanes);
+  b.store(lanes + Vec::size());
+  for_each_lane(n, [&](int64_t l) { p[l] = static_cast<R>(lanes[l]); });
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// out[j] = the largest lane of in[j], for 16 vectors of magnitudes' bit patterns (lanes >= 0 as
+// int32, NaN patterns above +inf's: LaneOps::max_magnitude's order), each a block's running
+// top. One reduction tree over all 16 takes 15 vector maxima and 30 shuffles (AVX-512) where
+// 16 separate reductions take 64 maxima and 64 shuffles, and its result is stored as one vector.
+// Each level halves the vectors by taking the maxima of two sources' halves side by side; the
+// inputs go in permuted so that the last level's lanes are in source order.
+inline void largest_lanes_of_16(const PatternLanes* in, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Last level's lane 4q + k holds source q + 4k of its inputs.
+  __m512i x[16], y[8], z[4], w[2];
+  for (int s = 0; s < 16; ++s) {
+    x[s] = in[4 * (s % 4) + s / 4];
+  }
+  for (int i = 0; i < 8; ++i) {  // 128-bit quarters 0-1 vs 2-3: [source 2i, source 2i+1]
+    y[i] = _mm512_max_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x44),
+                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quarters 0, 2 vs 1, 3: quarter q holds source 4i + q
+    z[i] = _mm512_max_epi32(_mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // in each quarter q: sources 8i + q, 8i + 4 + q, two lanes
+    w[i] = _mm512_max_epi32(_mm512_unpacklo_epi64(z[2 * i], z[2 * i + 1]),
+                            _mm512_unpackhi_epi64(z[2 * i], z[2 * i + 1]));
+  }
+  const __m512 lo = _mm512_castsi512_ps(w[0]), hi = _mm512_castsi512_ps(w[1]);
+  _mm512_storeu_si512(static_cast<void*>(out),
+                      _mm512_max_epi32(_mm512_castps_si512(_mm512_shuffle_ps(lo, hi, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(lo, hi, 0xDD))));
+#else
+  // Two trees of 8 eight-lane vectors; a last level's lane 4h + k holds source h + 2k of its 8.
+  for (int g = 0; g < 2; ++g) {
+    __m256i x[8], y[4], z[2];
+    for (int s = 0; s < 8; ++s) {
+      x[s] = in[8 * g + 4 * (s % 2) + s / 2];
+    }
+    for (int i = 0; i < 4; ++i) {  // 128-bit halves: [source 2i, source 2i+1]
+      y[i] = _mm256_max_epi32(_mm256_permute2x128_si256(x[2 * i], x[2 * i + 1], 0x20),
+                              _mm256_permute2x128_si256(x[2 * i], x[2 * i + 1], 0x31));
+    }
+    for (int i = 0; i < 2; ++i) {  // in each half h: sources 4i + h, 4i + 2 + h, two lanes
+      z[i] = _mm256_max_epi32(_mm256_unpacklo_epi64(y[2 * i], y[2 * i + 1]),
+                              _mm256_unpackhi_epi64(y[2 * i], y[2 * i + 1]));
+    }
+    const __m256 lo = _mm256_castsi256_ps(z[0]), hi = _mm256_castsi256_ps(z[1]);
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(out + 8 * g),
+        _mm256_max_epi32(_mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0x88)),
+                         _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, 0xDD))));
+  }
+#endif
 }
 #endif
 
@@ -354,7 +456,7 @@ struct StepWeights {
       // The widened weights are their patterns in the upper half, as the formula takes them.
       PairIO<TP>::load(param + i, n, a, b);
       PatternLanes ra, rb;
-      load_sign_extended(remainder, n, ra, rb);
+      load_extended(remainder, n, ra, rb);
       constexpr int kShift = math::kRemainderShift<R>;
       a = as_floats(math::combine_patterns<kShift>(as_patterns(a), ra));
       b = as_floats(math::combine_patterns<kShift>(as_patterns(b), rb));
