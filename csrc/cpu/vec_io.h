@@ -275,6 +275,22 @@ inline void store_narrowed(R* p, int64_t n, const PatternLanes& a, const Pattern
     }
     return;
   }
+#else
+  if (n >= kPair) {  // the lower bits masked, then packed without saturation (AVX2 has no
+                     // truncating pack); packs interleave 128-bit halves, the permute undoes it
+    constexpr int kBits = 8 * sizeof(R);
+    const __m256i low = _mm256_set1_epi32((1 << kBits) - 1);
+    const __m256i words = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(a, low), _mm256_and_si256(b, low)), 0xD8);
+    if constexpr (sizeof(R) == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                       _mm_packus_epi16(_mm256_castsi256_si128(words),
+                                        _mm256_extracti128_si256(words, 1)));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), words);
+    }
+    return;
+  }
 #endif
   alignas(64) int32_t lanes[kPair];
   a.store(lanes);
