@@ -371,16 +371,16 @@ def make_task(spec, seed):
     raise ValueError(spec.model)
 
 
-def self_check(spec):
-    """The reference optimizer with FP32 storage against torch.optim.AdamW on the same gradients
-    (teacher-forced: biases ahead of BatchNorm get gradients at rounding-noise level, so two
-    free-running copies part within steps however exact the optimizer)."""
+def teacher_forced_difference(spec, make_ours, make_ref, steps=5):
+    """The largest weight difference after `steps` steps of a reference optimizer
+    (make_ours(model)) and a torch one over copies of the weights (make_ref(params)), both
+    given the reference model's gradients (teacher-forced: biases ahead of BatchNorm get
+    gradients at rounding-noise level, so two free-running copies part within steps however
+    exact the optimizer)."""
     model, batch, loss_fn, _ = make_task(spec, seed=0)
     twin = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ours = ReferenceAdamW(model.named_parameters(), spec.lr, FP32)
-    ref = torch.optim.AdamW(twin, lr=spec.lr, betas=BETAS, eps=EPS, weight_decay=WD,
-                            foreach=False)
-    for _ in range(5):
+    ours, ref = make_ours(model), make_ref(twin)
+    for _ in range(steps):
         loss_fn(model, *batch()).backward()
         for p, q in zip(model.parameters(), twin):
             q.grad = p.grad.clone()
@@ -388,7 +388,15 @@ def self_check(spec):
         ref.step()
         ours.zero_grad()
         ref.zero_grad()
-    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin))
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin))
+
+
+def self_check(spec):
+    """The reference optimizer with FP32 storage against torch.optim.AdamW."""
+    err = teacher_forced_difference(
+        spec, lambda model: ReferenceAdamW(model.named_parameters(), spec.lr, FP32),
+        lambda params: torch.optim.AdamW(params, lr=spec.lr, betas=BETAS, eps=EPS,
+                                         weight_decay=WD, foreach=False))
     if err > 1e-6:
         raise SystemExit(f"reference AdamW differs from torch.optim.AdamW by {err:g} on "
                          f"{spec.model}")

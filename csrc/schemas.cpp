@@ -89,13 +89,16 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor(h!)[]? moment_scales=None) -> ()");
 
   // SGD (momentum, dampening, Nesterov, weight decay) with the same contract (weights kept as
-  // adam_step_'s).
-  // momentum_buffers is empty when momentum == 0.
+  // adam_step_'s). momentum_buffers is empty when momentum == 0; they are float32 or bfloat16, or
+  // quantized: int8 codes (exp_avg's format) with momentum_scales (one contiguous float32
+  // [ceil(numel / 32), 1] tensor per param: each block of 32 elements' scale), read and
+  // rewritten by the step (math/quantized_moments_math.h).
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(e!)[] grads, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, *, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize=False, "
       "Tensor? lr_tensor=None, Tensor? inv_scale=None, Tensor? found_inf=None, "
       "Tensor? grad_sum_sq=None, float? max_grad_norm=None, bool adopt_param_edits=True, "
-      "bool write_back_grads=False, int[]? rounding_seeds=None) -> ()");
+      "bool write_back_grads=False, int[]? rounding_seeds=None, "
+      "Tensor(f!)[]? momentum_scales=None) -> ()");
 }

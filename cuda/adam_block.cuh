@@ -1,5 +1,5 @@
 #pragma once
-// What every Adam kernel's thread block does first (adam_kernel.cu, adam_quantized_kernel.cu):
+// What every Adam kernel's thread block does first (adam_kernel.cu, quantized_kernel.cu):
 // find its chunk, read the tensor's step count, and compute the bias corrections once for the
 // block, in FP64 from the count before its increment, as the CPU does.
 #include <fusedamp/math/adam_math.h>

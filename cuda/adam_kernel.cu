@@ -157,9 +157,9 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 }  // namespace
 
 // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; or, with
-// moment_scales, the two moments as int8 / uint8 codes (adam_quantized_kernel.cu).
+// moment_scales, the two moments as int8 / uint8 codes (quantized_kernel.cu).
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
-  if (!step.moment_scales.empty()) {
+  if (!step.block_scales.empty()) {
     adam_quantized(step, s);
   } else {
     step_switch(

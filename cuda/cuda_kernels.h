@@ -46,9 +46,11 @@ void advance_steps(at::TensorList steps, const float* found_inf);
 
 // adam_kernel.cu, sgd_kernel.cu: a step (ops/step_lists.h) with its scalars' device pointers.
 void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
-// adam_quantized_kernel.cu: adam's kernels for quantized moments (step.moment_scales given:
-// int8 exp_avgs, uint8 exp_avg_sqs); adam() calls it. Advances no step count.
-void adam_quantized(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
 void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
+// quantized_kernel.cu: the kernels for a quantized state (step.block_scales given): Adam's
+// int8 exp_avgs and uint8 exp_avg_sqs, SGD's int8 momentum buffers; adam() and sgd() call
+// them. They advance no step count.
+void adam_quantized(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
+void sgd_quantized(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
 
 }  // namespace fusedamp::cuda

@@ -125,8 +125,14 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
 
 }  // namespace
 
-// The state list: the momentum buffers, where there is momentum.
+// The state list: the momentum buffers, where there is momentum; with momentum_scales, int8
+// codes (quantized_kernel.cu).
 void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
+  if (!step.block_scales.empty()) {
+    sgd_quantized(step, s);
+    advance_steps(step.steps, s.found_inf);
+    return;
+  }
   const bool momentum = step.state.count != 0;
   const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
   step_switch(

@@ -82,7 +82,8 @@ struct KernelTable {
   void (*adam)(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
                const math::AdamHyper& h);
   // With momentum, the rows' first state address is the momentum buffer, of state_dtype
-  // (without momentum, state_dtype is FP32 and names nothing).
+  // (without momentum, state_dtype is FP32 and names nothing); int8: codes, and the second
+  // address their block scales.
   void (*sgd)(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);
 };
 

@@ -64,8 +64,8 @@ void take_mutable_addresses(const Step<Hyper>& step) {
     for (size_t k = 0; k < step.state.count; ++k) {
       row.state[k] = address(step.state.lists[k][i]);
     }
-    if (!step.moment_scales.empty()) {
-      row.state[2] = address(step.moment_scales[i]);
+    if (!step.block_scales.empty()) {  // quantized state: the scales after the state lists
+      row.state[step.state.count] = address(step.block_scales[i]);
     }
     row.step = step.steps[i].template mutable_data_ptr<float>();
   }
@@ -235,7 +235,8 @@ struct CpuOps {
   }
 
   static void sgd_step(const Step<math::SgdHyper>& step) {
-    // The state list: the momentum buffers, where there is momentum.
+    // The state list: the momentum buffers, where there is momentum; int8 buffers are
+    // quantized (the rows' second address: their block scales).
     const at::ScalarType state_dtype =
         step.state.count == 0 ? at::kFloat : step.state.lists[0][0].scalar_type();
     run_step(step, [&](const CpuStep& cpu_step) {

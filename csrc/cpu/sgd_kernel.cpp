@@ -5,6 +5,7 @@
 #include "../ops/static_switch.h"
 #include <fusedamp/math/sgd_math.h>
 
+#include "quantized_blocks.h"
 #include "step_loop.h"
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
@@ -41,9 +42,29 @@ void sgd_lists(const CpuStep& step, const math::SgdHyper& h) {
   });
 }
 
+// int8 momentum buffers (math/quantized_moments_math.h, exp_avg's format): the walk of
+// quantized_blocks.h, with sgd_update over each pair's stored buffer.
+template <typename TP, typename TG, WeightStore kStore>
+void sgd_quantized_lists(const CpuStep& step, const math::SgdHyper& h) {
+  quantized_lists<1, TP, TG, kStore>(step, [&](int64_t i) {
+    const bool first_step = step.steps_before[i] == 0.f;
+    return [&h, lr = step.lr, first_step](int64_t, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* buf,
+                                         Vec*) {
+      math::sgd_update(p0, buf[0], g0, h, lr, first_step);
+      math::sgd_update(p1, buf[1], g1, h, lr, first_step);
+    };
+  });
+}
+
 }  // namespace
 
 void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h) {
+  if (state_dtype == at::kChar) {  // quantized momentum buffers (momentum != 0: the checks)
+    step_switch(step, [&](auto param, auto grad, auto store) {
+      sgd_quantized_lists<decltype(param), decltype(grad), store>(step, h);
+    });
+    return;
+  }
   // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none and
   // the caller passes FP32.
   step_switch(step, [&](auto param, auto grad, auto store, auto with_momentum, auto state) {

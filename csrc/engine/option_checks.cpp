@@ -85,11 +85,8 @@ void check_adam_options(const char* who, double beta1, double beta2, double eps,
 }
 
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
-                       at::ScalarType state_dtype, size_t group) {
+                       size_t group) {
   const Where where{who, group};
-  TORCH_CHECK_VALUE(state_dtype != at::kChar,
-                    "Invalid state_dtype: int8 is for Adam's moments; SGD's momentum buffer is "
-                    "float32 or bfloat16", where);
   TORCH_CHECK_VALUE(hyper::valid_momentum(momentum), "Invalid momentum value: ", momentum,
                     where);
   TORCH_CHECK_VALUE(hyper::valid_dampening(dampening), "Invalid dampening value: ", dampening,

@@ -25,8 +25,7 @@ void check_common_options(const char* who, double lr, double weight_decay,
 // amsgrad with int8 state (quantized moments keep no running maximum) is refused.
 void check_adam_options(const char* who, double beta1, double beta2, double eps, bool amsgrad,
                         at::ScalarType state_dtype, size_t group);
-// int8 state (for Adam's moments only) is refused.
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
-                       at::ScalarType state_dtype, size_t group);
+                       size_t group);
 
 }  // namespace fusedamp::optim::detail

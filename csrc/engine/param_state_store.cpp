@@ -30,8 +30,8 @@ at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at
   if (name == kParamRemainder) {  // int16 ("split") or int8 ("split8")
     return t.scalar_type() == at::kChar ? at::kChar : at::kShort;
   }
-  // 8-bit codes stay codes (their moment_scales FP32, below).
-  if ((name == kExpAvg && t.scalar_type() == at::kChar) ||
+  // 8-bit codes stay codes (their moment_scales / momentum_scales FP32, below).
+  if (((name == kExpAvg || name == kMomentumBuffer) && t.scalar_type() == at::kChar) ||
       (name == kExpAvgSq && t.scalar_type() == at::kByte)) {
     return t.scalar_type();
   }
@@ -237,6 +237,28 @@ void convert_moment_format(const at::Tensor& param, bool codes, ParamState& s) {
   s.moment_scales = at::Tensor();
 }
 
+// SGD's momentum buffer in the format a step needs: int8 codes with their scales where
+// `codes`, quantized from the values held (zeros where none: a first step overwrites them);
+// FP32 values otherwise, dequantized from codes held (the caller casts them to state_dtype).
+void convert_buffer_format(const at::Tensor& param, bool codes, ParamState& s) {
+  const bool held_codes =
+      s.momentum_buffer.defined() && s.momentum_buffer.scalar_type() == at::kChar;
+  if (codes) {
+    if (held_codes) {
+      return;  // from_dict checked that codes come with their scales
+    }
+    QuantizedBuffer q = s.momentum_buffer.defined() ? quantize_buffer(param, s.momentum_buffer)
+                                                    : zero_quantized_buffer(param);
+    s.momentum_buffer = std::move(q.codes);
+    s.momentum_scales = std::move(q.scales);
+    return;
+  }
+  if (held_codes) {
+    s.momentum_buffer = dequantize_buffer(param, {s.momentum_buffer, s.momentum_scales});
+  }
+  s.momentum_scales = at::Tensor();
+}
+
 }  // namespace
 
 void ParamStateStore::convert(const at::Tensor& param, MasterWeights mode,
@@ -249,18 +271,22 @@ void ParamStateStore::convert(const at::Tensor& param, MasterWeights mode,
   if (slots.has(StateSlot::kExpAvg) || s.moment_scales.defined()) {
     convert_moment_format(param, codes, s);
   }
+  if (slots.has(StateSlot::kMomentumBuffer) || s.momentum_scales.defined()) {
+    convert_buffer_format(param, codes, s);
+  }
   for (const auto& info : kStateSlots) {
-    // The scales come and go with the moments' format (convert_moment_format).
+    // The scales come and go with their codes' format (convert_moment_format and
+    // convert_buffer_format).
     if (is_weight_store_slot(info.slot) || !slots.has(info.slot) ||
-        info.slot == StateSlot::kMomentScales) {
+        is_block_scales_slot(info.slot)) {
       continue;
     }
     if (codes) {
-      // The moments and their scales are in place; no other state has an 8-bit format.
+      // The codes and their scales are in place; no other state has an 8-bit format.
       TORCH_CHECK_VALUE(info.slot == StateSlot::kExpAvg || info.slot == StateSlot::kExpAvgSq ||
-                            info.slot == StateSlot::kMomentScales,
-                        "fusedamp::optim: state_dtype int8 is for Adam's moments, not '",
-                        info.name, "'");
+                            info.slot == StateSlot::kMomentumBuffer,
+                        "fusedamp::optim: state_dtype int8 is for Adam's moments and SGD's "
+                        "momentum buffer, not '", info.name, "'");
       continue;
     }
     at::Tensor& t = s.*info.member;
@@ -300,6 +326,20 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
                   " must be a dense int16 (\"split\") or int8 (\"split8\") tensor beside a "
                   "bfloat16 parameter");
+    } else if (name == kMomentumBuffer && t.defined() && t.scalar_type() == at::kChar) {
+      // An 8-bit momentum buffer: codes with their scales.
+      TORCH_CHECK(t.layout() == at::kStrided && dict.count(kMomentumScales) == 1,
+                  "fusedamp::optim::", who, ": state 'momentum_buffer' of parameter ", index,
+                  " is 8-bit codes; state_dtype int8 keeps them with their 'momentum_scales'");
+    } else if (name == kMomentumScales) {
+      const auto b = dict.find(kMomentumBuffer);
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.scalar_type() == at::kFloat &&
+                      has_block_scale_shape(p, t, 1) && b != dict.end() &&
+                      b->second.scalar_type() == at::kChar,
+                  "fusedamp::optim::", who, ": state 'momentum_scales' of parameter ", index,
+                  " must be a float32 tensor of shape ", at::IntArrayRef(block_scales_shape(p, 1)),
+                  " beside int8 'momentum_buffer' codes, got ", t.scalar_type(), " of shape ",
+                  t.sizes());
     } else if (t.defined() && (kept_dtype(name, p, t) == at::kChar ||
                                kept_dtype(name, p, t) == at::kByte)) {
       // 8-bit moments: the codes of exp_avg and exp_avg_sq and their scales, together.
@@ -334,9 +374,9 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     if (name == kStep) {
       TORCH_CHECK(t.numel() == 1, "fusedamp::optim::", who, ": state 'step' of parameter ",
                   index, " must have one element, got ", t.numel());
-    } else if (name == kMomentScales) {
-      TORCH_CHECK(copy || t.is_contiguous(), "fusedamp::optim::", who,
-                  ": state 'moment_scales' of parameter ", index,
+    } else if (name == kMomentScales || name == kMomentumScales) {
+      TORCH_CHECK(copy || t.is_contiguous(), "fusedamp::optim::", who, ": state '", name,
+                  "' of parameter ", index,
                   " cannot be kept without a copy: it must be contiguous");
     } else {
       TORCH_CHECK(t.sizes() == p.sizes(), "fusedamp::optim::", who, ": state '", name,
@@ -346,7 +386,8 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
     if (!copy) {
       // Kept as they are, so they must already be what a fused op walks beside `p`.
       TORCH_CHECK(t.scalar_type() == kept_dtype(name, p, t) && t.device() == p.device() &&
-                      (name == kStep || name == kMomentScales || p.numel() <= 1 ||
+                      (name == kStep || name == kMomentScales || name == kMomentumScales ||
+                       p.numel() <= 1 ||
                        t.strides() == p.strides()),
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
                   " cannot be kept without a copy: it must be ", kept_dtype(name, p, t),
@@ -364,12 +405,14 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
       } else {
         s.step = t.reshape({});
       }
-    } else if (name == kMomentScales) {
+    } else if (name == kMomentScales || name == kMomentumScales) {
       // Kept in the parameter's own shape of scales (the same blocks either way).
-      s.moment_scales = (copy ? t.to(p.device(), at::kFloat, /*non_blocking=*/false,
-                                     /*copy=*/true).contiguous()
-                              : t)
-                            .view(block_scales_shape(p));
+      const bool moments = name == kMomentScales;
+      (moments ? s.moment_scales : s.momentum_scales) =
+          (copy ? t.to(p.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                      .contiguous()
+                : t)
+              .view(block_scales_shape(p, moments ? 2 : 1));
     } else {
       s.*(slot_named(name)->member) = copy ? copy_like(p, t, kept_dtype(name, p, t)) : t;
     }
@@ -393,7 +436,11 @@ void ParamStateStore::replace_all(std::unordered_map<const c10::TensorImpl*, Par
 namespace fusedamp::optim {
 
 std::vector<int64_t> moment_scales_shape(const at::Tensor& param) {
-  return detail::block_scales_shape(param);
+  return detail::block_scales_shape(param, 2);
+}
+
+std::vector<int64_t> momentum_scales_shape(const at::Tensor& param) {
+  return detail::block_scales_shape(param, 1);
 }
 
 ConvertedParamState convert_param_state(const at::Tensor& weight,

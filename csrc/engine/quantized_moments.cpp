@@ -1,4 +1,5 @@
-// Conversions of Adam's moments to and from 8-bit codes (see quantized_moments.h).
+// Conversions of Adam's moments and SGD's momentum buffer to and from 8-bit codes (see
+// quantized_moments.h).
 #include "quantized_moments.h"
 
 #include <ATen/ATen.h>
@@ -22,27 +23,29 @@ at::Tensor host_like(const at::Tensor& param, const at::Tensor& src, at::ScalarT
   return t;
 }
 
-at::Tensor scales_for(const at::Tensor& param, const at::TensorOptions& options) {
-  return at::zeros(block_scales_shape(param), options.dtype(at::kFloat));
+at::Tensor scales_for(const at::Tensor& param, const at::TensorOptions& options,
+                      int64_t columns = 2) {
+  return at::zeros(block_scales_shape(param, columns), options.dtype(at::kFloat));
 }
 
 }  // namespace
 
-std::vector<int64_t> block_scales_shape(const at::Tensor& param) {
+std::vector<int64_t> block_scales_shape(const at::Tensor& param, int64_t columns) {
   // R from the sizes, not numel / size(0): an empty shard of rows keeps its parameter's shape.
   int64_t row = 1;
   for (int64_t d = 1; d < param.dim(); ++d) {
     row *= param.size(d);
   }
   if (param.dim() >= 2 && row > 0 && row % kMomentBlock == 0 && param.is_contiguous()) {
-    return {param.size(0), row / kMomentBlock, 2};
+    return {param.size(0), row / kMomentBlock, columns};
   }
-  return {math::moment_blocks(param.numel()), 2};
+  return {math::moment_blocks(param.numel()), columns};
 }
 
-bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t) {
-  return t.sizes() == at::IntArrayRef(block_scales_shape(param)) ||
-         (t.dim() == 2 && t.size(0) == math::moment_blocks(param.numel()) && t.size(1) == 2);
+bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t, int64_t columns) {
+  return t.sizes() == at::IntArrayRef(block_scales_shape(param, columns)) ||
+         (t.dim() == 2 && t.size(0) == math::moment_blocks(param.numel()) &&
+          t.size(1) == columns);
 }
 
 QuantizedMoments zero_quantized_moments(const at::Tensor& param) {
@@ -108,6 +111,52 @@ std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
     }
   }
   return {m.to(param.device()), v.to(param.device())};
+}
+
+QuantizedBuffer zero_quantized_buffer(const at::Tensor& param) {
+  return {at::zeros_like(param, param.options().dtype(at::kChar)),
+          scales_for(param, param.options(), 1)};
+}
+
+QuantizedBuffer quantize_buffer(const at::Tensor& param, const at::Tensor& buffer) {
+  at::NoGradGuard no_grad;
+  const auto x = host_like(param, buffer, at::kFloat);
+  auto codes = at::empty_like(x, x.options().dtype(at::kChar));
+  auto scales = scales_for(param, x.options(), 1);
+  const float* xp = x.const_data_ptr<float>();
+  int8_t* q = codes.mutable_data_ptr<int8_t>();
+  float* sp = scales.mutable_data_ptr<float>();
+  const int64_t n = param.numel();
+  for (int64_t start = 0; start < n; start += kMomentBlock) {
+    const int64_t end = std::min(start + kMomentBlock, n);
+    float scale = 0.f;
+    for (int64_t i = start; i < end; ++i) {
+      scale = Lane::max(scale, math::exp_avg_magnitude(xp[i]));
+    }
+    const math::QuantizingBlock b = math::quantizing_block(scale, 0.f);
+    for (int64_t i = start; i < end; ++i) {
+      q[i] = static_cast<int8_t>(math::exp_avg_code(xp[i], b));
+    }
+    sp[start / kMomentBlock] = scale;
+  }
+  const auto device = param.device();
+  return {codes.to(device), scales.to(device)};
+}
+
+at::Tensor dequantize_buffer(const at::Tensor& param, const QuantizedBuffer& q) {
+  at::NoGradGuard no_grad;
+  const auto codes = host_like(param, q.codes, at::kChar);
+  const auto scales = q.scales.to(at::kCPU, at::kFloat).contiguous();
+  auto x = at::empty_like(codes, codes.options().dtype(at::kFloat));
+  const int8_t* c = codes.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  float* xp = x.mutable_data_ptr<float>();
+  const int64_t n = param.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const math::QuantizedBlock b = math::quantized_block(sp[i / kMomentBlock], 0.f);
+    xp[i] = math::exp_avg_value(static_cast<float>(c[i]), b.exp_avg_step);
+  }
+  return x.to(param.device());
 }
 
 }  // namespace fusedamp::optim::detail

@@ -1,6 +1,6 @@
 #pragma once
-// Adam's moments between FP32 values and state_dtype=int8's codes and block scales
-// (math/quantized_moments_math.h), for a state that changes format: a checkpoint or an
+// Adam's moments and SGD's momentum buffer between FP32 values and state_dtype=int8's codes and
+// block scales (math/quantized_moments_math.h), for a state that changes format: a checkpoint or an
 // assignment of another state_dtype, a param group whose state_dtype was changed. The step
 // itself never converts; these run once per change, on the host, with the kernels' formulas.
 #include <ATen/core/Tensor.h>
@@ -16,11 +16,13 @@ struct QuantizedMoments {
   at::Tensor scales;      // FP32 of block_scales_shape(param), contiguous
 };
 
-// The shape of param's block scales: one row [exp_avg scale, exp_avg_sq scale] per block.
-// [size(0), R / 32, 2] for a contiguous parameter of two or more dimensions whose rows (R =
-// numel / size(0) elements) are whole blocks, so that a range of rows (an FSDP2 shard of dim
-// 0) has that range of the scales whatever the sharding; [ceil(numel / 32), 2] otherwise.
-std::vector<int64_t> block_scales_shape(const at::Tensor& param);
+// The shape of param's block scales: one row per block, one column per quantized list (Adam's
+// moment_scales: [exp_avg scale, exp_avg_sq scale], columns 2; SGD's momentum_scales: 1).
+// [size(0), R / 32, columns] for a contiguous parameter of two or more dimensions whose rows
+// (R = numel / size(0) elements) are whole blocks, so that a range of rows (an FSDP2 shard of
+// dim 0) has that range of the scales whatever the sharding; [ceil(numel / 32), columns]
+// otherwise.
+std::vector<int64_t> block_scales_shape(const at::Tensor& param, int64_t columns = 2);
 
 // exp_avg and exp_avg_sq (any floating dtype, param's shape) as the codes and scales a step
 // would leave for these values, on param's device. Blocks run over param's element order in
@@ -32,11 +34,21 @@ QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp
 std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
                                                      const QuantizedMoments& q);
 
-// Whether t holds param's block scales, in block_scales_shape(param) or as [blocks, 2] (dtype
-// and layout aside): the scales of the same blocks either way.
-bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t);
+// Whether t holds param's block scales, in block_scales_shape(param, columns) or as [blocks,
+// columns] (dtype and layout aside): the scales of the same blocks either way.
+bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t, int64_t columns = 2);
 
 // Fresh (all-zero) codes and scales for param.
 QuantizedMoments zero_quantized_moments(const at::Tensor& param);
+
+// SGD's momentum buffer in exp_avg's format: int8 codes (param's shape and strides) and FP32
+// scales of block_scales_shape(param, 1), on param's device.
+struct QuantizedBuffer {
+  at::Tensor codes;
+  at::Tensor scales;
+};
+QuantizedBuffer quantize_buffer(const at::Tensor& param, const at::Tensor& buffer);
+at::Tensor dequantize_buffer(const at::Tensor& param, const QuantizedBuffer& q);
+QuantizedBuffer zero_quantized_buffer(const at::Tensor& param);
 
 }  // namespace fusedamp::optim::detail

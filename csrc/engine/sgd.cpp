@@ -38,11 +38,16 @@ struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
 
   static StateSlots known_slots() {
-    return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer};
+    return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer, StateSlot::kMomentumScales};
   }
 
   static StateSlots slots_for(const SGDOptions& o) {
-    return o.momentum() != 0.0 ? StateSlots{StateSlot::kMomentumBuffer} : StateSlots{};
+    if (o.momentum() == 0.0) {
+      return {};
+    }
+    const StateSlots buffer{StateSlot::kMomentumBuffer};
+    // int8: the buffer as 8-bit codes, and their block scales
+    return o.state_dtype() == at::kChar ? buffer.with(StateSlot::kMomentumScales) : buffer;
   }
 
   static bool set_option(SGDOptions& o, const std::string& name, double v) {
@@ -66,8 +71,7 @@ struct AlgorithmOf<SGDOptions> {
   }
 
   static void check(const SGDOptions& o, size_t group) {
-    detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), o.state_dtype(),
-                              group);
+    detail::check_sgd_options(kName, o.momentum(), o.dampening(), o.nesterov(), group);
   }
 
   static ops::SgdStep args(const detail::Bucket& b, const SGDOptions& o,
@@ -75,6 +79,9 @@ struct AlgorithmOf<SGDOptions> {
     ops::SgdStep a;
     detail::fill_step(a, b, o, in);
     a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);
+    if (o.momentum() != 0.0 && o.state_dtype() == at::kChar) {
+      a.momentum_scales = b.state(StateSlot::kMomentumScales);
+    }
     a.momentum = o.momentum();
     a.dampening = o.dampening();
     a.nesterov = o.nesterov();

@@ -86,8 +86,8 @@ enum class DtypeRule : uint8_t {
                   want, "; one call takes one dtype per list");
     case DtypeRule::kQuantizedCodes:
       TORCH_CHECK(false, op, ": ", list, "[", i, "] has dtype ", got, ", expected ", want,
-                  "; quantized moments (moment_scales given) are int8 exp_avgs and uint8 "
-                  "exp_avg_sqs");
+                  "; quantized state (block scales given) is int8 codes (Adam's exp_avg_sqs: "
+                  "uint8)");
     case DtypeRule::kFloatKind:
       break;
   }
@@ -153,32 +153,34 @@ C10_ALWAYS_INLINE void check_no_overlap(const char* op, size_t i, const TensorFa
   }
 }
 
-// moment_scales[i] (quantized moments, math/quantized_moments_math.h): a contiguous float32
-// tensor of one row [exp_avg scale, exp_avg_sq scale] per block of params[i], in any leading
-// shape ([blocks, 2], or the engine's [rows, blocks per row, 2]): the kernels read its memory.
-[[noreturn]] C10_NOINLINE inline void raise_block_scales(const char* op, size_t i,
+// block_scales[i] (quantized state, math/quantized_moments_math.h): a contiguous float32
+// tensor of one row per block of params[i], one column per quantized state list ([blocks,
+// columns], or the engine's [rows, blocks per row, columns]): the kernels read its memory.
+[[noreturn]] C10_NOINLINE inline void raise_block_scales(const char* op, const char* list,
+                                                         size_t i, int64_t columns,
                                                          const Tensor& t, const Tensor& params) {
-  TORCH_CHECK(false, op, ": moment_scales[", i, "] must be a contiguous float32 tensor of ",
-              "shape [..., 2] with one row per block of ", math::kMomentBlock,
+  TORCH_CHECK(false, op, ": ", list, "[", i, "] must be a contiguous float32 tensor of ",
+              "shape [..., ", columns, "] with one row per block of ", math::kMomentBlock,
               " elements of params[", i, "] (", params.sym_numel(), " elements: ",
               (params.sym_numel() + (math::kMomentBlock - 1)) / math::kMomentBlock,
               " rows); got ", t.scalar_type(), " of shape ", t.sym_sizes(), " strides ",
               t.sym_strides());
 }
 
-C10_ALWAYS_INLINE void check_block_scales(const char* op, size_t i, const TensorFacts& t,
+C10_ALWAYS_INLINE void check_block_scales(const char* op, const char* list, size_t i,
+                                          int64_t columns, const TensorFacts& t,
                                           const TensorFacts& params) {
   const Tensor& a = *t.tensor;
   const Tensor& p = *params.tensor;
   const bool concrete = C10_LIKELY(t.concrete && params.concrete);
   const bool right =
       t.dtype == at::kFloat && a.dim() >= 2 &&
-      (concrete ? a.size(-1) == 2 && a.numel() == 2 * math::moment_blocks(p.numel()) &&
-                      a.is_contiguous()
+      (concrete ? a.size(-1) == columns &&
+                      a.numel() == columns * math::moment_blocks(p.numel()) && a.is_contiguous()
                 : a.sym_numel() == (p.sym_numel() + (math::kMomentBlock - 1)) /
-                                       math::kMomentBlock * 2);
+                                       math::kMomentBlock * columns);
   if (C10_UNLIKELY(!right)) {
-    raise_block_scales(op, i, a, p);
+    raise_block_scales(op, list, i, columns, a, p);
   }
 }
 

@@ -81,16 +81,18 @@ C10_ALWAYS_INLINE void check_step_index(const StepLists& lists, size_t i, const 
     }
   }
   if (f.quantized) {
+    const char* scales = lists.block_scales_name;
     TensorFacts q;
-    read_facts(lists.moment_scales[i], device, /*with_span=*/true, q);
-    check_dense(op, "moment_scales", i, q, device);
-    check_block_scales(op, i, q, p);
-    for (const auto& [facts, name] : {std::pair{&p, "params"}, std::pair{&g, "grads"},
-                                      std::pair{&s[0], names[0]}, std::pair{&s[1], names[1]}}) {
-      check_no_overlap(op, i, q, "moment_scales", *facts, name);
+    read_facts(lists.block_scales[i], device, /*with_span=*/true, q);
+    check_dense(op, scales, i, q, device);
+    check_block_scales(op, scales, i, static_cast<int64_t>(n), q, p);
+    check_no_overlap(op, i, q, scales, p, "params");
+    check_no_overlap(op, i, q, scales, g, "grads");
+    for (size_t k = 0; k < n; ++k) {
+      check_no_overlap(op, i, q, scales, s[k], names[k]);
     }
     if (has_master) {
-      check_no_overlap(op, i, q, "moment_scales", mp, "master_params");
+      check_no_overlap(op, i, q, scales, mp, "master_params");
     }
   }
   check_scalar(op, "steps[i]", lists.steps[i], at::kFloat, device);
@@ -117,9 +119,9 @@ C10_ALWAYS_INLINE void take_addresses(const StepLists& lists, size_t i, const Te
     row.state[k] = plain_address(state.lists[k][i]);
     plain = plain && row.state[k] != nullptr;
   }
-  if (!lists.moment_scales.empty()) {  // quantized moments: two state lists, the scales third
-    row.state[2] = plain_address(lists.moment_scales[i]);
-    plain = plain && row.state[2] != nullptr;
+  if (!lists.block_scales.empty()) {  // quantized state: the scales after the state lists
+    row.state[state.count] = plain_address(lists.block_scales[i]);
+    plain = plain && row.state[state.count] != nullptr;
   }
   row.step = static_cast<float*>(plain_address(lists.steps[i]));
   // An empty tensor's address is never used.
@@ -171,8 +173,8 @@ void check_lengths(const StepLists& s, bool with_grads) {
   for (size_t k = 0; k < s.state.count; ++k) {
     check_list_length(s.op, s.state.names[k], s.state.lists[k], n);
   }
-  if (!s.moment_scales.empty()) {
-    check_list_length(s.op, "moment_scales", s.moment_scales, n);
+  if (!s.block_scales.empty()) {
+    check_list_length(s.op, s.block_scales_name, s.block_scales, n);
   }
 }
 
@@ -184,7 +186,7 @@ void check_rows(const StepLists& s, const StepFacts& f, StepRows* rows) {
   for (size_t i = 0; i < s.params.size(); ++i) {
     prefetch_ahead(i, {s.params, grads, s.master_params, s.steps, state.lists[0],
                        state.lists[1], state.lists[2],
-                       s.moment_scales});  // absent lists: nothing to prefetch
+                       s.block_scales});  // absent lists: nothing to prefetch
     check_step_index(s, i, grads[i], f);
     if (rows != nullptr) {
       take_addresses(s, i, grads[i], *rows);
@@ -292,23 +294,28 @@ StepFacts step_facts(const StepLists& s, c10::ScalarType grad_dtype) {
                        ? at::kFloat
                        : master_params[0].scalar_type();
   // The optimizer state (moments, momentum buffers): FP32 or BF16 (state_dtype), one dtype;
-  // or Adam's moments quantized: int8 exp_avgs, uint8 exp_avg_sqs and their block scales.
+  // or quantized: 8-bit codes (Adam: int8 exp_avgs, uint8 exp_avg_sqs; SGD: int8
+  // momentum_buffers) and their block scales.
   f.state_dtype = state.count == 0 || !state.lists[0][0].defined()
                       ? at::kFloat
                       : state.lists[0][0].scalar_type();
-  f.quantized = !s.moment_scales.empty();
+  f.quantized = !s.block_scales.empty();
+  const char* scales = s.block_scales_name;
   if (f.quantized) {
-    TORCH_CHECK(state.count == 2, op,
-                ": quantized moments (moment_scales) are for Adam without AMSGrad; "
-                "max_exp_avg_sqs cannot be kept with them");
-    TORCH_CHECK(f.state_dtype == at::kChar, op, ": with moment_scales, exp_avgs must be int8 "
-                "codes (and exp_avg_sqs uint8), got ", f.state_dtype);
+    TORCH_CHECK(state.count > 0, op, ": ", scales,
+                " given without a state to quantize (momentum is 0: no momentum_buffers)");
+    TORCH_CHECK(state.count <= 2, op, ": quantized moments (", scales,
+                ") are for Adam without AMSGrad; max_exp_avg_sqs cannot be kept with them");
+    TORCH_CHECK(f.state_dtype == at::kChar, op, ": with ", scales, ", ", state.names[0],
+                " must be int8 codes", state.count == 2 ? " (and exp_avg_sqs uint8)" : "",
+                ", got ", f.state_dtype);
   } else {
-    TORCH_CHECK(f.state_dtype != at::kChar || state.count != 2, op,
-                ": int8 exp_avgs are quantized moments; they need their moment_scales");
+    TORCH_CHECK(f.state_dtype != at::kChar || state.count > 2, op, ": int8 ", state.names[0],
+                " are quantized state; they need their ", scales);
     TORCH_CHECK(f.state_dtype == at::kFloat || f.state_dtype == at::kBFloat16, op, ": ",
                 state.names[0], " have dtype ", f.state_dtype,
-                "; optimizer state is float32 or bfloat16 (int8: Adam's moments only)");
+                "; optimizer state is float32 or bfloat16, or int8 codes with their block "
+                "scales");
   }
   return f;
 }
@@ -330,14 +337,14 @@ void step_row(const StepLists& s, size_t i, const Tensor& grad, StepRows& rows) 
   for (size_t k = 0; k < s.state.count; ++k) {
     rows.keys = rows.keys | s.state.lists[k][i].key_set();
   }
-  if (!s.moment_scales.empty()) {
-    rows.keys = rows.keys | s.moment_scales[i].key_set();
+  if (!s.block_scales.empty()) {
+    rows.keys = rows.keys | s.block_scales[i].key_set();
   }
 }
 
 void prefetch_row(const StepLists& s, size_t i, bool storages) {
   for (const TensorList list : {s.master_params, s.steps, s.state.lists[0], s.state.lists[1],
-                                s.state.lists[2], s.moment_scales}) {
+                                s.state.lists[2], s.block_scales}) {
     if (i < list.size()) {
       prefetch_tensor_metadata(list[i], storages);
     }

@@ -41,7 +41,8 @@ Step<math::AdamHyper> step_of(const ops::AdamStep& a) {
   if (a.max_exp_avg_sqs.has_value() && !a.max_exp_avg_sqs->empty()) {  // AMSGrad
     s.state.add("max_exp_avg_sqs", *a.max_exp_avg_sqs);
   }
-  s.moment_scales = a.moment_scales.value_or(at::TensorList());
+  s.block_scales = a.moment_scales.value_or(at::TensorList());
+  s.block_scales_name = "moment_scales";
   return s;
 }
 
@@ -51,6 +52,8 @@ Step<math::SgdHyper> step_of(const ops::SgdStep& a) {
   if (a.momentum != 0.0) {
     s.state.add("momentum_buffers", a.momentum_buffers);
   }
+  s.block_scales = a.momentum_scales.value_or(at::TensorList());
+  s.block_scales_name = "momentum_scales";
   return s;
 }
 

@@ -83,7 +83,8 @@ struct StepRow {
   void* param;
   void* grad;
   void* master;    // master_params[i]; nullptr when the step has no master_params
-  // nullptr past the step's state lists; with quantized moments, state[2] is moment_scales[i].
+  // nullptr past the step's state lists; with quantized state, the one after the last state
+  // list is block_scales[i] (adam_step_: state[2], sgd_step_: state[1]).
   void* state[3];
   float* step;     // steps[i]'s one element
   int64_t numel;   // of params[i], and so of every tensor of the row
@@ -98,15 +99,16 @@ struct StepFacts {
   c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   c10::ScalarType master_dtype = c10::ScalarType::Undefined;
   c10::ScalarType state_dtype = c10::ScalarType::Undefined;  // of the first state list
-  // Adam's moments as 8-bit codes with block scales (math/quantized_moments_math.h): exp_avgs
-  // int8, exp_avg_sqs uint8, and the moment_scales list.
+  // The state as 8-bit codes with block scales (math/quantized_moments_math.h): Adam's int8
+  // exp_avgs and uint8 exp_avg_sqs, SGD's int8 momentum_buffers; the block_scales list.
   bool quantized = false;
   bool operator==(const StepFacts& o) const {
     return device == o.device && param_dtype == o.param_dtype && grad_dtype == o.grad_dtype &&
            master_dtype == o.master_dtype && state_dtype == o.state_dtype &&
            quantized == o.quantized;
   }
-  // The dtype of state list k: the first list's, but the uint8 exp_avg_sqs of quantized moments.
+  // The dtype of state list k: the first list's, but the uint8 exp_avg_sqs of quantized moments
+  // (the second list of a quantized state is Adam's).
   c10::ScalarType state_list_dtype(size_t k) const {
     return quantized && k == 1 ? c10::ScalarType::Byte : state_dtype;
   }
@@ -184,8 +186,10 @@ struct StepLists {
   at::TensorList grads;
   at::TensorList steps;  // per-tensor step counts, advanced unless the step is skipped
   StateLists state;
-  // Quantized moments (adam_step_ only): each param's block scales; empty otherwise.
-  at::TensorList moment_scales;
+  // Quantized state: each param's block scales, one column per state list (adam_step_'s
+  // moment_scales, sgd_step_'s momentum_scales, as block_scales_name says); empty otherwise.
+  at::TensorList block_scales;
+  const char* block_scales_name = "";
   c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
   bool with_rounding_seeds;         // given (even empty): the checks judge them
 };

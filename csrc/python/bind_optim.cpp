@@ -301,6 +301,7 @@ void bind_optim(py::module_& m) {
       py::arg("index") = 0);
 
   m.def("moment_scales_shape", &optim::moment_scales_shape, py::arg("param"));
+  m.def("momentum_scales_shape", &optim::momentum_scales_shape, py::arg("param"));
 
   py::class_<optim::Adam, Optimizer>(m, "Adam")
       .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {

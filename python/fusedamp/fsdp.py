@@ -67,10 +67,15 @@ def _local(p):
         return p.to_local()
 
 
+# The block scales of 8-bit state, and their columns: one per quantized list.
+_SCALES_COLUMNS = {"moment_scales": 2, "momentum_scales": 1}
+
+
 def _scales_layout(p):
     """The full shape of DTensor p's 8-bit moment scales when every local shard holds whole
     blocks of p and its scales are the dim-0 shard of that shape that p's placements give (the
     codes and scales are then one process's, and reshard as the parameter does); None when not.
+    (SGD's momentum_scales: the same rows, one column.)
 
     p's scales (fusedamp._C.moment_scales_shape) have p's rows where its rows are whole blocks:
     any dim-0 sharding keeps that. Otherwise they are [blocks, 2] over p's elements: each shard
@@ -99,14 +104,17 @@ def _scales_layout(p):
 
 
 def _dequantized(p, state):
-    """A full state entry with its 8-bit moments (codes and moment_scales) as FP32 moments,
-    converted by the engine (nothing else in it changes)."""
-    moments = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "moment_scales") if k in state}
-    moments["step"] = state.get("step", torch.zeros(()))
+    """A full state entry with its 8-bit state (Adam's moments or SGD's momentum buffer, with
+    their block scales) as FP32 values, converted by the engine (nothing else in it changes)."""
+    names = ("exp_avg", "exp_avg_sq", "moment_scales", "momentum_buffer", "momentum_scales")
+    quantized = {k: state[k] for k in names if k in state}
+    quantized["step"] = state.get("step", torch.zeros(()))
     full = torch.empty(p.shape, dtype=p.dtype)  # the blocks follow the full parameter's order
-    _, converted = _C.convert_param_state(full, moments, False, torch.float32)
-    out = {k: v for k, v in state.items() if k != "moment_scales"}
-    out["exp_avg"], out["exp_avg_sq"] = converted["exp_avg"], converted["exp_avg_sq"]
+    _, converted = _C.convert_param_state(full, quantized, False, torch.float32)
+    out = {k: v for k, v in state.items() if k not in _SCALES_COLUMNS}
+    for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+        if k in out:
+            out[k] = converted[k]
     return out
 
 
@@ -286,11 +294,12 @@ class ShardEngine(_PartEngine):
     # shards' codes and scales are one process's only where every shard holds whole blocks of
     # its parameter, laid out as a dim-0 shard of the parameter's scales (_scales_layout);
     # other parameters are refused before the options reach the engine.
-    def _scales_layout(self, p):
+    def _scales_layout(self, p, name="moment_scales"):
         key = id(p)  # p is one of self._params: alive while the engine is
         if key not in self._layouts:
             self._layouts[key] = _scales_layout(p)
-        return self._layouts[key]
+        layout = self._layouts[key]
+        return None if layout is None else layout[:-1] + (_SCALES_COLUMNS[name],)
 
     def _check_int8_blocks(self, param_groups):
         from .optim import names_int8_state  # optim builds its engines here: imported late
@@ -301,8 +310,8 @@ class ShardEngine(_PartEngine):
             for p in g["params"]:
                 if isinstance(p, DTensor) and self._scales_layout(p) is None:
                     raise ValueError(
-                        f"fusedamp: param group {i}: state_dtype=torch.int8 keeps one pair of "
-                        f"scales per block of {_C.MOMENT_BLOCK} elements of each parameter, but "
+                        f"fusedamp: param group {i}: state_dtype=torch.int8 keeps scales per "
+                        f"block of {_C.MOMENT_BLOCK} elements of each parameter, but "
                         f"the parameter of shape {tuple(p.shape)} is sharded "
                         f"({tuple(p.placements)} on a mesh of {tuple(p.device_mesh.shape)}) into "
                         "pieces that are not whole blocks of it, so its moments would depend on "
@@ -396,8 +405,8 @@ class ShardEngine(_PartEngine):
         state = self._engine.param_state(local)
         out = {}
         for name, t in state.items():
-            if name == "moment_scales":  # a dim-0 shard of the parameter's scales
-                shape = self._scales_layout(p)
+            if name in _SCALES_COLUMNS:  # a dim-0 shard of the parameter's scales
+                shape = self._scales_layout(p, name)
                 t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                                        shape=shape,
                                        stride=torch.empty(shape, device="meta").stride())
@@ -408,12 +417,12 @@ class ShardEngine(_PartEngine):
         return out
 
     def _to_local_state(self, p, state):
-        scales = state.get("moment_scales")
-        if (isinstance(scales, torch.Tensor) and not isinstance(scales, DTensor)
+        scales = [state.get(name) for name in _SCALES_COLUMNS]
+        if (any(isinstance(s, torch.Tensor) and not isinstance(s, DTensor) for s in scales)
                 and self._scales_layout(p) is None):
-            # A full checkpoint's 8-bit moments of a parameter this sharding cuts mid-block,
-            # for a group without them (one with them was refused at construction): their FP32
-            # values, from the engine's own conversion, shard as any full moment does.
+            # A full checkpoint's 8-bit state of a parameter this sharding cuts mid-block, for
+            # a group without it (one with it was refused at construction): its FP32 values,
+            # from the engine's own conversion, shard as any full moment does.
             state = _dequantized(p, state)
         out = {}
         for name, v in state.items():
@@ -421,13 +430,13 @@ class ShardEngine(_PartEngine):
                 out[name] = v
                 continue
             full_shape = p.shape
-            if name == "moment_scales":
-                full_shape = self._scales_layout(p)
+            if name in _SCALES_COLUMNS:
+                full_shape = self._scales_layout(p, name)
                 if full_shape is None:
-                    raise ValueError("fusedamp.optim: 8-bit moments of a parameter sharded into "
+                    raise ValueError("fusedamp.optim: 8-bit state of a parameter sharded into "
                                      "pieces that are not whole blocks of it cannot be loaded")
                 if not isinstance(v, DTensor) and v.numel() == math.prod(full_shape):
-                    v = v.reshape(full_shape)  # the same blocks as [blocks, 2]
+                    v = v.reshape(full_shape)  # the same blocks as [blocks, columns]
             if isinstance(v, DTensor):
                 if v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements):
                     v = v.redistribute(p.device_mesh, p.placements)

@@ -71,7 +71,8 @@ class FusedAmpPrecision(Precision):
             True (FP32 masters), "split" / "split8" / "stochastic" (bf16-mixed only), "kahan",
             False.
         state_dtype: the moments' dtype, ``torch.float32`` or ``torch.bfloat16``, or
-            ``torch.int8`` (AdamW/Adam: 8-bit moments with block scales, see fusedamp.optim).
+            ``torch.int8`` (AdamW/Adam/SGD: 8-bit moments or momentum buffers with block scales,
+            see fusedamp.optim).
         rounding_seed: the seed of ``master_weights="stochastic"``.
         autocast: run the steps under ``torch.autocast`` (see the module doc).
         scaler: a ``fusedamp.GradScaler`` to use instead of the one built from ``init_scale``,

@@ -27,9 +27,10 @@ Extra arguments over torch's:
                         reproducibly from ``rounding_seed`` (and the step, the element)
                  False  none: round to nearest (updates below half an ulp are lost)
   state_dtype (default torch.float32)  the moments / momentum buffers: float32, bfloat16, or
-                 torch.int8 (or "int8"; Adam/AdamW without amsgrad): 8-bit codes of the moments
-                 in blocks of 32 elements with FP32 block scales (2.25 bytes/param for both);
-                 on FSDP2 every shard of such a parameter must hold whole blocks of it
+                 torch.int8 (or "int8"; Adam/AdamW without amsgrad, SGD): 8-bit codes in blocks
+                 of 32 elements with FP32 block scales (2.25 bytes/param for Adam's two
+                 moments, 1.125 for SGD's buffer); on FSDP2 every shard of such a parameter must
+                 hold whole blocks of it
   rounding_seed (default 0)  the seed of master_weights="stochastic"
   max_grad_norm  (default None)  fused global-norm clipping (clip_grad_norm_'s formula)
   skip_nonfinite (default True)  skip the step on inf/NaN even without a loss scaler

@@ -71,7 +71,8 @@ std::vector<Tensor> snapshot(const fo::Optimizer& opt) {
     out.push_back(p.detach().clone());
     auto st = opt.param_state(p);
     for (const char* k : {fo::kStep, fo::kMasterParam, fo::kExpAvg, fo::kExpAvgSq,
-                          fo::kMomentumBuffer}) {
+                          fo::kMomentumBuffer, fo::kParamRemainder, fo::kMomentScales,
+                          fo::kMomentumScales}) {
       if (st.count(k)) {
         out.push_back(st.at(k).clone());
       }
@@ -90,6 +91,40 @@ bool snapshots_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b)
     }
   }
   return true;
+}
+
+// Five steps of `opt` over ps, saved to an archive and loaded into `resumed` (over
+// resumed_ps, which take ps's values then), then three more steps of both on the same
+// gradients.
+template <typename Opt>
+void steps_save_resume(std::vector<Tensor>& ps, std::vector<Tensor>& resumed_ps, Opt& opt,
+                       Opt& resumed) {
+  for (int i = 0; i < 5; ++i) {
+    set_grads(ps, i);
+    opt.step();
+  }
+  std::stringstream buf;
+  {
+    torch::serialize::OutputArchive out;
+    opt.save(out);
+    out.save_to(buf);
+  }
+  for (size_t k = 0; k < ps.size(); ++k) {
+    resumed_ps[k].detach().copy_(ps[k].detach());
+  }
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(buf);
+    resumed.load(in);
+  }
+  for (int i = 5; i < 8; ++i) {
+    set_grads(ps, i);
+    for (size_t k = 0; k < ps.size(); ++k) {
+      resumed_ps[k].mutable_grad() = ps[k].grad().clone();
+    }
+    opt.step();
+    resumed.step();
+  }
 }
 
 // FP64 references for master-weight tracking.
@@ -712,10 +747,8 @@ TEST_CASE("state_dtype kChar from C++ (split and split8 masters): saved and resu
     auto resumed_ps = copies(ps);
     const auto options = fo::AdamWOptions(1e-2).master_weights(mode).state_dtype(at::kChar);
     fo::AdamW opt(ps, options);
-    for (int i = 0; i < 5; ++i) {
-      set_grads(ps, i);
-      opt.step();
-    }
+    fo::AdamW resumed(resumed_ps, options);
+    steps_save_resume(ps, resumed_ps, opt, resumed);
     for (const auto& p : ps) {
       const auto state = opt.param_state(p);
       CHECK(state.at(fo::kExpAvg).scalar_type() == at::kChar);
@@ -723,29 +756,6 @@ TEST_CASE("state_dtype kChar from C++ (split and split8 masters): saved and resu
       const auto& scales = state.at(fo::kMomentScales);
       CHECK(scales.scalar_type() == at::kFloat);
       CHECK(scales.sizes() == at::IntArrayRef({(p.numel() + 31) / 32, 2}));
-    }
-    std::stringstream buf;
-    {
-      torch::serialize::OutputArchive out;
-      opt.save(out);
-      out.save_to(buf);
-    }
-    for (size_t k = 0; k < ps.size(); ++k) {
-      resumed_ps[k].detach().copy_(ps[k].detach());
-    }
-    fo::AdamW resumed(resumed_ps, options);
-    {
-      torch::serialize::InputArchive in;
-      in.load_from(buf);
-      resumed.load(in);
-    }
-    for (int i = 5; i < 8; ++i) {
-      set_grads(ps, i);
-      for (size_t k = 0; k < ps.size(); ++k) {
-        resumed_ps[k].mutable_grad() = ps[k].grad().clone();
-      }
-      opt.step();
-      resumed.step();
     }
     CHECK(snapshots_equal(snapshot(opt), snapshot(resumed)));
     for (size_t k = 0; k < ps.size(); ++k) {
@@ -758,6 +768,25 @@ TEST_CASE("state_dtype kChar from C++ (split and split8 masters): saved and resu
   auto ps = make_params(at::kBFloat16);
   CHECK_THROWS_WITH(fo::Adam(ps, fo::AdamOptions(1e-3).amsgrad(true).state_dtype(at::kChar)),
                     Catch::Contains("AMSGrad"));
-  CHECK_THROWS_WITH(fo::SGD(ps, fo::SGDOptions(0.1).momentum(0.9).state_dtype(at::kChar)),
-                    Catch::Contains("int8 is for Adam"));
+}
+
+TEST_CASE("SGD with state_dtype kChar from C++: an 8-bit buffer, saved and resumed bit for bit",
+          "[optim][int8]") {
+  auto ps = make_params(at::kBFloat16);
+  auto resumed_ps = copies(ps);
+  const auto options = fo::SGDOptions(0.05).momentum(0.9).nesterov(true).master_weights(
+      fo::MasterWeights::kSplit8).state_dtype(at::kChar);
+  fo::SGD opt(ps, options);
+  fo::SGD resumed(resumed_ps, options);
+  steps_save_resume(ps, resumed_ps, opt, resumed);
+  for (const auto& p : ps) {
+    const auto state = opt.param_state(p);
+    CHECK(state.at(fo::kMomentumBuffer).scalar_type() == at::kChar);
+    const auto& scales = state.at(fo::kMomentumScales);
+    CHECK(scales.scalar_type() == at::kFloat);
+    CHECK(scales.sizes() == at::IntArrayRef(fo::momentum_scales_shape(p)));
+    CHECK(scales.numel() == (p.numel() + 31) / 32);
+  }
+  // The snapshots hold the codes and scales: their bits, and the weights', are equal.
+  CHECK(snapshots_equal(snapshot(opt), snapshot(resumed)));
 }

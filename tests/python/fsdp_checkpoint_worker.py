@@ -49,12 +49,14 @@ for _sd in (torch.float32, torch.bfloat16):
     for _mode, _label in ((True, "true"), ("split", "split"), ("kahan", "kahan"), (False, "off")):
         CASES[f"adamw_{_label}_bf16_{_tag}"] = ("adamw", _mode, _sd, "bf16")
 CASES["sgd_true_bf16_fp32state"] = ("sgd", True, torch.float32, "bf16")
-# 8-bit moments keep scales per block of 32 elements of each parameter: their cases train a
+# 8-bit moments and momentum buffers keep scales per block of 32 elements of each parameter:
+# their cases train a
 # model whose shards hold whole blocks on 1, 2 and 3 ranks, except the last bias (BLOCK_SPLIT),
 # which takes a param group with BF16 moments.
 CASES["adamw_true_policy_int8state"] = ("adamw", True, torch.int8, "policy")
 CASES["adamw_true_bf16_int8state"] = ("adamw", True, torch.int8, "bf16")
 CASES["adamw_split8_bf16_int8state"] = ("adamw", "split8", torch.int8, "bf16")
+CASES["sgd_split8_bf16_int8state"] = ("sgd", "split8", torch.int8, "bf16")
 BLOCK_SPLIT = ("3.bias",)
 
 

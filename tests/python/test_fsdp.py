@@ -242,13 +242,14 @@ def test_one_rank_equals_plain_tensors_and_follows_new_local_tensors(one_rank_me
     assert torch.equal(state["exp_avg"].to_local(), opts[1].state[plain[0].weight]["exp_avg"])
 
 
-@pytest.mark.parametrize("mode,state_dtype", [
-    ("split", torch.bfloat16), ("kahan", torch.bfloat16), ("stochastic", torch.bfloat16),
-    ("split8", torch.bfloat16), ("split8", torch.int8), (True, torch.int8)])
-def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_dtype):
+@pytest.mark.parametrize("mode,state_dtype,kind", [
+    ("split", torch.bfloat16, "adamw"), ("kahan", torch.bfloat16, "adamw"),
+    ("stochastic", torch.bfloat16, "adamw"), ("split8", torch.bfloat16, "adamw"),
+    ("split8", torch.int8, "adamw"), (True, torch.int8, "adamw"), ("split8", torch.int8, "sgd")])
+def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_dtype, kind):
     """The compact weight stores and moments on FSDP2's DTensor parameters (a BF16 model
     sharded as it is): on one rank the same bits as on plain tensors, state included; 8-bit
-    moments' scales are DTensors of the parameter's scales shape."""
+    moments' and momentum buffers' scales are DTensors of the parameter's scales shape."""
     from fsdp_worker import global_batch, loss_of, make_model, shard
 
     def bf16_model():
@@ -257,9 +258,13 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_d
     sharded = shard(bf16_model(), one_rank_mesh, None)
     plain = bf16_model()
     start = [p.detach().clone() for p in plain.parameters()]
-    opts = [fusedamp.optim.AdamW(m.parameters(), lr=1e-3, master_weights=mode,
-                                 state_dtype=state_dtype, rounding_seed=3)
-            for m in (sharded, plain)]
+    if kind == "adamw":
+        opts = [fusedamp.optim.AdamW(m.parameters(), lr=1e-3, master_weights=mode,
+                                     state_dtype=state_dtype, rounding_seed=3)
+                for m in (sharded, plain)]
+    else:
+        opts = [fusedamp.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, master_weights=mode,
+                                   state_dtype=state_dtype) for m in (sharded, plain)]
     for step in range(4):
         x, y = global_batch(step)
         for m, opt in zip((sharded, plain), opts):
@@ -277,10 +282,12 @@ def test_one_rank_weight_stores_equal_plain_tensors(one_rank_mesh, mode, state_d
             mine = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
             assert mine.dtype == value.dtype and torch.equal(mine, value), key
         moment = torch.int8 if state_dtype == torch.int8 else torch.bfloat16
-        assert state["exp_avg"].to_local().dtype == moment
+        first, scales = (("exp_avg", "moment_scales") if kind == "adamw"
+                         else ("momentum_buffer", "momentum_scales"))
+        assert state[first].to_local().dtype == moment
         if state_dtype == torch.int8:
-            scales = state["moment_scales"]
-            assert list(scales.shape) == fusedamp._C.moment_scales_shape(plain_weight)
+            shape_of = getattr(fusedamp._C, scales + "_shape")
+            assert list(state[scales].shape) == shape_of(plain_weight)
         store = {"split": "param_remainder", "split8": "param_remainder",
                  "kahan": "kahan_compensation"}.get(mode, "step")
         assert store in state or plain_weight.dtype == torch.float32

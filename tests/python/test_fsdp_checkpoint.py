@@ -45,8 +45,8 @@ WORLDS = (2, 3)
 RESHARDS = [pytest.param(s, l, id=f"{s}to{l}") for s, l in ((2, 3), (3, 2))]
 STORE = {True: "master_param", "split": "param_remainder", "split8": "param_remainder",
          "kahan": "kahan_compensation"}
-# 8-bit moments: (exp_avg, exp_avg_sq) codes, beside the blocks' scales.
-INT8_MOMENTS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+# 8-bit moments: (exp_avg, exp_avg_sq) codes, beside the blocks' scales; SGD's momentum buffer.
+INT8_MOMENTS = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8, "momentum_buffer": torch.int8}
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +146,12 @@ def test_checkpoint_holds_the_modes_state(ranks, case, world):
     saved = _of(ranks, world, "saved", case, "saved")
     assert saved["skipped_steps"] == 1
     moments = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
+    scales = "moment_scales" if kind == "adamw" else "momentum_scales"
     for name, state in saved["state"].items():
         param = saved["params"][name]
         store = STORE.get(mode) if param.dtype == torch.bfloat16 else None
         int8 = state_dtype == torch.int8 and name not in BLOCK_SPLIT
-        extra = ({store} if store else set()) | ({"moment_scales"} if int8 else set())
+        extra = ({store} if store else set()) | ({scales} if int8 else set())
         assert set(state) == {"step", *moments} | extra, (name, state)
         assert state["step"].item() == TRAIN_STEPS - 1  # the inf step was skipped
         for m in moments:
@@ -158,7 +159,7 @@ def test_checkpoint_holds_the_modes_state(ranks, case, world):
                 torch.bfloat16 if state_dtype == torch.int8 else state_dtype)
             assert state[m].dtype == want and state[m].count_nonzero() > 0, (name, m)
         if int8:  # the parameter's own scales shape, gathered from the shards
-            assert list(state["moment_scales"].shape) == fusedamp._C.moment_scales_shape(param)
+            assert list(state[scales].shape) == getattr(fusedamp._C, scales + "_shape")(param)
         if store == "master_param":  # bits below the BF16 weight
             assert not torch.equal(state[store], param.float()), name
         elif store:

@@ -88,18 +88,27 @@ def test_opcheck_master_weight_modes(device, name, store):
 
 
 @pytest.mark.parametrize("store", ["master", "split"])
-def test_opcheck_quantized_moments(device, store):
-    """8-bit moments: int8/uint8 codes and the moment_scales list under opcheck."""
-    build, hyper = SAMPLES["adam_step_"]
+@pytest.mark.parametrize("name", ["adam_step_", "sgd_step_"])
+def test_opcheck_quantized_state(device, name, store):
+    """8-bit state under opcheck: Adam's int8/uint8 codes and the moment_scales list, SGD's int8
+    buffer codes and the momentum_scales list."""
+    build, hyper = SAMPLES[name]
     inp = op_inputs(device, [(5,), (3, 40)], param_dtype=torch.bfloat16,
                     master_weights=store == "master", seed=35, **build)
-    extra = dict(exp_avgs=[torch.randint(-127, 128, p.shape, dtype=torch.int8, device=device)
-                           for p in inp.params],
-                 exp_avg_sqs=[torch.randint(0, 256, p.shape, dtype=torch.uint8, device=device)
-                              for p in inp.params],
-                 moment_scales=[torch.rand((p.numel() + 31) // 32, 2, device=device)
-                                for p in inp.params])
+
+    def codes(dtype, low, high):
+        return [torch.randint(low, high, p.shape, dtype=dtype, device=device)
+                for p in inp.params]
+
+    def scales(columns):
+        return [torch.rand((p.numel() + 31) // 32, columns, device=device) for p in inp.params]
+
+    if name == "adam_step_":
+        extra = dict(exp_avgs=codes(torch.int8, -127, 128),
+                     exp_avg_sqs=codes(torch.uint8, 0, 256), moment_scales=scales(2))
+    else:
+        extra = dict(momentum_buffers=codes(torch.int8, -127, 128), momentum_scales=scales(1))
     if store == "split":
         extra["master_params"] = [torch.zeros_like(p, dtype=torch.int16) for p in inp.params]
-    args, kwargs = inp.args("adam_step_", **hyper, **extra)
-    torch.library.opcheck(ops.adam_step_.default, args, kwargs)
+    args, kwargs = inp.args(name, **hyper, **extra)
+    torch.library.opcheck(getattr(ops, name).default, args, kwargs)

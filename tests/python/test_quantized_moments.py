@@ -1,5 +1,7 @@
 """state_dtype=torch.int8: Adam's moments as 8-bit codes in blocks of 32 elements with FP32
-block scales (csrc/include/fusedamp/math/quantized_moments_math.h).
+block scales (csrc/include/fusedamp/math/quantized_moments_math.h). The optimizer tests that
+SGD's 8-bit momentum buffer shares are parametrized over both (ALGOS); its own are in
+test_quantized_momentum.py.
 
 The kernels are checked against an FP64 reference of the same quantized algorithm written
 here from the formats' definitions; the optimizer's conversions, checkpoints, skipped steps and
@@ -194,7 +196,7 @@ def _quantized_args(device, n=40):
     ("no_scales", "need their moment_scales"),
     ("scales_shape", "must be a contiguous float32 tensor of shape"),
     ("scales_dtype", "must be a contiguous float32 tensor of shape"),
-    ("sq_dtype", "quantized moments"),
+    ("sq_dtype", "quantized state"),
     ("float_moments", "exp_avgs must be int8 codes"),
     ("amsgrad", "without AMSGrad"),
     ("length", "moment_scales has"),
@@ -257,42 +259,65 @@ def _train(model, opt, batches):
     return losses
 
 
+# The 8-bit states: how each optimizer is made, its code tensors and their dtypes, its scales.
+ALGOS = {
+    "adamw": dict(make=lambda params, **kw: fusedamp.optim.AdamW(params, lr=3e-3,
+                                                                 weight_decay=0.01, **kw),
+                  codes={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                  scales="moment_scales", columns=2),
+    "sgd": dict(make=lambda params, **kw: fusedamp.optim.SGD(params, lr=0.02, momentum=0.9,
+                                                             nesterov=True, weight_decay=1e-3,
+                                                             **kw),
+                codes={"momentum_buffer": torch.int8}, scales="momentum_scales", columns=1),
+}
+
+
+def scales_shape(p, columns):
+    """[rows, row / 32, columns] where a parameter's rows are whole blocks, else [blocks,
+    columns]."""
+    rows = p.shape[0] if p.dim() >= 2 else 0
+    if rows and (p.numel() // rows) % 32 == 0:
+        return (rows, p.numel() // rows // 32, columns)
+    return ((p.numel() + 31) // 32, columns)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("master_weights, dtype", [
     (True, torch.bfloat16), ("split", torch.bfloat16), ("kahan", torch.bfloat16),
     ("stochastic", torch.bfloat16), (False, torch.float32), (True, torch.float16)])
-def test_optimizer_keeps_codes_and_trains_like_fp32_moments(device, master_weights, dtype):
+def test_optimizer_keeps_codes_and_trains_like_fp32_state(device, master_weights, dtype, algo):
+    spec = ALGOS[algo]
     batches = _batches(device, 150, dtype)
     results = {}
     for state_dtype in (torch.float32, torch.int8):
         model = _model(device, dtype)
-        opt = fusedamp.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
-                                   master_weights=master_weights, state_dtype=state_dtype)
+        opt = spec["make"](model.parameters(), master_weights=master_weights,
+                           state_dtype=state_dtype)
         results[state_dtype] = _train(model, opt, batches)
         if state_dtype == torch.int8:
             for p in model.parameters():
                 s = opt.state[p]
-                assert s["exp_avg"].dtype == torch.int8 and s["exp_avg"].shape == p.shape
-                assert s["exp_avg_sq"].dtype == torch.uint8 and s["exp_avg_sq"].shape == p.shape
-                assert s["moment_scales"].dtype == torch.float32
-                rows = p.shape[0] if p.dim() >= 2 else 0
-                whole_rows = rows and (p.numel() // rows) % 32 == 0
-                assert s["moment_scales"].shape == (
-                    (rows, p.numel() // rows // 32, 2) if whole_rows else ((p.numel() + 31) // 32, 2))
+                for name, code_dtype in spec["codes"].items():
+                    assert s[name].dtype == code_dtype and s[name].shape == p.shape
+                assert s[spec["scales"]].dtype == torch.float32
+                assert s[spec["scales"]].shape == scales_shape(p, spec["columns"])
     fp32, int8 = results[torch.float32], results[torch.int8]
     assert int8[-1] < 0.2 * int8[0]  # it trains
-    # The last 20 steps' mean loss within 10 % of FP32 moments' (quantization noise).
+    # The last 20 steps' mean loss within 10 % of FP32 state's (quantization noise).
     mean = lambda xs: sum(xs[-20:]) / 20  # noqa: E731
     assert abs(mean(int8) - mean(fp32)) <= 0.1 * mean(fp32) + 1e-4
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("scales_layout", ["as_saved", "flat"])
-def test_resume_from_a_state_dict_is_bit_exact(device, scales_layout):
-    """Also from scales laid out flat, [blocks, 2] (the same blocks in the same order: what a
-    parameter whose rows are not whole blocks keeps, and earlier checkpoints kept for all)."""
+def test_resume_from_a_state_dict_is_bit_exact(device, scales_layout, algo):
+    """Also from scales laid out flat, [blocks, columns] (the same blocks in the same order:
+    what a parameter whose rows are not whole blocks keeps, and earlier checkpoints kept for
+    all)."""
+    spec = ALGOS[algo]
     batches = _batches(device, 12, torch.bfloat16)
     model = _model(device, torch.bfloat16)
-    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3, master_weights="split",
-                               state_dtype=torch.int8)
+    opt = spec["make"](model.parameters(), master_weights="split", state_dtype=torch.int8)
     _train(model, opt, batches[:6])
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -301,27 +326,27 @@ def test_resume_from_a_state_dict_is_bit_exact(device, scales_layout):
     buf.seek(0)
     saved = torch.load(buf)
     if scales_layout == "flat":
-        shapes = {tuple(st["moment_scales"].shape) for st in saved["opt"]["state"].values()}
+        shapes = {tuple(st[spec["scales"]].shape) for st in saved["opt"]["state"].values()}
         assert any(len(shape) == 3 for shape in shapes)  # a weight's rows are whole blocks
         for st in saved["opt"]["state"].values():
-            st["moment_scales"] = st["moment_scales"].reshape(-1, 2)
+            st[spec["scales"]] = st[spec["scales"]].reshape(-1, spec["columns"])
     model2 = _model(device, torch.bfloat16)
     model2.load_state_dict(saved["model"])
-    opt2 = fusedamp.optim.AdamW(model2.parameters(), lr=1e-3, master_weights="split",
-                                state_dtype=torch.int8)
+    opt2 = spec["make"](model2.parameters(), master_weights="split", state_dtype=torch.int8)
     opt2.load_state_dict(saved["opt"])
-    assert opt2.state_dict()["state"][0]["exp_avg"].dtype == torch.int8
     _train(model2, opt2, batches[6:])
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
     for p, q in zip(model.parameters(), model2.parameters()):
-        for k in ("exp_avg", "exp_avg_sq", "moment_scales", "param_remainder", "step"):
+        for k in (*spec["codes"], spec["scales"], "param_remainder", "step"):
             assert torch.equal(opt.state[p][k], opt2.state[q][k]), k
 
 
-def test_skipped_step_changes_nothing(device):
+def check_skipped_step_changes_nothing(device, make_opt):
+    """An inf in one gradient under the loss scaler: the step leaves codes, scales, every other
+    state and the weights bit for bit, and counts the skip."""
     model = _model(device, torch.float16)
-    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=torch.int8)
+    opt = make_opt(model.parameters())
     scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
     x, y = _batches(device, 1, torch.float16)[0]
     for inject in (False, True):
@@ -341,6 +366,11 @@ def test_skipped_step_changes_nothing(device):
     for w, p in zip(weights, model.parameters()):
         assert torch.equal(w, p)
     assert opt.skipped_steps == 1
+
+
+def test_skipped_step_changes_nothing(device):
+    check_skipped_step_changes_nothing(
+        device, lambda params: fusedamp.optim.AdamW(params, lr=1e-3, state_dtype=torch.int8))
 
 
 def test_state_conversions_between_fp32_and_int8(device):
@@ -395,8 +425,6 @@ def test_refusals_change_nothing(device):
     model = _model(device, torch.float32)
     with pytest.raises(ValueError, match="AMSGrad"):
         fusedamp.optim.Adam(model.parameters(), amsgrad=True, state_dtype=torch.int8)
-    with pytest.raises(ValueError, match="int8 is for Adam"):
-        fusedamp.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, state_dtype=torch.int8)
     with pytest.raises(ValueError, match="state_dtype"):
         fusedamp.optim.AdamW(model.parameters(), state_dtype=torch.int16)
     # A group switched to int8 with amsgrad on: the step refuses before anything changes.
@@ -428,7 +456,7 @@ def test_state_bytes_per_parameter(device):
     assert per_param == pytest.approx((2 * n + 2 * n + 8 * blocks) / n)
 
 
-def test_initialize_takes_int8_state_and_refuses_it_for_sgd(device):
+def test_initialize_takes_int8_state(device):
     model = _model(device, torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, scaler = fusedamp.initialize(model, opt, torch.bfloat16,
@@ -437,11 +465,3 @@ def test_initialize_takes_int8_state_and_refuses_it_for_sgd(device):
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     assert all(opt.state[p]["exp_avg"].dtype == torch.int8 for p in model.parameters())
-
-    plain = _model(device, torch.float32)
-    before = [p.detach().clone() for p in plain.parameters()]
-    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="int8 is for Adam"):
-        fusedamp.initialize(plain, sgd, torch.bfloat16, state_dtype=torch.int8)
-    for p, b in zip(plain.parameters(), before):
-        assert p.dtype == torch.float32 and torch.equal(p, b)

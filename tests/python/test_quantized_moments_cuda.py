@@ -1,6 +1,6 @@
 """adam_step_ with quantized moments (moment_scales: int8 exp_avg and uint8 exp_avg_sq codes with
-FP32 block scales, csrc/include/fusedamp/math/quantized_moments_math.h) on CUDA against the CPU
-kernel on identical inputs, for every weight store, param and grad dtype, sizes around a moment
+FP32 block scales, csrc/include/fusedamp/math/quantized_moments_math.h), and sgd_step_ with a
+quantized momentum buffer (momentum_scales), on CUDA against the CPU kernel on identical inputs, for every weight store, param and grad dtype, sizes around a moment
 block (32) and a chunk (32768), tensors starting at odd element offsets, device scalars, a
 skipped step, and more tensors than one launch's metadata holds.
 
@@ -26,7 +26,17 @@ STORES = [("none", F32), ("none", F16), ("none", BF16), ("master", F32), ("maste
           ("stochastic", BF16)]
 
 # Hyper-parameters of the successive steps: AdamW with the device scalars, Adam with L2 decay
-# maximizing and writing the multiplied grads back, a step skipped by found_inf, a plain one.
+# maximizing and writing the multiplied grads back, a step skipped by found_inf, a plain one;
+# SGD's: its first step (the buffer becomes the gradient) with the device scalars, Nesterov
+# maximizing and writing the grads back, a skipped step, dampening.
+SGD_STEPS = [
+    dict(weight_decay=0.01, nesterov=False, dampening=0.0,
+         scalars=dict(inv_scale=0.5, found_inf=0.0)),
+    dict(weight_decay=0.1, nesterov=True, dampening=0.0, maximize=True, write_back_grads=True,
+         scalars=dict(lr_tensor=2e-2, inv_scale=0.25)),
+    dict(weight_decay=0.01, nesterov=False, dampening=0.0, scalars=dict(found_inf=1.0)),
+    dict(weight_decay=0.0, nesterov=False, dampening=0.3, scalars={}),
+]
 STEPS = [
     dict(weight_decay=0.01, decoupled_weight_decay=True, scalars=dict(inv_scale=0.5,
                                                                     found_inf=0.0)),
@@ -41,7 +51,7 @@ def dtype_id(d):
     return str(d).replace("torch.", "")
 
 
-def problem(store, pdtype, gdtype, shapes, seed):
+def problem(store, pdtype, gdtype, shapes, seed, op="adam_step_"):
     """CPU tensors of one problem: params, master_params, zero codes and scales, step counts,
     one list of grads per step, rounding seeds (or None)."""
     gen = torch.Generator().manual_seed(seed)
@@ -56,12 +66,19 @@ def problem(store, pdtype, gdtype, shapes, seed):
     else:
         masters = []
     numels = [p.numel() for p in params]
-    state = dict(
-        params=params, master_params=masters,
-        exp_avgs=[torch.zeros_like(p, dtype=torch.int8) for p in params],
-        exp_avg_sqs=[torch.zeros_like(p, dtype=torch.uint8) for p in params],
-        steps=[torch.zeros(()) for _ in params],
-        moment_scales=[torch.zeros((n + B - 1) // B, 2) for n in numels])
+    if op == "adam_step_":
+        state = dict(
+            params=params, master_params=masters,
+            exp_avgs=[torch.zeros_like(p, dtype=torch.int8) for p in params],
+            exp_avg_sqs=[torch.zeros_like(p, dtype=torch.uint8) for p in params],
+            steps=[torch.zeros(()) for _ in params],
+            moment_scales=[torch.zeros((n + B - 1) // B, 2) for n in numels])
+    else:
+        state = dict(
+            params=params, master_params=masters,
+            momentum_buffers=[torch.zeros_like(p, dtype=torch.int8) for p in params],
+            steps=[torch.zeros(()) for _ in params],
+            momentum_scales=[torch.zeros((n + B - 1) // B, 1) for n in numels])
     grads = [[(torch.randn(s, generator=gen) * 2e-2).to(gdtype) for s in shapes]
              for _ in STEPS]
     seeds = [1000 + 7 * i for i in range(len(shapes))] if store == "stochastic" else None
@@ -79,20 +96,25 @@ def place(t, device, offset):
     return v
 
 
-def run(device, state, grads, seeds, offset):
-    """The steps of STEPS on copies of the problem on `device`; everything they touched, on the
-    CPU."""
+def run(device, state, grads, seeds, offset, op="adam_step_"):
+    """The steps of STEPS (SGD_STEPS) on copies of the problem on `device`; everything they
+    touched, on the CPU."""
     s = {k: [place(t, device, offset) for t in ts] for k, ts in state.items()}
     used_grads = []
-    for hyper, g in zip(STEPS, grads):
+    for hyper, g in zip(STEPS if op == "adam_step_" else SGD_STEPS, grads):
         g = [place(t, device, offset) for t in g]
         kw = {k: v for k, v in hyper.items() if k != "scalars"}
         for name, value in hyper["scalars"].items():
             kw[name] = torch.full((1,), value, device=device)
-        torch.ops.fusedamp.adam_step_(
-            s["params"], s["master_params"], g, s["exp_avgs"], s["exp_avg_sqs"], s["steps"],
-            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, rounding_seeds=seeds,
-            moment_scales=s["moment_scales"], **kw)
+        if op == "adam_step_":
+            torch.ops.fusedamp.adam_step_(
+                s["params"], s["master_params"], g, s["exp_avgs"], s["exp_avg_sqs"],
+                s["steps"], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, rounding_seeds=seeds,
+                moment_scales=s["moment_scales"], **kw)
+        else:
+            torch.ops.fusedamp.sgd_step_(
+                s["params"], s["master_params"], g, s["momentum_buffers"], s["steps"], lr=1e-2,
+                momentum=0.9, rounding_seeds=seeds, momentum_scales=s["momentum_scales"], **kw)
         used_grads.append(g)
     out = {k: [t.cpu() for t in ts] for k, ts in s.items()}
     out["grads"] = [t.cpu() for g in used_grads for t in g]
@@ -125,13 +147,16 @@ def assert_matches_cpu(cuda, cpu, store, pdtype):
             assert a.dtype == b.dtype and a.shape == b.shape, name
     for a, b in zip(cuda["steps"], cpu["steps"]):
         assert torch.equal(a, b)
-    for name in ("exp_avgs", "exp_avg_sqs"):
+    for name in ("exp_avgs", "exp_avg_sqs", "momentum_buffers"):
+        if name not in cpu:
+            continue
         a = torch.cat([t.reshape(-1).int() for t in cuda[name]])
         b = torch.cat([t.reshape(-1).int() for t in cpu[name]])
         assert (a - b).abs().max().item() <= 1, name
         assert (a != b).float().mean().item() <= 0.01, name
-    for a, b in zip(cuda["moment_scales"], cpu["moment_scales"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    for name in ("moment_scales", "momentum_scales"):
+        for a, b in zip(cuda.get(name, []), cpu.get(name, [])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
     low = pdtype != torch.float32 and store in ("none", "stochastic")
     tol = dict(rtol=2 ** -7, atol=1e-6) if low else dict(rtol=1e-5, atol=1e-6)
     for a, b in zip(_weights(cuda, store, pdtype), _weights(cpu, store, pdtype)):
@@ -166,3 +191,16 @@ def test_quantized_adam_over_several_launches_matches_cpu():
     state, grads, seeds = problem("master", BF16, BF16, shapes, seed=5)
     assert_matches_cpu(run("cuda", state, grads, seeds, 0), run("cpu", state, grads, seeds, 0),
                        "master", BF16)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd"])
+@pytest.mark.parametrize("store, pdtype", STORES,
+                         ids=[f"{s}-{dtype_id(d)}" for s, d in STORES])
+def test_quantized_sgd_matches_cpu(store, pdtype, offset):
+    state, grads, seeds = problem(store, pdtype, pdtype, SHAPES, seed=19, op="sgd_step_")
+    cpu = run("cpu", state, grads, seeds, offset, op="sgd_step_")
+    cuda = run("cuda", state, grads, seeds, offset, op="sgd_step_")
+    assert_matches_cpu(cuda, cpu, store, pdtype)
+    assert all(t.item() == 3.0 for t in cpu["steps"])
+    assert any(t.ne(0).any() for t in cpu["momentum_buffers"])
+    assert any(t.ne(0).any() for t in cpu["momentum_scales"])

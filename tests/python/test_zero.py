@@ -17,7 +17,7 @@ import torch
 import fusedamp
 from distributed_worker import MODE_ADAM, STEPS, make_model, mode_name
 from test_distributed import _launch
-from zero_worker import (CLIPPED_SGD, INF_STEP, NAN_STEP, RESUME_STEPS, ZERO_MODES,
+from zero_worker import (CLIPPED_SGD, INF_STEP, NAN_STEP, RESUME_STEPS, SGD_INT8, ZERO_MODES,
                          one_dtype_model, whole_batch_grads)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_worker.py")
@@ -77,6 +77,24 @@ def _same(a, b):
 
 def _max_diff(a, b):
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sgd_int8_momentum_matches_one_process_bit_for_bit(runs, world):
+    """SGD's 8-bit momentum buffer (blocks in each parameter's own elements) and 24-bit masters
+    under ZeRO-1: every step's weights and the consolidated state are one process's."""
+    results = runs[world]
+    _ranks_identical(results, lambda r: r["sgd_int8"]["params"])
+    mine = results[0]["sgd_int8"]
+    ref_params, ref_opt, _ = one_process(optimizer_class=fusedamp.optim.SGD, **SGD_INT8)
+    for step, (a, b) in enumerate(zip(mine["params"], ref_params)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+    full, ref_state = mine["full"]["state"], ref_opt.state_dict()["state"]
+    assert full.keys() == ref_state.keys()
+    for i, s in ref_state.items():
+        assert full[i].keys() == s.keys() and "momentum_scales" in s
+        for key, v in s.items():
+            assert full[i][key].dtype == v.dtype and torch.equal(full[i][key], v), (i, key)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -75,6 +75,21 @@ def clipped_run(cls, nan_step=None):
 ZERO_MODES = MODES + [(True, torch.int8), ("split", torch.int8), ("split8", torch.int8)]
 
 
+# SGD with an 8-bit momentum buffer beside 24-bit masters: the same blocks as one process too.
+SGD_INT8 = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, master_weights="split8",
+                state_dtype=torch.int8)
+
+
+def sgd_int8_run(rank):
+    model = make_model("cpu", torch.bfloat16)
+    opt = zero(model, optimizer_class=fusedamp.optim.SGD, **SGD_INT8)
+    res = {"params": train_full_batch(model, opt, STEPS, "cpu")}
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        res["full"] = opt.state_dict()
+    return res
+
+
 def modes_runs(rank):
     out = {}
     for mode, state_dtype in ZERO_MODES:
@@ -172,6 +187,7 @@ def main():
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     out = {"modes": modes_runs(rank),
+           "sgd_int8": sgd_int8_run(rank),
            "clipped": clipped_run(fusedamp.distributed.ZeroRedundancyOptimizer),
            "clipped_torch": clipped_run(TorchZeRO),
            "nan": clipped_run(fusedamp.distributed.ZeroRedundancyOptimizer, NAN_STEP),

@@ -112,7 +112,8 @@ FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
   X(Bool, nesterov)               \
   X(Bool, maximize)               \
   FUSEDAMP_STEP_SHARED_ARGS(X)    \
-  X(OptInts, rounding_seeds)
+  X(OptInts, rounding_seeds)      \
+  X(OptTensors, momentum_scales)
 FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 
 // Every operator, in the order of csrc/schemas.cpp: what registers each kernel and entry.

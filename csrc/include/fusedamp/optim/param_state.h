@@ -5,7 +5,8 @@
 // A parameter's state is created at the first step that sees a gradient for it, on the
 // parameter's device, with the parameter's strides, so that every list a fused op walks is
 // dense in the same element order as the parameter itself. The moments and momentum buffers
-// are FP32 or BF16 (state_dtype), or Adam's moments 8-bit codes with block scales (int8);
+// are FP32 or BF16 (state_dtype), or 8-bit codes with block scales (int8: Adam's moments,
+// SGD's momentum buffer);
 // what keeps the weight's lower bits depends on master_weights
 // (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"; int8,
 // "split8"),
@@ -27,6 +28,7 @@ inline constexpr const char* kMomentumBuffer = "momentum_buffer";
 inline constexpr const char* kParamRemainder = "param_remainder";
 inline constexpr const char* kKahanCompensation = "kahan_compensation";
 inline constexpr const char* kMomentScales = "moment_scales";
+inline constexpr const char* kMomentumScales = "momentum_scales";
 
 struct ParamState {
   at::Tensor step;             // 0-dim count of applied steps (FP32, as torch's fused optimizers)
@@ -41,6 +43,9 @@ struct ParamState {
   // state_dtype int8: exp_avg holds int8 codes, exp_avg_sq uint8 codes, and this FP32
   // [ceil(numel / 32), 2] tensor each block's two scales (math/quantized_moments_math.h).
   at::Tensor moment_scales;
+  // state_dtype int8 for SGD: momentum_buffer holds int8 codes (exp_avg's format), and this
+  // FP32 [ceil(numel / 32), 1] tensor each block's scale.
+  at::Tensor momentum_scales;
 };
 
 // The tensor slots beside `step`. An optimizer kind says which of them it uses; the state
@@ -53,7 +58,8 @@ enum class StateSlot {
   kMaxExpAvgSq,
   kParamRemainder,
   kKahanCompensation,
-  kMomentScales
+  kMomentScales,
+  kMomentumScales
 };
 
 struct StateSlotInfo {
@@ -62,7 +68,7 @@ struct StateSlotInfo {
   at::Tensor ParamState::*member;
 };
 
-inline constexpr std::array<StateSlotInfo, 8> kStateSlots = {{
+inline constexpr std::array<StateSlotInfo, 9> kStateSlots = {{
     {StateSlot::kMasterParam, kMasterParam, &ParamState::master_param},
     {StateSlot::kExpAvg, kExpAvg, &ParamState::exp_avg},
     {StateSlot::kExpAvgSq, kExpAvgSq, &ParamState::exp_avg_sq},
@@ -71,7 +77,13 @@ inline constexpr std::array<StateSlotInfo, 8> kStateSlots = {{
     {StateSlot::kParamRemainder, kParamRemainder, &ParamState::param_remainder},
     {StateSlot::kKahanCompensation, kKahanCompensation, &ParamState::kahan_compensation},
     {StateSlot::kMomentScales, kMomentScales, &ParamState::moment_scales},
+    {StateSlot::kMomentumScales, kMomentumScales, &ParamState::momentum_scales},
 }};
+
+// The slots of block scales, which come and go with their codes' format.
+inline constexpr bool is_block_scales_slot(StateSlot slot) {
+  return slot == StateSlot::kMomentScales || slot == StateSlot::kMomentumScales;
+}
 
 // The slots that keep a weight's lower bits (one at most is defined); the engine adds them.
 inline constexpr bool is_weight_store_slot(StateSlot slot) {

@@ -34,4 +34,8 @@ ConvertedParamState convert_param_state(const at::Tensor& weight,
 // as they lay out the parameter), [ceil(numel / 32), 2] otherwise.
 std::vector<int64_t> moment_scales_shape(const at::Tensor& param);
 
+// The shape of param's 'momentum_scales' (SGD) under state_dtype int8: moment_scales_shape's
+// rows with one column.
+std::vector<int64_t> momentum_scales_shape(const at::Tensor& param);
+
 }  // namespace fusedamp::optim
