@@ -41,7 +41,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_step import device_tag, machine_info  # noqa: E402
-from moment_formats import TaskSpec, _mean_sd, make_task, roundtrip_m  # noqa: E402
+from moment_formats import (TaskSpec, _mean_sd, make_task, roundtrip_m,  # noqa: E402
+                            teacher_forced_difference)
 
 MOMENTUM = 0.9
 WD = 5e-4
@@ -88,19 +89,10 @@ class ReferenceSGD:
 
 def self_check(spec):
     """The reference with FP32 storage against torch.optim.SGD on the same gradients."""
-    model, batch, loss_fn, _ = make_task(spec, seed=0)
-    twin = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ours = ReferenceSGD(model.parameters(), spec.lr, "fp32")
-    ref = torch.optim.SGD(twin, lr=spec.lr, momentum=MOMENTUM, weight_decay=WD, foreach=False)
-    for _ in range(5):
-        loss_fn(model, *batch()).backward()
-        for p, q in zip(model.parameters(), twin):
-            q.grad = p.grad.clone()
-        ours.step()
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
-    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin))
+    err = teacher_forced_difference(
+        spec, lambda model: ReferenceSGD(model.parameters(), spec.lr, "fp32"),
+        lambda params: torch.optim.SGD(params, lr=spec.lr, momentum=MOMENTUM, weight_decay=WD,
+                                       foreach=False))
     if err > 1e-6:
         raise SystemExit(f"reference SGD differs from torch.optim.SGD by {err:g} on {spec.model}")
     return err
