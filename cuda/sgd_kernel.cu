@@ -130,17 +130,16 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
 void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   if (!step.block_scales.empty()) {
     sgd_quantized(step, s);
-    advance_steps(step.steps, s.found_inf);
-    return;
+  } else {
+    const bool momentum = step.state.count != 0;
+    const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
+    step_switch(
+        step.params, step.grads, step.weight_store(),
+        [&](auto param, auto grad, auto kept, auto has_momentum, auto state) {
+          launch<decltype(param), decltype(grad), kept, has_momentum, decltype(state)>(step, s);
+        },
+        BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
   }
-  const bool momentum = step.state.count != 0;
-  const auto state_dtype = momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
-  step_switch(
-      step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto has_momentum, auto state) {
-        launch<decltype(param), decltype(grad), kept, has_momentum, decltype(state)>(step, s);
-      },
-      BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
   advance_steps(step.steps, s.found_inf);
 }
 

@@ -69,7 +69,9 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
   static_assert(kFull || kBlocks == 1, "a partial block goes alone");
   const int64_t n = kFull ? B * kBlocks : count;
   float* const scales = q.scales;
-  const auto scale = [&](int64_t b, int list) { return list < kLists ? scales[kLists * b + list] : 0.f; };
+  const auto scale = [&](int64_t b, int list) {
+    return list < kLists ? scales[kLists * b + list] : 0.f;
+  };
   alignas(64) float x0[B * kBlocks];  // the new values until their codes are formed
   alignas(64) float x1[kLists == 2 ? B * kBlocks : 1];  // the new fourth roots
   math::QuantizedBlock stored[kBlocks];
@@ -88,21 +90,21 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
       const Vec pair = Ops::max_magnitude(a, c);
       (first ? pair : Ops::max_magnitude(Vec::loadu(top[b][list]), pair)).store(top[b][list]);
     };
-    Vec v0[2], v1[2];
-    load_codes(q.values + i, k, v0[0], v0[1]);  // lanes past k are 0, and stay 0 in the update
-    v0[0] = math::exp_avg_value(v0[0], stored[b].exp_avg_step);
-    v0[1] = math::exp_avg_value(v0[1], stored[b].exp_avg_step);
+    Vec list0[2], list1[2];  // the pair's values of each list
+    load_codes(q.values + i, k, list0[0], list0[1]);  // lanes past k are 0, and stay 0
+    list0[0] = math::exp_avg_value(list0[0], stored[b].exp_avg_step);
+    list0[1] = math::exp_avg_value(list0[1], stored[b].exp_avg_step);
     if constexpr (kLists == 2) {
-      load_codes(q.roots + i, k, v1[0], v1[1]);
-      v1[0] = math::exp_avg_sq_value(v1[0], stored[b].exp_avg_sq_step);
-      v1[1] = math::exp_avg_sq_value(v1[1], stored[b].exp_avg_sq_step);
+      load_codes(q.roots + i, k, list1[0], list1[1]);
+      list1[0] = math::exp_avg_sq_value(list1[0], stored[b].exp_avg_sq_step);
+      list1[1] = math::exp_avg_sq_value(list1[1], stored[b].exp_avg_sq_step);
     }
-    update(k, p0, p1, g0, g1, v0, v1);
-    keep_top(0, v0[0], v0[1]);
-    PairIO<float>::store(x0 + i, kPair, v0[0], v0[1]);
+    update(k, p0, p1, g0, g1, list0, list1);
+    keep_top(0, list0[0], list0[1]);
+    PairIO<float>::store(x0 + i, kPair, list0[0], list0[1]);
     if constexpr (kLists == 2) {
-      keep_top(1, v1[0], v1[1]);  // v^(1/4) >= 0
-      PairIO<float>::store(x1 + i, kPair, v1[0], v1[1]);
+      keep_top(1, list1[0], list1[1]);  // v^(1/4) >= 0
+      PairIO<float>::store(x1 + i, kPair, list1[0], list1[1]);
     }
   });
   // All the blocks' scales, then their reciprocals: the divisions of one block then overlap
@@ -123,7 +125,8 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
     const auto larger = [](const Vec& a, const Vec& c) { return Ops::max_magnitude(a, c); };
     for (int64_t b = 0; b < kBlocks; ++b) {
       for (int list = 0; list < kLists; ++list) {
-        scales[kLists * b + list] = at::vec::vec_reduce_all<float>(larger, Vec::loadu(top[b][list]));
+        scales[kLists * b + list] =
+            at::vec::vec_reduce_all<float>(larger, Vec::loadu(top[b][list]));
       }
     }
   }

@@ -247,14 +247,17 @@ void convert_buffer_format(const at::Tensor& param, bool codes, ParamState& s) {
     if (held_codes) {
       return;  // from_dict checked that codes come with their scales
     }
-    QuantizedBuffer q = s.momentum_buffer.defined() ? quantize_buffer(param, s.momentum_buffer)
-                                                    : zero_quantized_buffer(param);
-    s.momentum_buffer = std::move(q.codes);
+    QuantizedMoments q =
+        s.momentum_buffer.defined()
+            ? quantize_moments(param, s.momentum_buffer, /*exp_avg_sq=*/at::Tensor())
+            : zero_quantized_moments(param, /*with_exp_avg_sq=*/false);
+    s.momentum_buffer = std::move(q.exp_avg);
     s.momentum_scales = std::move(q.scales);
     return;
   }
   if (held_codes) {
-    s.momentum_buffer = dequantize_buffer(param, {s.momentum_buffer, s.momentum_scales});
+    s.momentum_buffer =
+        dequantize_moments(param, {s.momentum_buffer, at::Tensor(), s.momentum_scales}).first;
   }
   s.momentum_scales = at::Tensor();
 }

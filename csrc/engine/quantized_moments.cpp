@@ -48,24 +48,27 @@ bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t, int64_t
           t.size(1) == columns);
 }
 
-QuantizedMoments zero_quantized_moments(const at::Tensor& param) {
+QuantizedMoments zero_quantized_moments(const at::Tensor& param, bool with_exp_avg_sq) {
   return {at::zeros_like(param, param.options().dtype(at::kChar)),
-          at::zeros_like(param, param.options().dtype(at::kByte)),
-          scales_for(param, param.options())};
+          with_exp_avg_sq ? at::zeros_like(param, param.options().dtype(at::kByte))
+                          : at::Tensor(),
+          scales_for(param, param.options(), with_exp_avg_sq ? 2 : 1)};
 }
 
 QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp_avg,
                                   const at::Tensor& exp_avg_sq) {
   at::NoGradGuard no_grad;
+  const bool with_v = exp_avg_sq.defined();
+  const int64_t columns = with_v ? 2 : 1;
   const auto m = host_like(param, exp_avg, at::kFloat);
-  const auto v = host_like(param, exp_avg_sq, at::kFloat);
+  const auto v = with_v ? host_like(param, exp_avg_sq, at::kFloat) : at::Tensor();
   auto m_codes = at::empty_like(m, m.options().dtype(at::kChar));
-  auto v_codes = at::empty_like(v, v.options().dtype(at::kByte));
-  auto scales = scales_for(param, m.options());
+  auto v_codes = with_v ? at::empty_like(v, v.options().dtype(at::kByte)) : at::Tensor();
+  auto scales = scales_for(param, m.options(), columns);
   const float* mp = m.const_data_ptr<float>();
-  const float* vp = v.const_data_ptr<float>();
+  const float* vp = with_v ? v.const_data_ptr<float>() : nullptr;
   int8_t* mq = m_codes.mutable_data_ptr<int8_t>();
-  uint8_t* vq = v_codes.mutable_data_ptr<uint8_t>();
+  uint8_t* vq = with_v ? v_codes.mutable_data_ptr<uint8_t>() : nullptr;
   float* sp = scales.mutable_data_ptr<float>();
   const int64_t n = param.numel();
   for (int64_t start = 0; start < n; start += kMomentBlock) {
@@ -73,90 +76,54 @@ QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp
     float m_scale = 0.f, v_scale = 0.f;
     for (int64_t i = start; i < end; ++i) {
       m_scale = Lane::max(m_scale, math::exp_avg_magnitude(mp[i]));
-      v_scale = Lane::max(v_scale, math::exp_avg_sq_root(vp[i]));
+      if (with_v) {
+        v_scale = Lane::max(v_scale, math::exp_avg_sq_root(vp[i]));
+      }
     }
     const math::QuantizingBlock b = math::quantizing_block(m_scale, v_scale);
     for (int64_t i = start; i < end; ++i) {
       mq[i] = static_cast<int8_t>(math::exp_avg_code(mp[i], b));
-      vq[i] = static_cast<uint8_t>(math::exp_avg_sq_code(math::exp_avg_sq_root(vp[i]), b));
+      if (with_v) {
+        vq[i] = static_cast<uint8_t>(math::exp_avg_sq_code(math::exp_avg_sq_root(vp[i]), b));
+      }
     }
-    float* row = sp + 2 * (start / kMomentBlock);
+    float* row = sp + columns * (start / kMomentBlock);
     row[0] = m_scale;
-    row[1] = v_scale;
+    if (with_v) {
+      row[1] = v_scale;
+    }
   }
   const auto device = param.device();
-  return {m_codes.to(device), v_codes.to(device), scales.to(device)};
+  return {m_codes.to(device), with_v ? v_codes.to(device) : at::Tensor(), scales.to(device)};
 }
 
 std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
                                                      const QuantizedMoments& q) {
   at::NoGradGuard no_grad;
+  const bool with_v = q.exp_avg_sq.defined();
+  const int64_t columns = with_v ? 2 : 1;
   const auto mq = host_like(param, q.exp_avg, at::kChar);
-  const auto vq = host_like(param, q.exp_avg_sq, at::kByte);
+  const auto vq = with_v ? host_like(param, q.exp_avg_sq, at::kByte) : at::Tensor();
   const auto scales = q.scales.to(at::kCPU, at::kFloat).contiguous();
   auto m = at::empty_like(mq, mq.options().dtype(at::kFloat));
-  auto v = at::empty_like(vq, vq.options().dtype(at::kFloat));
+  auto v = with_v ? at::empty_like(vq, vq.options().dtype(at::kFloat)) : at::Tensor();
   const int8_t* mc = mq.const_data_ptr<int8_t>();
-  const uint8_t* vc = vq.const_data_ptr<uint8_t>();
+  const uint8_t* vc = with_v ? vq.const_data_ptr<uint8_t>() : nullptr;
   const float* sp = scales.const_data_ptr<float>();
   float* mp = m.mutable_data_ptr<float>();
-  float* vp = v.mutable_data_ptr<float>();
+  float* vp = with_v ? v.mutable_data_ptr<float>() : nullptr;
   const int64_t n = param.numel();
   for (int64_t start = 0; start < n; start += kMomentBlock) {
-    const float* row = sp + 2 * (start / kMomentBlock);
-    const math::QuantizedBlock b = math::quantized_block(row[0], row[1]);
+    const float* row = sp + columns * (start / kMomentBlock);
+    const math::QuantizedBlock b = math::quantized_block(row[0], with_v ? row[1] : 0.f);
     for (int64_t i = start; i < std::min(start + kMomentBlock, n); ++i) {
       mp[i] = math::exp_avg_value(static_cast<float>(mc[i]), b.exp_avg_step);
-      vp[i] = math::exp_avg_sq_value(static_cast<float>(vc[i]), b.exp_avg_sq_step);
+      if (with_v) {
+        vp[i] = math::exp_avg_sq_value(static_cast<float>(vc[i]), b.exp_avg_sq_step);
+      }
     }
   }
-  return {m.to(param.device()), v.to(param.device())};
-}
-
-QuantizedBuffer zero_quantized_buffer(const at::Tensor& param) {
-  return {at::zeros_like(param, param.options().dtype(at::kChar)),
-          scales_for(param, param.options(), 1)};
-}
-
-QuantizedBuffer quantize_buffer(const at::Tensor& param, const at::Tensor& buffer) {
-  at::NoGradGuard no_grad;
-  const auto x = host_like(param, buffer, at::kFloat);
-  auto codes = at::empty_like(x, x.options().dtype(at::kChar));
-  auto scales = scales_for(param, x.options(), 1);
-  const float* xp = x.const_data_ptr<float>();
-  int8_t* q = codes.mutable_data_ptr<int8_t>();
-  float* sp = scales.mutable_data_ptr<float>();
-  const int64_t n = param.numel();
-  for (int64_t start = 0; start < n; start += kMomentBlock) {
-    const int64_t end = std::min(start + kMomentBlock, n);
-    float scale = 0.f;
-    for (int64_t i = start; i < end; ++i) {
-      scale = Lane::max(scale, math::exp_avg_magnitude(xp[i]));
-    }
-    const math::QuantizingBlock b = math::quantizing_block(scale, 0.f);
-    for (int64_t i = start; i < end; ++i) {
-      q[i] = static_cast<int8_t>(math::exp_avg_code(xp[i], b));
-    }
-    sp[start / kMomentBlock] = scale;
-  }
-  const auto device = param.device();
-  return {codes.to(device), scales.to(device)};
-}
-
-at::Tensor dequantize_buffer(const at::Tensor& param, const QuantizedBuffer& q) {
-  at::NoGradGuard no_grad;
-  const auto codes = host_like(param, q.codes, at::kChar);
-  const auto scales = q.scales.to(at::kCPU, at::kFloat).contiguous();
-  auto x = at::empty_like(codes, codes.options().dtype(at::kFloat));
-  const int8_t* c = codes.const_data_ptr<int8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  float* xp = x.mutable_data_ptr<float>();
-  const int64_t n = param.numel();
-  for (int64_t i = 0; i < n; ++i) {
-    const math::QuantizedBlock b = math::quantized_block(sp[i / kMomentBlock], 0.f);
-    xp[i] = math::exp_avg_value(static_cast<float>(c[i]), b.exp_avg_step);
-  }
-  return x.to(param.device());
+  return {m.to(param.device()), with_v ? v.to(param.device()) : at::Tensor()};
 }
 
 }  // namespace fusedamp::optim::detail

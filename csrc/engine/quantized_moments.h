@@ -10,10 +10,11 @@
 
 namespace fusedamp::optim::detail {
 
+// Adam's two moments, or (exp_avg_sq undefined) SGD's momentum buffer in exp_avg's format.
 struct QuantizedMoments {
   at::Tensor exp_avg;     // int8 codes, param's shape and strides
-  at::Tensor exp_avg_sq;  // uint8 codes
-  at::Tensor scales;      // FP32 of block_scales_shape(param), contiguous
+  at::Tensor exp_avg_sq;  // uint8 codes; undefined for SGD's buffer
+  at::Tensor scales;      // FP32 of block_scales_shape(param, 2, or 1 without exp_avg_sq)
 };
 
 // The shape of param's block scales: one row per block, one column per quantized list (Adam's
@@ -24,13 +25,15 @@ struct QuantizedMoments {
 // otherwise.
 std::vector<int64_t> block_scales_shape(const at::Tensor& param, int64_t columns = 2);
 
-// exp_avg and exp_avg_sq (any floating dtype, param's shape) as the codes and scales a step
-// would leave for these values, on param's device. Blocks run over param's element order in
+// exp_avg and exp_avg_sq (any floating dtype, param's shape; exp_avg_sq undefined: exp_avg
+// alone, as SGD's buffer) as the codes and scales a step would leave for these values, on
+// param's device. Blocks run over param's element order in
 // memory, as the kernels walk it.
 QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp_avg,
                                   const at::Tensor& exp_avg_sq);
 
-// The FP32 values (param's shape, strides and device) that codes and scales stand for.
+// The FP32 values (param's shape, strides and device) that codes and scales stand for (the
+// second undefined where q has no exp_avg_sq).
 std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
                                                      const QuantizedMoments& q);
 
@@ -38,17 +41,7 @@ std::pair<at::Tensor, at::Tensor> dequantize_moments(const at::Tensor& param,
 // columns] (dtype and layout aside): the scales of the same blocks either way.
 bool has_block_scale_shape(const at::Tensor& param, const at::Tensor& t, int64_t columns = 2);
 
-// Fresh (all-zero) codes and scales for param.
-QuantizedMoments zero_quantized_moments(const at::Tensor& param);
-
-// SGD's momentum buffer in exp_avg's format: int8 codes (param's shape and strides) and FP32
-// scales of block_scales_shape(param, 1), on param's device.
-struct QuantizedBuffer {
-  at::Tensor codes;
-  at::Tensor scales;
-};
-QuantizedBuffer quantize_buffer(const at::Tensor& param, const at::Tensor& buffer);
-at::Tensor dequantize_buffer(const at::Tensor& param, const QuantizedBuffer& q);
-QuantizedBuffer zero_quantized_buffer(const at::Tensor& param);
+// Fresh (all-zero) codes and scales for param (without exp_avg_sq: SGD's buffer).
+QuantizedMoments zero_quantized_moments(const at::Tensor& param, bool with_exp_avg_sq = true);
 
 }  // namespace fusedamp::optim::detail

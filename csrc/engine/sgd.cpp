@@ -79,7 +79,7 @@ struct AlgorithmOf<SGDOptions> {
     ops::SgdStep a;
     detail::fill_step(a, b, o, in);
     a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);
-    if (o.momentum() != 0.0 && o.state_dtype() == at::kChar) {
+    if (slots_for(o).has(StateSlot::kMomentumScales)) {
       a.momentum_scales = b.state(StateSlot::kMomentumScales);
     }
     a.momentum = o.momentum();

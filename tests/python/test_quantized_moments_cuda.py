@@ -1,8 +1,9 @@
 """adam_step_ with quantized moments (moment_scales: int8 exp_avg and uint8 exp_avg_sq codes with
 FP32 block scales, csrc/include/fusedamp/math/quantized_moments_math.h), and sgd_step_ with a
-quantized momentum buffer (momentum_scales), on CUDA against the CPU kernel on identical inputs, for every weight store, param and grad dtype, sizes around a moment
-block (32) and a chunk (32768), tensors starting at odd element offsets, device scalars, a
-skipped step, and more tensors than one launch's metadata holds.
+quantized momentum buffer (momentum_scales), on CUDA against the CPU kernel on identical
+inputs, for every weight store, param and grad dtype, sizes around a moment block (32) and a
+chunk (32768), tensors starting at odd element offsets, device scalars, a skipped step, and
+more tensors than one launch's metadata holds.
 
 The kernels compute the same formulas in FP32, but each compiler contracts other a * b + c
 into an FMA (one rounding fewer), as for every other step kernel: a moment one rounding apart
