@@ -103,7 +103,8 @@ def test_op_step_matches_fp64_reference_of_the_quantized_algorithm(device, numel
 @pytest.mark.parametrize("master_weights", ["fp32", "split", "split8", "none"])
 def test_op_weight_stores_update_the_weights_alike(device, master_weights):
     """The quantized buffer beside every way of keeping BF16 weights: the same buffer codes and
-    scales, and weights within one BF16 rounding of the FP32-master step's."""
+    scales, and weights within one BF16 rounding of the FP32-master step's; the "split" pair is
+    that step's FP32 master exactly."""
     gen = torch.Generator().manual_seed(7)
     n = 300
     p32 = torch.randn(n, generator=gen).to(device)
@@ -120,13 +121,18 @@ def test_op_weight_stores_update_the_weights_alike(device, master_weights):
         codes, scales = base_codes.clone(), base_scales.clone()
         sgd_op(p, g.clone(), codes, scales, torch.tensor(2.0, device=device),
                master_params=masters)
-        return p, codes, scales
+        return p, masters, codes, scales
 
-    ref_p, ref_codes, ref_scales = run("fp32")
-    p, codes, scales = run(master_weights)
+    ref_p, ref_masters, ref_codes, ref_scales = run("fp32")
+    p, masters, codes, scales = run(master_weights)
     assert torch.equal(codes, ref_codes)  # no weight decay: the buffer does not see the weights
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     torch.testing.assert_close(p.float(), ref_p.float(), rtol=2 ** -7, atol=1e-6)
+    if master_weights == "split":  # the weight's bits above the remainder's: the FP32 master
+        high = p.view(torch.int16).to(torch.int64) & 0xFFFF
+        bits = ((high << 16) + masters[0].to(torch.int64)) & 0xFFFFFFFF
+        bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+        assert torch.equal(bits.view(torch.float32), ref_masters[0])
 
 
 def test_op_skipped_step_touches_nothing(device):
