@@ -74,7 +74,7 @@ void adam_quantized_lists(const CpuStep& step, const math::AdamHyper& h) {
   ScratchVector<math::AdamCoeffs> coeffs(step.params.size());
   fill_tensor_coeffs(step, h, coeffs);
   quantized_lists<2, TP, TG, kStore>(step, [&](int64_t i) {
-    return [&h, c = coeffs[i]](int64_t k, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* m, Vec* v) {
+    return [h, c = coeffs[i]](int64_t k, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* m, Vec* v) {
       Vec r0(0.f), r1(0.f);  // sqrt(v), whose square root is what v's code is formed from
       math::adam_update(p0, m[0], v[0], g0, h, c, static_cast<Vec*>(nullptr), &r0);
       // A tail of at most one vector leaves the second all padding (see adam_range).

@@ -15,14 +15,18 @@
 // - 8 full blocks of Adam in one pass: each block ends in two horizontal reductions and two
 //   divisions whose latency a single block cannot hide; 8 independent ones overlap (one block
 //   at a time, its moments kept in registers instead of these arrays, took 13 % longer);
-// - the running maxima as integer maxima of the bits (LaneOps::max_magnitude) and the codes'
-//   clamp without NaN propagation: 15 % less time than torch's NaN-propagating maximum and
-//   minimum, with the same results;
+// - the running maxima as integer maxima of the bits (LaneOps::max_magnitude): with the codes'
+//   former clamp without NaN propagation, 15 % less time than torch's NaN-propagating maximum
+//   and minimum, with the same results;
 // - a group's 16 scales from one reduction tree (largest_lanes_of_16) instead of 16
 //   reductions: 10 % less time (the 16 M-element tensor, "split", one thread, AVX-512);
 // - the codes widened into float lanes and narrowed back in registers (load_codes,
-//   store_codes), not converted through the value arrays: 3 % less;
-// - constant trip counts for full groups (kFull): the pair loops' tail checks fold away;
+//   store_nearest_codes), not converted through the value arrays: 3 % less;
+// - the codes rounded by the conversion to integers, which also makes a NaN code 0, and no
+//   clamp (math::exp_avg_code_unrounded says why none is needed): 8 % less than rounding,
+//   clamping and converting (a 1 M-element BF16 tensor, "split", one thread, AVX-512);
+// - constant trip counts for full groups (kFull): the pair loops' tail checks fold away, and
+//   with the update's hyper-parameters copied into registers, 3 % less;
 // - flatten (vector instruction sets): GCC otherwise called the update, the reductions and the
 //   code functions out of line, with their vectors passed through memory. Not for DEFAULT,
 //   whose Vectorized is loops over arrays: flattened, Adam's translation unit took 127 s to
@@ -60,7 +64,10 @@ template <int kLists, typename TP, typename TG, WeightStore kStore, int64_t kBlo
           typename Update>
 FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
                                        const QuantizedChunk& q, int64_t count, float grad_mult,
-                                       bool write_grads, const Update& update) {
+                                       bool write_grads, const Update& shared_update) {
+  // A copy: its captures (the hyper-parameters) then stay in registers, where through the
+  // reference every store to x0, x1 and top (floats, which may alias them) reloads them.
+  const Update update = shared_update;
   constexpr int64_t B = math::kMomentBlock;
   constexpr int64_t kPairsPerBlock = B / kPair;
   static_assert(kLists == 1 || kLists == 2, "exp_avg's format, and exp_avg_sq's");
@@ -82,7 +89,7 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
   // Vecs, whose constructor zeroes them (a memset of the arrays for every call).
   alignas(64) float top[kBlocks][kLists][Vec::size()];
   using Ops = math::LaneOps<Vec>;
-  step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
+  step_pairs<kFull>(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
                                                   Vec& g0, Vec& g1) {
     const int64_t b = i / kPair / kPairsPerBlock;
     const bool first = i % B == 0;
@@ -135,13 +142,14 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
   }
   for (int64_t b = 0; b < kBlocks; ++b) {
     for (int64_t i = b * B; i < std::min(n, (b + 1) * B); i += kPair) {
+      const int64_t k = kFull ? kPair : n - i;  // full groups: no tail checks
       const Vec a0 = Vec::loadu(x0 + i), a1 = Vec::loadu(x0 + i + Vec::size());
-      store_codes(q.values + i, n - i, math::exp_avg_code(a0, next[b]),
-                  math::exp_avg_code(a1, next[b]));
+      store_nearest_codes(q.values + i, k, math::exp_avg_code_unrounded(a0, next[b]),
+                          math::exp_avg_code_unrounded(a1, next[b]));
       if constexpr (kLists == 2) {
         const Vec r0 = Vec::loadu(x1 + i), r1 = Vec::loadu(x1 + i + Vec::size());
-        store_codes(q.roots + i, n - i, math::exp_avg_sq_code(r0, next[b]),
-                    math::exp_avg_sq_code(r1, next[b]));
+        store_nearest_codes(q.roots + i, k, math::exp_avg_sq_code_unrounded(r0, next[b]),
+                            math::exp_avg_sq_code_unrounded(r1, next[b]));
       }
     }
   }

@@ -48,8 +48,8 @@ template <typename TP, typename TG, WeightStore kStore>
 void sgd_quantized_lists(const CpuStep& step, const math::SgdHyper& h) {
   quantized_lists<1, TP, TG, kStore>(step, [&](int64_t i) {
     const bool first_step = step.steps_before[i] == 0.f;
-    return [&h, lr = step.lr, first_step](int64_t, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* buf,
-                                         Vec*) {
+    return [h, lr = step.lr, first_step](int64_t, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* buf,
+                                        Vec*) {
       math::sgd_update(p0, buf[0], g0, h, lr, first_step);
       math::sgd_update(p1, buf[1], g1, h, lr, first_step);
     };

@@ -21,12 +21,13 @@ void for_each_step_chunk(const CpuStep& step, const Body& body) {
 // A chunk of n elements, two vectors at a time: the gradient (times grad_mult) and the weights
 // loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i), then the weights
 // stored as their store keeps them and, with write_grads, the multiplied gradient written back.
-template <typename TG, typename Weights, typename Update>
+// kWholePairs: n is a multiple of kPair, and every k is kPair (the tails' checks fold away).
+template <bool kWholePairs = false, typename TG, typename Weights, typename Update>
 C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad_mult,
                                   bool write_grads, const Update& update) {
   const Vec mult(grad_mult);
   for (int64_t i = 0; i < n; i += kPair) {
-    const int64_t k = n - i;
+    const int64_t k = kWholePairs ? kPair : n - i;
     Vec g0, g1, p0, p1;
     PairIO<TG>::load(g + i, k, g0, g1);
     g0 = g0 * mult;

@@ -7,6 +7,7 @@
 #include <fusedamp/math/lane_ops.h>
 #include <fusedamp/math/kahan_math.h>
 #include <fusedamp/math/master_math.h>
+#include <fusedamp/math/quantized_moments_math.h>
 #include <fusedamp/math/split_math.h>
 #include <fusedamp/math/stochastic_rounding_math.h>
 
@@ -77,12 +78,6 @@ struct LaneOps<at::vec::Vectorized<float>> {
                                                     const at::vec::Vectorized<float>& s) {
     const at::vec::Vectorized<float> sign(-0.f);
     return x.abs() | (s & sign);
-  }
-  static inline at::vec::Vectorized<float> code_in(const at::vec::Vectorized<float>& x,
-                                                   const at::vec::Vectorized<float>& top) {
-    // (x > 0) is false for NaN lanes: they become 0, so the minimum need not propagate NaN
-    // (clamp_max: one instruction, where minimum() adds a compare and a blend).
-    return at::vec::clamp_max(x, top) & (x > at::vec::Vectorized<float>(0.f));
   }
 };
 
@@ -327,18 +322,25 @@ inline void load_codes(const R* p, int64_t n, Vec& a, Vec& b) {
 #endif
 }
 
-// a, b hold integers in R's range.
+// The codes of unrounded codes a, b (math::nearest_code: in R's range, or NaN). The vector
+// instruction sets convert to the nearest integer (ties to even, whatever MXCSR says) and
+// narrow in registers: a NaN converts to 0x80000000, whose low 8 bits, all the narrowing keeps,
+// are code 0, as nearest_code has it. DEFAULT rounds as floats and goes through an array.
 template <typename R>
-inline void store_codes(R* p, int64_t n, const Vec& a, const Vec& b) {
+inline void store_nearest_codes(R* p, int64_t n, const Vec& a, const Vec& b) {
   static_assert(sizeof(R) == 1, "8-bit codes");
 #if defined(CPU_CAPABILITY_AVX512)
-  store_narrowed(p, n, PatternLanes(_mm512_cvttps_epi32(a)), PatternLanes(_mm512_cvttps_epi32(b)));
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  store_narrowed(p, n, PatternLanes(_mm512_cvt_roundps_epi32(a, kNearest)),
+                 PatternLanes(_mm512_cvt_roundps_epi32(b, kNearest)));
 #elif defined(CPU_CAPABILITY_AVX2)
-  store_narrowed(p, n, PatternLanes(_mm256_cvttps_epi32(a)), PatternLanes(_mm256_cvttps_epi32(b)));
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  store_narrowed(p, n, PatternLanes(_mm256_cvttps_epi32(_mm256_round_ps(a, kNearest))),
+                 PatternLanes(_mm256_cvttps_epi32(_mm256_round_ps(b, kNearest))));
 #else
   alignas(64) float lanes[kPair];
-  a.store(lanes);
-  b.store(lanes + Vec::size());
+  math::nearest_code(a).store(lanes);
+  math::nearest_code(b).store(lanes + Vec::size());
   for_each_lane(n, [&](int64_t l) { p[l] = static_cast<R>(lanes[l]); });
 #endif
 }

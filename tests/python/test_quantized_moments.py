@@ -106,6 +106,29 @@ def test_op_step_matches_fp64_reference_of_the_quantized_algorithm(device, numel
         assert scales[1].tolist() == [0.0, 0.0]
 
 
+def test_op_codes_a_block_of_subnormal_moments_by_their_companding(device):
+    """A block whose largest |m| is below 2^-128, where its reciprocal overflows FP32: its codes
+    are those of the same block scaled up, not +-127 for every nonzero element."""
+    p = torch.zeros(64, device=device)
+    g = torch.zeros(64, device=device)
+    g[:32] = torch.linspace(-1.0, 1.0, 32) * 1e-38  # m = (1 - beta1) g: at most 1e-39
+    g[32:64] = torch.linspace(-1.0, 1.0, 32)  # a normal block beside it
+    mq = torch.zeros(64, dtype=torch.int8, device=device)
+    vq = torch.zeros(64, dtype=torch.uint8, device=device)
+    scales = torch.zeros(2, 2, device=device)
+    step = torch.tensor(0.0, device=device)
+    torch.ops.fusedamp.adam_step_(
+        [p], [], [g], [mq], [vq], [step], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        weight_decay=0.0, decoupled_weight_decay=True, moment_scales=[scales])
+    m = (g.double() * 0.1).cpu()  # the FP32 m, to FP32's precision of subnormals
+    ref_qm, _, ref_scales = ref_quantize(m, (g.double() ** 2 * 1e-3).cpu())
+    assert scales[0, 0].item() < 2.0 ** -128
+    torch.testing.assert_close(scales[:, 0].double().cpu(), ref_scales[:, 0], rtol=1e-5, atol=0)
+    diff = (mq.double().cpu() - ref_qm).abs()
+    assert diff.max().item() <= 1, mq[:32].tolist()
+    assert mq[:32].abs().tolist() != [127] * 32
+
+
 def test_op_skipped_step_touches_nothing(device):
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(70, generator=gen).to(device).bfloat16()
@@ -401,6 +424,21 @@ def test_state_conversions_between_fp32_and_int8(device):
         assert torch.allclose(back["exp_avg"].reshape(-1).double().cpu(), m, rtol=1e-6, atol=0)
         assert torch.allclose(back["exp_avg_sq"].reshape(-1).double().cpu(), v, rtol=1e-6,
                               atol=0)
+
+
+def test_state_conversion_of_subnormal_moments(device):
+    """FP32 -> int8 of a block whose largest |m| is subnormal (its reciprocal overflows FP32)
+    gives the codes of its companding."""
+    from fusedamp import _C
+
+    p = torch.nn.Parameter(torch.zeros(40, device=device))
+    m = torch.linspace(-1.0, 1.0, 40, device=device) * 1e-39
+    v = torch.linspace(0.0, 1.0, 40, device=device) * 1e-30
+    state = {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
+    _, got = _C.convert_param_state(p.detach(), state, True, torch.int8, 0)
+    qm, qv, _ = ref_quantize(m.double().cpu(), v.double().cpu())
+    assert (got["exp_avg"].double().cpu() - qm).abs().max() <= 1
+    assert (got["exp_avg_sq"].double().cpu() - qv).abs().max() <= 1
 
 
 def test_loading_into_another_state_dtype_keeps_the_optimizers_own(device):

@@ -45,10 +45,6 @@ struct LaneOps {
   }
   // Per lane: |x| with the sign of s.
   static C10_HOST_DEVICE inline V copysign(V x, V s) { return std::copysign(x, s); }
-  // Per lane: x within [0, top]; NaN gives 0 (an 8-bit code of a quantized state).
-  static C10_HOST_DEVICE inline V code_in(V x, V top) {
-    return x > V(0.f) ? (x < top ? x : top) : V(0.f);
-  }
 };
 
 // The integer twin of LaneOps, for formulas on FP32 bit patterns (math/split_math.h): a

@@ -49,17 +49,27 @@ C10_HOST_DEVICE inline QuantizedBlock quantized_block(float exp_avg_scale,
   return {exp_avg_scale / (kExpAvgLevels * kExpAvgLevels), exp_avg_sq_scale / kExpAvgSqLevels};
 }
 
-// What the codes of a block with these scales are formed with: u = |m| * exp_avg_inverse,
-// q = v^(1/4) * exp_avg_sq_factor (0 for an all-zero block, whose codes are then 0).
+// What the codes of a block with these scales are formed with: u = |m| * exp_avg_prescale *
+// exp_avg_inverse, q = v^(1/4) * exp_avg_sq_factor. An all-zero block has inverse and factor 0
+// (its codes are then 0), and so has a scale that is not finite (inf or NaN: the elements that
+// made it give NaN, the others 0, and every code is 0). Below 2^-126 (a subnormal largest |m|,
+// whose reciprocal may overflow FP32) the values are first scaled by 2^64, exactly: the codes
+// are then those of the same block 2^64 times larger. (v^(1/4) of an FP32 v is at least
+// 2^-37.25: its factor never overflows.)
 struct QuantizingBlock {
+  float exp_avg_prescale;
   float exp_avg_inverse;
   float exp_avg_sq_factor;
 };
 
 C10_HOST_DEVICE inline QuantizingBlock quantizing_block(float exp_avg_scale,
                                                         float exp_avg_sq_scale) {
-  return {exp_avg_scale > 0.f ? 1.f / exp_avg_scale : 0.f,
-          exp_avg_sq_scale > 0.f ? kExpAvgSqLevels / exp_avg_sq_scale : 0.f};
+  constexpr float kFloatMin = 1.17549435e-38f;  // 2^-126, the smallest normal FP32
+  constexpr float kFloatMax = 3.40282347e+38f;
+  const float prescale = exp_avg_scale < kFloatMin ? 18446744073709551616.f : 1.f;  // 2^64
+  const auto usable = [](float s) { return s > 0.f && s <= kFloatMax; };  // false for NaN
+  return {prescale, usable(exp_avg_scale) ? 1.f / (exp_avg_scale * prescale) : 0.f,
+          usable(exp_avg_sq_scale) ? kExpAvgSqLevels / exp_avg_sq_scale : 0.f};
 }
 
 // ---- per element (lane type V, lane_ops.h) -------------------------------------------------
@@ -96,18 +106,39 @@ C10_HOST_DEVICE inline V exp_avg_sq_root(V v) {
   return exp_avg_sq_root_of_sqrt(LaneOps<V>::sqrt(v));
 }
 
-// The int8 code of m (a float lane holding an integer in [-127, 127]; NaN gives 0).
+// The codes before rounding: sign(m) 127 sqrt(|m| / s_m), and 255 v^(1/4) / s_v. Every element
+// of a block is at most its scale, and the reciprocal and the product are each rounded once
+// (u <= 1 + 2^-23), so no unrounded code exceeds 127 (255) by more than 2^-16: the nearest
+// integer is never beyond the last level, and no clamp is needed. NaN where the code is 0 (see
+// QuantizingBlock).
 template <typename V>
-C10_HOST_DEVICE inline V exp_avg_code(V m, const QuantizingBlock& b) {
-  const V c = LaneOps<V>::sqrt(LaneOps<V>::abs(m) * V(b.exp_avg_inverse)) * V(kExpAvgLevels);
-  return LaneOps<V>::copysign(LaneOps<V>::code_in(LaneOps<V>::rint(c), V(kExpAvgLevels)), m);
+C10_HOST_DEVICE inline V exp_avg_code_unrounded(V m, const QuantizingBlock& b) {
+  const V u = LaneOps<V>::abs(m) * V(b.exp_avg_prescale) * V(b.exp_avg_inverse);
+  return LaneOps<V>::copysign(LaneOps<V>::sqrt(u) * V(kExpAvgLevels), m);
 }
 
-// The uint8 code of v from its fourth root (an integer in [0, 255]; NaN gives 0).
+template <typename V>
+C10_HOST_DEVICE inline V exp_avg_sq_code_unrounded(V root, const QuantizingBlock& b) {
+  return root * V(b.exp_avg_sq_factor);
+}
+
+// The stored code of an unrounded one: the nearest integer, ties to even; NaN stores 0. (The
+// CPU's vector stores convert and narrow in one go, cpu/vec_io.h store_nearest_codes.)
+template <typename V>
+C10_HOST_DEVICE inline V nearest_code(V x) {
+  return LaneOps<V>::where_equal(x, x, LaneOps<V>::rint(x), V(0.f));
+}
+
+// The int8 code of m (a float lane holding an integer in [-127, 127]).
+template <typename V>
+C10_HOST_DEVICE inline V exp_avg_code(V m, const QuantizingBlock& b) {
+  return nearest_code(exp_avg_code_unrounded(m, b));
+}
+
+// The uint8 code of v from its fourth root (an integer in [0, 255]).
 template <typename V>
 C10_HOST_DEVICE inline V exp_avg_sq_code(V root, const QuantizingBlock& b) {
-  return LaneOps<V>::code_in(LaneOps<V>::rint(root * V(b.exp_avg_sq_factor)),
-                             V(kExpAvgSqLevels));
+  return nearest_code(exp_avg_sq_code_unrounded(root, b));
 }
 
 }  // namespace fusedamp::math
