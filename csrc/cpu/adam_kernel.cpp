@@ -24,8 +24,12 @@ void fill_tensor_coeffs(const CpuStep& step, const math::AdamHyper& h,
 
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max, int64_t n,
-                const math::AdamHyper& h, const math::AdamCoeffs& c, float grad_mult,
+                const math::AdamHyper& hyper, const math::AdamCoeffs& coeffs, float grad_mult,
                 bool write_grads) {
+  // Copies: through the references every vector store (which may alias anything) reloads
+  // them; local, they stay in registers.
+  const math::AdamHyper h = hyper;
+  const math::AdamCoeffs c = coeffs;
   step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
                                                   Vec& g0, Vec& g1) {
     Vec m0, m1, v0, v1;

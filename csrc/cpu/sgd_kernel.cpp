@@ -13,8 +13,9 @@ namespace {
 
 template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
-               const math::SgdHyper& h, float lr, bool first_step, float grad_mult,
+               const math::SgdHyper& hyper, float lr, bool first_step, float grad_mult,
                bool write_grads) {
+  const math::SgdHyper h = hyper;  // in registers, not reloaded after every store (adam_range)
   step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
                                                   Vec& g0, Vec& g1) {
     if constexpr (kMomentum) {

@@ -19,15 +19,16 @@ void for_each_step_chunk(const CpuStep& step, const Body& body) {
 }
 
 // A chunk of n elements, two vectors at a time: the gradient (times grad_mult) and the weights
-// loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i), then the weights
-// stored as their store keeps them and, with write_grads, the multiplied gradient written back.
-// kWholePairs: n is a multiple of kPair, and every k is kPair (the tails' checks fold away).
+// loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i, at most kPair
+// counted), then the weights stored as their store keeps them and, with write_grads, the
+// multiplied gradient written back. The whole pairs run with k the constant kPair, so that the
+// loads', stores' and update's tail checks fold away, and a partial last pair after them
+// (none when kWholePairs: n is a multiple of kPair).
 template <bool kWholePairs = false, typename TG, typename Weights, typename Update>
 C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad_mult,
                                   bool write_grads, const Update& update) {
   const Vec mult(grad_mult);
-  for (int64_t i = 0; i < n; i += kPair) {
-    const int64_t k = kWholePairs ? kPair : n - i;
+  const auto pair = [&](int64_t i, int64_t k) __attribute__((always_inline)) {
     Vec g0, g1, p0, p1;
     PairIO<TG>::load(g + i, k, g0, g1);
     g0 = g0 * mult;
@@ -38,6 +39,13 @@ C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad
     if (write_grads) {
       PairIO<TG>::store(g + i, k, g0, g1);
     }
+  };
+  int64_t i = 0;
+  for (; i + kPair <= n; i += kPair) {
+    pair(i, kPair);
+  }
+  if (!kWholePairs && i < n) {
+    pair(i, n - i);
   }
 }
 
