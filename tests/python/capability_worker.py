@@ -34,6 +34,8 @@ CASES = [
     ("sgd_nesterov", "SGD", torch.float32, dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("sgd_bf16_split_dampening", "SGD", torch.bfloat16,
      dict(momentum=0.9, dampening=0.1, master_weights="split")),
+    ("sgd_bf16_split_int8", "SGD", torch.bfloat16,
+     dict(momentum=0.9, master_weights="split", state_dtype=torch.int8)),
 ]
 
 

@@ -1,7 +1,7 @@
 """The CPU kernels are compiled once per instruction set (DEFAULT, AVX2, AVX512) and the best
 one the CPU has is picked, as torch picks its own (ATEN_CPU_CAPABILITY chooses another). A
 machine runs only its best one in the other tests; here the others run too, in a subprocess
-each (capability_worker.py: every optimizer and weight store, 8-bit moments included, over
+each (capability_worker.py: every optimizer and weight store, 8-bit states included, over
 sizes with partial vectors and blocks), against this process's results:
 
 - AVX2 and AVX512 give the same bits: the same FP32 operations, fused multiply-adds in both;
