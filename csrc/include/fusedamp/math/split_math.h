@@ -72,13 +72,16 @@ C10_HOST_DEVICE inline void split8_patterns(P bits, P& weight, P& remainder) {
 template <int kShift, typename P>
 C10_HOST_DEVICE inline P combine_patterns(P weight, P remainder) {
   using O = PatternOps<P>;
-  const P zero = O::splat(0u), inf = O::splat(kFloatInfBits);
-  const P magnitude = weight & O::splat(kFloatMagnitudeMask);
-  const auto wraps_below_zero = O::both(O::equal(magnitude, zero), O::greater(zero, remainder));
-  const auto beyond_inf = O::either(O::greater(magnitude, inf),
-                                    O::both(O::equal(magnitude, inf), O::greater(remainder, zero)));
-  return O::select(O::either(wraps_below_zero, beyond_inf), weight,
-                   weight + O::template shift_left<kShift>(remainder));
+  const P sum = weight + O::template shift_left<kShift>(remainder);
+  // The sum leaves the weight's class exactly where its sign is not the weight's (a remainder
+  // below a zero weight wraps to the other sign) or it is past infinity (a remainder above an
+  // infinite weight, and any of a NaN weight: a weight's lower 16 bits are 0, so no remainder,
+  // at least -2^15, takes a NaN down to infinity). Every finite weight's sum stays between its
+  // sign's zero and infinity: the largest, 0x7F7F0000, plus at most 2^15 - 1.
+  const auto leaves = O::either(
+      O::greater(O::splat(0u), sum ^ weight),
+      O::greater(sum & O::splat(kFloatMagnitudeMask), O::splat(kFloatInfBits)));
+  return O::select(leaves, weight, sum);
 }
 
 // One value at a time.
