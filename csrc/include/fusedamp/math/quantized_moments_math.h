@@ -108,8 +108,8 @@ C10_HOST_DEVICE inline V exp_avg_sq_root(V v) {
 
 // The codes before rounding: sign(m) 127 sqrt(|m| / s_m), and 255 v^(1/4) / s_v. Every element
 // of a block is at most its scale, and the reciprocal and the product are each rounded once
-// (u <= 1 + 2^-23), so no unrounded code exceeds 127 (255) by more than 2^-16: the nearest
-// integer is never beyond the last level, and no clamp is needed. NaN where the code is 0 (see
+// (u <= 1 + 2^-23, whose square root rounds to at most 1), so no unrounded code exceeds 127
+// (255) by 2^-15: the nearest integer is never beyond the last level, and no clamp is needed. NaN where the code is 0 (see
 // QuantizingBlock).
 template <typename V>
 C10_HOST_DEVICE inline V exp_avg_code_unrounded(V m, const QuantizingBlock& b) {
