@@ -22,9 +22,8 @@ void for_each_step_chunk(const CpuStep& step, const Body& body) {
 // loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i, at most kPair
 // counted), then the weights stored as their store keeps them and, with write_grads, the
 // multiplied gradient written back. The whole pairs run with k the constant kPair, so that the
-// loads', stores' and update's tail checks fold away, and a partial last pair after them
-// (none when kWholePairs: n is a multiple of kPair).
-template <bool kWholePairs = false, typename TG, typename Weights, typename Update>
+// loads', stores' and update's tail checks fold away, and a partial last pair after them.
+template <typename TG, typename Weights, typename Update>
 C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad_mult,
                                   bool write_grads, const Update& update) {
   const Vec mult(grad_mult);
@@ -44,7 +43,7 @@ C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad
   for (; i + kPair <= n; i += kPair) {
     pair(i, kPair);
   }
-  if (!kWholePairs && i < n) {
+  if (i < n) {
     pair(i, n - i);
   }
 }

@@ -1,8 +1,9 @@
 #pragma once
-// A float's IEEE-754 bit pattern and back, on the host and the device. The 16-bit weight
-// formats of math/split_math.h and math/stochastic_rounding_math.h work on the pattern:
-// BF16 is the upper half of an FP32 pattern, and for one sign the patterns of finite values
-// are ordered like their magnitudes, so rounding a magnitude is integer arithmetic on it.
+// A float's IEEE-754 bit pattern and back, and the edges of its range, on the host and the
+// device. The 16-bit weight formats of math/split_math.h and math/stochastic_rounding_math.h
+// work on the pattern: BF16 is the upper half of an FP32 pattern, and for one sign the
+// patterns of finite values are ordered like their magnitudes, so rounding a magnitude is
+// integer arithmetic on it.
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
@@ -29,6 +30,9 @@ C10_HOST_DEVICE inline float float_of_bits(uint32_t bits) {
   return x;
 #endif
 }
+
+constexpr float kFloatSmallestNormal = 1.17549435e-38f;  // 2^-126 (BF16's too)
+constexpr float kFloatLargest = 3.40282347e+38f;
 
 constexpr uint32_t kFloatMagnitudeMask = 0x7FFFFFFFu;
 constexpr uint32_t kFloatInfBits = 0x7F800000u;

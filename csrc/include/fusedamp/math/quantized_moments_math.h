@@ -22,6 +22,7 @@
 // A step reads a block's codes and scales, updates the moments in FP32 (adam_math.h), then
 // quantizes the new moments with the block's new scales: the update of this step uses the
 // exact new moments, the next step their stored values.
+#include <fusedamp/math/float_bits.h>
 #include <fusedamp/math/lane_ops.h>
 
 #include <cstdint>
@@ -64,10 +65,9 @@ struct QuantizingBlock {
 
 C10_HOST_DEVICE inline QuantizingBlock quantizing_block(float exp_avg_scale,
                                                         float exp_avg_sq_scale) {
-  constexpr float kFloatMin = 1.17549435e-38f;  // 2^-126, the smallest normal FP32
-  constexpr float kFloatMax = 3.40282347e+38f;
-  const float prescale = exp_avg_scale < kFloatMin ? 18446744073709551616.f : 1.f;  // 2^64
-  const auto usable = [](float s) { return s > 0.f && s <= kFloatMax; };  // false for NaN
+  const float prescale =
+      exp_avg_scale < kFloatSmallestNormal ? 18446744073709551616.f : 1.f;  // 2^64
+  const auto usable = [](float s) { return s > 0.f && s <= kFloatLargest; };  // false for NaN
   return {prescale, usable(exp_avg_scale) ? 1.f / (exp_avg_scale * prescale) : 0.f,
           usable(exp_avg_sq_scale) ? kExpAvgSqLevels / exp_avg_sq_scale : 0.f};
 }

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include <fusedamp/math/float_bits.h>
 #include <fusedamp/math/lane_ops.h>
 
 namespace fusedamp::math {
@@ -21,7 +22,7 @@ namespace fusedamp::math {
 // it: below it an FP16 gradient has lost precision (or flushed to zero).
 template <typename T>
 constexpr float smallest_normal() {
-  return 1.17549435e-38f;  // FP32 and BF16 (same exponent range)
+  return kFloatSmallestNormal;  // FP32 and BF16 (same exponent range)
 }
 template <>
 constexpr float smallest_normal<c10::Half>() {
