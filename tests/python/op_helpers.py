@@ -63,7 +63,8 @@ def f32(x):
 
 def scale_model(found_seq, init_scale, growth, backoff, interval, hysteresis=1, min_scale=None,
                 max_scale=None):
-    """Plain-Python model of update_scale_: yields (scale, growth_tracker, hysteresis_tracker)."""
+    """Plain-Python model of update_scale_: yields (scale, growth_tracker, hysteresis_tracker).
+    Hysteresis is Megatron-Core's: only a completed growth interval refills the tracker."""
     scale, gt, ht = f32(init_scale), 0, hysteresis
     for found in found_seq:
         if found:
@@ -75,8 +76,8 @@ def scale_model(found_seq, init_scale, growth, backoff, interval, hysteresis=1, 
                     s = f32(min_scale)
                 scale = s
         else:
-            ht = hysteresis
             if gt + 1 == interval:
+                ht = hysteresis
                 s = f32(scale * growth)
                 if max_scale is not None and s > max_scale:
                     s = f32(max_scale)

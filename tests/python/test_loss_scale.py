@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fusedamp
-from op_helpers import _model_params, assert_bitwise_equal, scalar, scale_model
+from op_helpers import _model_params, assert_bitwise_equal, f32, scalar, scale_model
 from op_inputs import op_inputs
 
 
@@ -136,16 +136,51 @@ def test_update_scale_hysteresis_and_bounds(device, hysteresis, bounds):
             assert scale <= max_scale
 
 
-def test_hysteresis_tolerates_isolated_overflows(device):
-    inp = op_inputs(device, [], loss_scale=1024.0, hysteresis=3)
-    for f in [1, 1, 0, 1, 1, 0]:  # never three overflows in a row
+def megatron_scales(found_seq, scale, growth_factor, backoff, interval, hysteresis, min_scale):
+    """Megatron-Core's DynamicGradScaler.update restated in plain Python: every overflow spends
+    one unit of hysteresis and, once none is left, backs off (not below min_scale); only a
+    completed growth interval refills it. Yields the scale after each step."""
+    growth_tracker, hysteresis_tracker = 0, hysteresis
+    for found in found_seq:
+        if found:
+            growth_tracker = 0
+            hysteresis_tracker -= 1
+            if hysteresis_tracker <= 0:
+                scale = max(f32(scale * backoff), min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == interval:
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+                scale = f32(scale * growth_factor)
+        yield scale
+
+
+def _run_update_scale(device, found_seq, init, interval, hysteresis, min_scale):
+    inp = op_inputs(device, [], loss_scale=init, hysteresis=hysteresis)
+    for f in found_seq:
         inp.call("update_scale_", found_inf=scalar(float(f), device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
-    assert inp.scale.item() == 1024.0
-    for _ in range(3):
-        inp.call("update_scale_", found_inf=scalar(1.0, device), growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=1000, hysteresis=3)
-    assert inp.scale.item() == 512.0
+                 backoff_factor=0.5, growth_interval=interval, hysteresis=hysteresis,
+                 min_scale=min_scale)
+        yield inp.scale.item()
+
+
+def test_hysteresis_does_not_lock_the_scale(device):
+    """An overflow every other step with hysteresis 2 (Megatron's default): the first is
+    tolerated, every later one backs off, as no growth refills the hysteresis."""
+    pattern = [True, False] * 10
+    seen = list(_run_update_scale(device, pattern, 1024.0, 1000, 2, None))
+    assert seen == list(megatron_scales(pattern, 1024.0, 2.0, 0.5, 1000, 2, 0.0))
+    assert seen[-1] == 2.0
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3, 5])
+def test_hysteresis_matches_megatron(device, hysteresis):
+    gen = torch.Generator().manual_seed(100 + hysteresis)
+    for density in (0.1, 0.3, 0.6):
+        pattern = (torch.rand(400, generator=gen) < density).tolist()
+        seen = list(_run_update_scale(device, pattern, 2.0 ** 16, 4, hysteresis, 1.0))
+        assert seen == list(megatron_scales(pattern, 2.0 ** 16, 2.0, 0.5, 4, hysteresis, 1.0))
 
 
 def test_hysteresis_and_bounds(device):
@@ -164,11 +199,12 @@ def test_hysteresis_and_bounds(device):
         scaler.update()
         opt.zero_grad()
         seen.append(scaler.get_scale())
-    # One isolated overflow is tolerated; the run of four backs off three times, to the
-    # minimum; clean steps grow every two steps, up to the maximum (the plain-Python model).
+    # The first overflow is tolerated; a clean step does not refill the hysteresis, so every
+    # later overflow backs off, to the minimum; clean steps grow every two steps, up to the
+    # maximum (the plain-Python model).
     model = [s for s, _, _ in scale_model(pattern, 256.0, 2.0, 0.5, 2, 2, 64.0, 1024.0)]
     assert seen == model
-    assert seen[:6] == [256, 256, 256, 128, 64, 64] and seen[-1] == 1024
+    assert seen[:6] == [256, 256, 128, 64, 64, 64] and seen[-1] == 1024
 
 
 def test_the_inverse_scale_is_torchs(device):

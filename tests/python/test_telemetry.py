@@ -160,7 +160,6 @@ def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0
                 s = max(s, min_scale)
             scale = s
         return scale, growth, hyst
-    hyst = hysteresis
     if measured:
         amax = amax if amax > 0 else 2.0 ** -24  # all zero: all were below FP16's subnormals
         s = target_scale()
@@ -168,12 +167,12 @@ def amax_rule(scale, growth, hyst, found_inf, amax, target, *, growth_factor=2.0
             s = min(s, max_scale)
         if min_scale is not None:
             s = max(s, min_scale)
-        return s, 0, hyst
+        return s, 0, (hysteresis if s > scale else hyst)  # a growth refills the hysteresis
     if growth + 1 == interval:
         s = f32(scale * growth_factor)
         if max_scale is not None:
             s = min(s, max_scale)
-        return (s if math.isfinite(s) else scale), 0, hyst
+        return (s if math.isfinite(s) else scale), 0, hysteresis
     return scale, growth + 1, hyst
 
 

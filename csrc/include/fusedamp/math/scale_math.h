@@ -2,9 +2,12 @@
 // The loss-scale state machine, one step. With hysteresis == 1 and no bounds this is exactly
 // torch._amp_update_scale_: on overflow scale *= backoff and the growth tracker resets; after
 // growth_interval clean steps in a row scale *= growth (only if the result is finite).
-// Hysteresis h: back off only on the h-th overflow in a row (the hysteresis tracker counts
-// the overflows still tolerated; a clean step refills it). Once it is exhausted, every further
-// consecutive overflow backs off. min_scale / max_scale clamp the result (<= 0 means unset).
+// Hysteresis h is Megatron-Core's (DynamicGradScaler; DeepSpeed's default): the tracker counts
+// the overflows still tolerated, every overflow spends one, and only a growth refills it. Once
+// it is exhausted every overflow backs off, until the scale grows again. Refilling it on every
+// clean step instead (DeepSpeed's consecutive_hysteresis) tolerates an overflow every other
+// step forever: the scale never backs off while half the steps are skipped.
+// min_scale / max_scale clamp the result (<= 0 means unset).
 //
 // The amax policy (amax_target > 0): the step also knows amax, the largest finite |gradient|
 // of this step's scaled gradients (grad_stats_'s telemetry). amax / scale is the gradients' own
@@ -104,15 +107,21 @@ C10_HOST_DEVICE inline void update_scale(
     }
     return;
   }
-  hysteresis_tracker = h.hysteresis;
   if (measured) {
     const double at_most = amax > 0.0 ? amax : kAllZeroAmax;
-    scale = clamp_scale(amax_policy_scale(scale, at_most, h.amax_target), h);
+    const float moved = clamp_scale(amax_policy_scale(scale, at_most, h.amax_target), h);
+    if (moved > scale) {  // the amax policy's growth
+      hysteresis_tracker = h.hysteresis;
+    }
+    scale = moved;
     growth_tracker = 0;
     return;
   }
   const int32_t successful = growth_tracker + 1;
   if (successful == h.growth_interval) {
+    // Megatron refills at every completed growth interval, also where max_scale (or FP32's
+    // range) holds the scale where it is.
+    hysteresis_tracker = h.hysteresis;
     float s = static_cast<float>(scale * h.growth_factor);
     if (h.max_scale > 0.f && s > h.max_scale) {
       s = h.max_scale;
