@@ -1,6 +1,7 @@
 // fusedamp::convert_module (see include/fusedamp/convert.h).
 #include <fusedamp/convert.h>
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -24,13 +25,6 @@ int64_t convert_module(torch::nn::Module& module, c10::ScalarType dtype,
         ++cast;
       }
     }
-    for (auto& kv : m.named_buffers(/*recurse=*/false)) {
-      auto& t = kv.value();
-      if (t.is_floating_point() && t.scalar_type() != dtype) {
-        t.set_data(t.to(dtype));
-        ++cast;
-      }
-    }
   };
   // named_modules includes the root under the name "".
   for (auto& kv : module.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
@@ -41,6 +35,28 @@ int64_t convert_module(torch::nn::Module& module, c10::ScalarType dtype,
     cast_own(m);
   }
   return cast;
+}
+
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype)
+    : device_type_(device_type),
+      was_enabled_(at::autocast::is_autocast_enabled(device_type)),
+      old_dtype_(at::autocast::get_autocast_dtype(device_type)),
+      old_cache_(at::autocast::is_autocast_cache_enabled()) {
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "fusedamp::AutocastGuard: dtype must be float16 or bfloat16, got ", dtype);
+  at::autocast::set_autocast_enabled(device_type, true);
+  at::autocast::set_autocast_dtype(device_type, dtype);
+  at::autocast::set_autocast_cache_enabled(false);
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  at::autocast::set_autocast_enabled(device_type_, was_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, old_dtype_);
+  at::autocast::set_autocast_cache_enabled(old_cache_);
 }
 
 }  // namespace fusedamp

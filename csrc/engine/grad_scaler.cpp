@@ -20,6 +20,9 @@
 namespace fusedamp {
 namespace {
 
+// 2^15: the largest power of two below FP16's largest finite value, 65504.
+constexpr double kLargestHalfPowerOfTwo = 32768.0;
+
 std::vector<at::Tensor> params_with_grads(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;
   for (const auto& g : opt.param_groups()) {
@@ -89,6 +92,13 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   TORCH_CHECK(outputs.is_floating_point(), kWho, "::scale: the tensor must be floating point, got ",
               outputs.scalar_type());
   ensure_state(outputs.device());
+  if (outputs.scalar_type() == at::kHalf) {
+    // The gradient that reaches an FP16 output is the scale itself, rounded to FP16: above
+    // 65504 it is inf and the step is lost to the scale alone (torch's default 2^16 loses
+    // every FP16-loss run's first step). The scale is held to the largest power of two FP16
+    // carries, on the device (no sync); an FP32 loss keeps torch's sequence.
+    scale_.clamp_max_(kLargestHalfPowerOfTwo);
+  }
   // The scale as a 0-dim tensor, as torch.amp's: a scalar FP16 loss gives an FP32 result, a
   // tensor of outputs keeps its dtype (type promotion).
   const auto s = scale_.device() == outputs.device() ? scale_ : scale_.to(outputs.device(), true);

@@ -76,8 +76,14 @@ void train(at::ScalarType dtype, const c10::Device& device) {
       const auto xb = x.index_select(0, idx).to(dtype);
       const auto yb = y.index_select(0, idx);
       opt.zero_grad();
-      const auto logits = model->forward(xb);
-      const auto loss = torch::nn::functional::cross_entropy(logits, yb);
+      at::Tensor logits, loss;
+      {
+        // What torch's autocast keeps in FP32 (the loss, on CUDA also softmax and norms) runs
+        // in FP32; the FP16/BF16 layers stay as they are.
+        fusedamp::AutocastGuard autocast(device.type(), dtype);
+        logits = model->forward(xb);
+        loss = torch::nn::functional::cross_entropy(logits, yb);
+      }
       scaler.scale(loss).backward();
       scaler.step(opt);  // no host sync
       scaler.update();

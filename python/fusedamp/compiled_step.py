@@ -110,10 +110,10 @@ if available:
     @torch.library.custom_op("fusedamp::scaler_scale_factor", mutates_args=())
     def _scaler_scale_factor(scaler: StepTarget, like: torch.Tensor) -> torch.Tensor:
         # The scale as a 0-dim FP32 tensor on like's device, made there by the first scale()
-        # (torch's rule) and copied: an op's output may not alias state it does not declare.
+        # (torch's rule; the engine's scale() also holds it within what an FP16 output carries)
+        # and copied: an op's output may not alias state it does not declare.
         engine = scaler.obj._engine
-        if not engine.has_scale():
-            engine.scale(like.new_empty(0))
+        engine.scale(like.new_empty(0))
         return engine.scale_tensor().reshape(()).to(like.device, copy=True)
 
     @torch.library.custom_op("fusedamp::schedule_step_", mutates_args=("lrs", "applied"))

@@ -1,17 +1,27 @@
 """Converting an existing ``nn.Module`` to FP16/BF16 for master-weight training.
 
-Every module is cast to the low-precision dtype except normalisation layers, which keep FP32
-parameters and buffers (running statistics in FP16 drift; their reductions need the range).
-Batch norm runs natively on low-precision input with its FP32 weights; the other norm layers
-receive FP32 inputs and hand the low-precision dtype on, so the model runs end to end in
-FP16/BF16 with FP32 islands where they matter. The model's floating inputs are cast
-at its entry and its floating outputs are returned as FP32, so a loss computed from them is
-an FP32 scalar, as a scaler expects. The casts follow the dtypes the parameters have at each
-forward: a converted model cast again (``model.float()``, ``.to(torch.bfloat16)``) still runs.
+Every parameter is cast to the low-precision dtype except those of normalisation layers and of
+the modules named by ``keep_fp32`` (and transformers' ``_keep_in_fp32_modules`` lists), which
+keep FP32: running statistics in FP16 drift, reductions need the range, and a model's authors
+know which of its layers overflow. Buffers keep their dtype (rotary frequencies, position
+tables, running statistics): the model's own code casts them where it means to, as it does
+when transformers loads the model in FP16.
+
+The converted model's forward runs under ``torch.autocast`` with its dtype, so every operation
+that autocast keeps in FP32 on the device (losses, and on CUDA softmax, log_softmax, norms,
+exp/log/pow, sums, ...) runs in FP32 wherever the model calls it, with autocast's numbers: a
+loss computed inside ``forward`` is an FP32 loss of the low-precision logits. The list is
+torch's own, per device (``aten/src/ATen/autocast_mode.cpp``), not a copy. Modules kept FP32
+run with autocast off, on FP32 inputs. Batch norm runs natively on low-precision input with its
+FP32 weights; the other norm layers receive FP32 inputs and hand the low-precision dtype on.
+The model's floating inputs are cast at its entry and its floating outputs are returned as
+FP32. The casts follow the dtypes the parameters have at each forward: a converted model cast
+again (``model.float()``, ``.to(torch.bfloat16)``) runs as a plain model of that dtype.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -69,18 +79,25 @@ class _ModelDtypes:
     A model without norm layers in its converted dtype cannot be told from the trained one:
     it runs as trained."""
 
-    def __init__(self, model, norms, dtype):
+    def __init__(self, model, kept, dtype):
+        # Read after the cast: a parameter shared by a converted and a kept module (a tied
+        # lm_head kept FP32) has the kept one's FP32 and is no reference for either.
         self.converted = dtype
-        self.reference = self._first_floating(m for m in model.modules() if m not in norms)
-        self.norm_reference = self._first_floating(m for m in model.modules() if m in norms)
+        self.reference = self._first(model, lambda m, p: m not in kept and p.dtype == dtype)
+        self.norm_reference = self._first(model, lambda m, p: m in kept
+                                          and p.dtype == torch.float32)
 
     @staticmethod
-    def _first_floating(modules):
-        return next((p for m in modules for p in m.parameters(recurse=False)
-                     if p.is_floating_point()), None)
+    def _first(model, fits):
+        return next((p for m in model.modules() for p in m.parameters(recurse=False)
+                     if p.is_floating_point() and fits(m, p)), None)
 
     def compute(self):
         return self.reference.dtype if self.reference is not None else self.converted
+
+    def device_type(self):
+        ref = self.reference if self.reference is not None else self.norm_reference
+        return ref.device.type if ref is not None else "cpu"
 
     def as_trained(self):
         """The low-precision parameters have the converted dtype and the norm layers' are FP32."""
@@ -103,6 +120,14 @@ class _BoundaryCasts:
         return _cast_floating(output, torch.float32) if self.dtypes.as_trained() else output
 
 
+class _FP32Inputs:
+    """A module kept FP32: its floating inputs cast to FP32."""
+
+    @staticmethod
+    def pre(module, args, kwargs):
+        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
+
+
 class _NormCasts:
     """A norm layer's: inputs to the dtype of its own parameters (FP32 as trained), outputs to
     the model's dtype."""
@@ -123,8 +148,70 @@ class _NormCasts:
         return _cast_floating(output, self.dtypes.compute())
 
 
-def check_convertible(model: nn.Module, dtype: torch.dtype) -> None:
-    """Raises (changing nothing) unless convert_module(model, dtype) can run."""
+class _ScopedForward:
+    """A module's forward run inside a context that its conversion asks for (autocast at the
+    root, autocast off in a module kept FP32). It holds the module and the function, not a
+    bound method, so ``copy.deepcopy`` and pickling carry it to the copy; ``inspect.signature``
+    sees the original's (transformers reads ``forward``'s parameters)."""
+
+    def __init__(self, module, dtypes, kept):
+        self.module = module
+        self.dtypes = dtypes
+        self.kept = kept
+        self.own = module.__dict__.get("forward")  # a forward the instance already had
+
+    @property
+    def __wrapped__(self):
+        return self.own if self.own is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __code__(self):  # torch.export names the traced forward by its code object
+        return self.__wrapped__.__code__
+
+    def context(self):
+        if not self.dtypes.as_trained():
+            return nullcontext()  # cast to one dtype again: a plain model
+        if self.kept:
+            return torch.autocast(self.dtypes.device_type(), enabled=False)
+        # The weights already have the dtype: autocast has no FP32 weight to cast or cache.
+        return torch.autocast(self.dtypes.device_type(), dtype=self.dtypes.converted,
+                              cache_enabled=False)
+
+    def __call__(self, *args, **kwargs):
+        with self.context():
+            return self.__wrapped__(*args, **kwargs)
+
+
+def _matches(name: str, entry: str) -> bool:
+    """A module name matches an entry of a keep-FP32 list when the entry is one or more whole
+    components of its dotted path ("wo" matches "encoder.block.0.layer.1.DenseReluDense.wo")."""
+    return f".{entry}." in f".{name}."
+
+
+def keep_fp32_names(model: nn.Module, dtype: torch.dtype, keep_fp32=()) -> list[str]:
+    """The names of the modules whose parameters stay FP32 beside the norm layers: those
+    matching ``keep_fp32`` (names or dotted name parts) or, as transformers' ``from_pretrained``
+    keeps them, its ``_keep_in_fp32_modules`` (FP16 only) and ``_keep_in_fp32_modules_strict``
+    lists of the model or any submodule."""
+    if isinstance(keep_fp32, str):
+        keep_fp32 = [keep_fp32]
+    entries = set(keep_fp32)
+    for m in model.modules():
+        if dtype == torch.float16:
+            entries |= set(getattr(m, "_keep_in_fp32_modules", None) or ())
+        entries |= set(getattr(m, "_keep_in_fp32_modules_strict", None) or ())
+    if not entries:
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    unknown = sorted(e for e in set(keep_fp32) if not any(_matches(n, e) for n in names))
+    if unknown:
+        raise ValueError(f"fusedamp: keep_fp32 names no module of the model: {unknown}")
+    return [n for n in names if any(_matches(n, e) for e in entries)]
+
+
+def check_convertible(model: nn.Module, dtype: torch.dtype, keep_fp32=()) -> list[str]:
+    """Raises (changing nothing) unless convert_module(model, dtype, keep_fp32) can run; returns
+    the names of the modules it keeps FP32 beside the norm layers."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"fusedamp: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     if getattr(model, "_fusedamp_dtype", None) is not None:
@@ -134,27 +221,42 @@ def check_convertible(model: nn.Module, dtype: torch.dtype) -> None:
         if p.is_complex():
             raise ValueError(f"fusedamp: parameter {name!r} is complex ({p.dtype}); mixed "
                              "precision with master weights supports real floating parameters")
+    return keep_fp32_names(model, dtype, keep_fp32)
+
+
+def _scope_forward(module, dtypes, kept):
+    module.forward = _ScopedForward(module, dtypes, kept)
+
+
+def _unscope_forward(module):
+    scoped = module.__dict__.get("forward")
+    if isinstance(scoped, _ScopedForward):
+        if scoped.own is not None:
+            module.forward = scoped.own
+        else:
+            del module.forward
 
 
 def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
-                   cast_inputs: bool = True, fp32_outputs: bool = True) -> nn.Module:
-    """Casts ``model`` in place to ``dtype``, keeping normalisation layers FP32; returns it.
+                   cast_inputs: bool = True, fp32_outputs: bool = True,
+                   keep_fp32=()) -> nn.Module:
+    """Casts ``model``'s parameters in place to ``dtype``, keeping normalisation layers and the
+    modules named by ``keep_fp32`` (module names or dotted name parts, e.g. ``"lm_head"``,
+    ``["wo"]``) FP32, and runs its forward under ``torch.autocast``; returns it.
     ``fusedamp.restore(model)`` undoes it."""
-    check_convertible(model, dtype)
+    kept_names = set(check_convertible(model, dtype, keep_fp32))
     norm_layers = [m for m in model.modules() if is_norm_layer(m)]
-    norms = set(norm_layers)
+    kept = [m for n, m in model.named_modules() if n in kept_names and m not in norm_layers]
+    fp32 = set(norm_layers) | {p for m in kept for p in m.modules()}
     for module in model.modules():
-        target = torch.float32 if module in norms else dtype
+        target = torch.float32 if module in fp32 else dtype
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point() and p.dtype != target:
                 p.data = p.data.to(target)
                 if p.grad is not None:
                     p.grad = None
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point() and b.dtype != target:
-                module._buffers[name] = b.to(target)
     handles = []
-    dtypes = _ModelDtypes(model, norms, dtype)
+    dtypes = _ModelDtypes(model, fp32, dtype)
     for module in norm_layers:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             # Native batch norm takes FP16/BF16 input with FP32 weights and statistics (CPU and
@@ -164,11 +266,18 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
         hooks = _NormCasts(dtypes, module)
         handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         handles.append(module.register_forward_hook(hooks.post, with_kwargs=True))
+    for module in kept:
+        # FP32 in, autocast off inside; its FP32 output goes on as the model's code has it.
+        hooks = _FP32Inputs()
+        handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        _scope_forward(module, dtypes, kept=True)
     boundary = _BoundaryCasts(dtypes)
     if cast_inputs:
         handles.append(model.register_forward_pre_hook(boundary.pre, with_kwargs=True))
     if fp32_outputs:
         handles.append(model.register_forward_hook(boundary.post, with_kwargs=True))
+    if model not in fp32:
+        _scope_forward(model, dtypes, kept=False)
     model._fusedamp_dtype = dtype
     model._fusedamp_hooks = handles
     return model
@@ -188,6 +297,8 @@ def restore(model: nn.Module, dtype: torch.dtype = torch.float32,
             raise KeyError(f"fusedamp.restore: not parameters of the model: {sorted(unknown)}")
     for handle in getattr(model, "_fusedamp_hooks", ()):
         handle.remove()
+    for module in model.modules():
+        _unscope_forward(module)
     model.__dict__.pop("_fusedamp_hooks", None)
     model.__dict__.pop("_fusedamp_dtype", None)
     with torch.no_grad():

@@ -50,12 +50,16 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                dtype: torch.dtype = torch.float16, *, loss_scaling=None, max_grad_norm=None,
                init_scale=2.0 ** 16, growth_interval=2000, hysteresis=1, min_scale=None,
                max_scale=None, skip_nonfinite=True, master_weights=True,
-               state_dtype=torch.float32, rounding_seed=0, policy="torch", amax_target=None):
+               state_dtype=torch.float32, rounding_seed=0, policy="torch", amax_target=None,
+               keep_fp32=()):
     """Prepares ``model`` and ``optimizer`` for mixed-precision training with FP32 master
     weights. Returns ``(model, optimizer, scaler)``:
 
-    - the model, cast in place to ``dtype`` except normalisation layers (FP32), with floating
-      inputs cast at its entry and FP32 outputs (``fusedamp.restore(model)`` undoes it);
+    - the model, cast in place to ``dtype`` except normalisation layers and the modules named
+      by ``keep_fp32`` or transformers' ``_keep_in_fp32_modules`` (FP32), its forward run
+      under ``torch.autocast`` (what autocast keeps in FP32, e.g. a loss inside the model,
+      runs in FP32), floating inputs cast at its entry and FP32 outputs
+      (``fusedamp.restore(model)`` undoes it; see fusedamp.convert_module);
     - a fusedamp optimizer of the same kind (AdamW/Adam/SGD) over the same param groups with
       every hyper-parameter of the given one (or a ValueError naming one it cannot honour);
       LR schedulers must be created on it (one created before is an error);
@@ -80,7 +84,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if not params <= {id(p) for p in model.parameters()}:
         raise ValueError("fusedamp.initialize: the optimizer holds tensors that are not "
                          "parameters of the model")
-    check_convertible(model, dtype)
+    check_convertible(model, dtype, keep_fp32)
     if not _C.master_weights_fit(master_weights, dtype):
         raise ValueError(f"fusedamp.initialize: master_weights={master_weights!r} keeps "
                          f"bfloat16 weights; dtype is {dtype} (use master_weights=True or "
@@ -99,7 +103,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         enabled=enabled, hysteresis=hysteresis, min_scale=min_scale,
                         max_scale=max_scale, policy=policy, amax_target=amax_target)
     # Everything is checked: commit.
-    convert_module(model, dtype)
+    convert_module(model, dtype, keep_fp32=keep_fp32)
     fused = fused_cls([{k: v for k, v in g.items()} for g in groups], **kwargs)
     return model, fused, scaler
 

@@ -93,6 +93,8 @@ class GradScaler {
 
   // outputs * scale, with torch.amp's type promotion (the scale is a 0-dim FP32 tensor: a scalar
   // FP16 loss gives an FP32 result, a tensor of FP16 outputs stays FP16). Disabled: `outputs`.
+  // FP16 outputs first hold the scale at 2^15 or below (on the device): the scale is the
+  // gradient that reaches them, and FP16 cannot carry 2^16.
   at::Tensor scale(const at::Tensor& outputs);
 
   // ---- the iteration, for C++ optimizers --------------------------------------------------
