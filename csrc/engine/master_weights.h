@@ -23,7 +23,8 @@ SplitState split_from_fp32(const at::Tensor& param, const at::Tensor& master,
 
 // The value a weight and its Kahan compensation hold (their FP32 sum).
 at::Tensor fp32_from_kahan(const at::Tensor& param, const at::Tensor& compensation);
-// The compensation beside param = round(master): master − param, rounded to param's dtype.
+// The compensation beside param = round(master) to nearest even: master − param, rounded to
+// param's dtype (a split pair's weight, rounded ties away from zero, is not that at a tie).
 at::Tensor kahan_from_fp32(const at::Tensor& param, const at::Tensor& master);
 
 }  // namespace fusedamp::optim::detail

@@ -88,6 +88,16 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
     }
     return at::Tensor();
   };
+  // Beside an FP32 master or a Kahan compensation the weight is the value's rounding to nearest
+  // even, as their steps store it. Where a value rebuilt from a pair lies exactly halfway and
+  // the old weight is the other neighbour ("split" rounds ties away from zero; a compensation
+  // may be half an ulp), the weight moves by that ulp and the value stays: a compensation
+  // reckoned from the even neighbour beside the odd one would be an ulp off, and the next step
+  // would take the odd weight for an edit and drop the master's half ulp.
+  const auto round_weight_to = [&](const at::Tensor& value) {
+    at::NoGradGuard no_grad;
+    param.detach().copy_(value.to(param.scalar_type()));
+  };
   at::Tensor master, remainder, compensation;
   switch (kind) {
     case MasterWeights::kFp32:
@@ -95,14 +105,7 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
       if (!master.defined()) {
         master = fp32_like(param, param.detach());
       } else if (!s.master_param.defined()) {
-        // Rebuilt exactly from a split or Kahan pair. Beside an FP32 master the weight is the
-        // master's rounding to nearest even (as the step stores it): where the master lies
-        // exactly halfway and the old weight is the other neighbour ("split" rounds ties away
-        // from zero; a Kahan compensation may be half an ulp), the weight moves by that ulp and
-        // the value stays, instead of the next step taking the weight for an edit and dropping
-        // the master's half ulp.
-        at::NoGradGuard no_grad;
-        param.detach().copy_(master.to(param.scalar_type()));
+        round_weight_to(master);  // rebuilt exactly from a split or Kahan pair
       }
       break;
     case MasterWeights::kSplit:
@@ -127,6 +130,10 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
       if (have_compensation) {
         compensation = s.kahan_compensation;
       } else if (const auto held = held_fp32(); held.defined()) {
+        // A held master's weight is its rounding already, or an edit the step keeps.
+        if (!s.master_param.defined()) {
+          round_weight_to(held);  // rebuilt exactly from a split pair
+        }
         compensation = kahan_from_fp32(param, held);
       } else {
         compensation = at::zeros_like(param);

@@ -10,9 +10,11 @@
 namespace fusedamp::optim {
 
 struct ConvertedParamState {
-  // The weight the state belongs beside: `weight` itself, except that "split" moves a weight
-  // by one BF16 ulp where its master lies exactly halfway (math/split_math.h), so that the
-  // pair is the master exactly.
+  // The weight the state belongs beside: `weight` itself, except where the value lies exactly
+  // halfway between two BF16 weights and the new mode rounds it to the other one ("split"
+  // rounds ties away from zero, math/split_math.h; True and "kahan" keep the rounding to
+  // nearest even beside a value rebuilt from a pair): the weight moves by one ulp, so that the
+  // new store holds the value exactly.
   at::Tensor weight;
   Optimizer::StateDict state;
 };
