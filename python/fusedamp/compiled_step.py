@@ -17,9 +17,14 @@ Each op runs the object's eager step at run time, so a compiled step is the eage
 bit (same kernels, same decisions on the device, no host sync), and its state (masters, moments,
 the loss scale) stays inside the engine: the compiled graph holds no copy of it. The ops are
 ordered effects, so the graph keeps them in program order. The lists' lengths, the optimizer's
-parameters, which of them have gradients and the ids of the objects are what the graph depends
-on (dynamo guards them); the values in the device tensors are not, so a changing tensor lr, a
-skipped step and the scale's growth and backoff never recompile.
+parameters, which of them have gradients, which groups hold a tensor lr and the ids of the
+objects are what the graph depends on (dynamo guards them); the values in the device tensors
+are not, so a changing tensor lr, a skipped step and the scale's growth and backoff never
+recompile. Nor do the groups' float hyper-parameters (a float lr a torch scheduler sets every
+step included): the graph reaches the param groups through the optimizer's target, never through
+the optimizer, because dynamo specialises on every value of a torch optimizer's param groups
+read through the optimizer itself (a guard on the float lr's value, so a recompile when it
+changes); the engine reads them at run time.
 
 A torch optimizer stepped by fusedamp.GradScaler goes through the same ``scaler_step_`` op, with
 the target ``scaler.prepare_compiled_step(optimizer)`` made for it before compiling: dynamo can
@@ -36,7 +41,7 @@ from .fsdp import has_dtensors
 
 try:  # torch >= 2.10
     from torch._library.effects import EffectType
-    from torch._library.opaque_object import register_opaque_type
+    from torch._library.opaque_object import MemberType, register_opaque_type
     from torch._opaque_base import OpaqueBase
 except ImportError:  # older torch: the entries stay eager, and dynamo breaks the graph there
     OpaqueBase = None
@@ -54,12 +59,21 @@ def make_target(obj):
 
 if available:
     class StepTarget(OpaqueBase):
-        """A scaler or optimizer as an input of a compiled graph (held weakly: the object
-        keeps its target, not the other way round)."""
+        """A scaler, optimizer or schedule as an input of a compiled graph (held weakly: the
+        object keeps its target, not the other way round). An optimizer's target also holds its
+        ``param_groups`` list, the one the graph reads (see the module's docstring)."""
 
         def __init__(self, obj):
             self._ref = weakref.ref(obj)
             self._name = type(obj).__name__
+
+        @property
+        def param_groups(self):
+            """The object's ``param_groups`` list as it is now (None for a scaler or a
+            schedule): the graph reads it through this, one read per call, so a list that
+            replaced the optimizer's (torch's load_state_dict) is the one read."""
+            groups = getattr(self._ref(), "param_groups", None)
+            return groups if isinstance(groups, list) else None
 
         @property
         def obj(self):
@@ -69,8 +83,20 @@ if available:
                                    "for no longer exists")
             return obj
 
+        def tensor_lr_groups(self):
+            """The indices of the groups whose lr is a tensor, read at trace time (the guard
+            below holds the graph to them)."""
+            return _tensor_lr_groups(self.param_groups)
+
         def __repr__(self):
             return f"StepTarget({self._name})"
+
+        # A copy is the same handle: the fake object dynamo traces with holds a deep copy of
+        # the target and calls tensor_lr_groups on it, which must see the live object.
+        def __deepcopy__(self, memo):
+            clone = object.__new__(type(self))
+            clone.__dict__.update(self.__dict__)
+            return clone
 
         # Inductor pickles a graph's inputs into its cache key: the object's name and identity
         # (a weak reference does not pickle; an unpickled target steps nothing).
@@ -81,7 +107,19 @@ if available:
             self._ref = lambda: None
             self._name = state["name"]
 
-    register_opaque_type(StepTarget, typ="reference")
+    def _tensor_lr_groups(groups):
+        return tuple(i for i, g in enumerate(groups) if isinstance(g.get("lr"), torch.Tensor))
+
+    def _guard_values(target):
+        # What a graph traced through this target depends on beyond what dynamo guards itself:
+        # which groups hold a tensor lr (a group's float lr is never read in the graph, so its
+        # value is not guarded).
+        groups = target.param_groups
+        return [] if groups is None else [_tensor_lr_groups(groups)]
+
+    register_opaque_type(StepTarget, typ="reference", guard_fn=_guard_values,
+                         members={"param_groups": MemberType.INLINED,
+                                  "tensor_lr_groups": MemberType.USE_REAL})
 
     @torch.library.custom_op("fusedamp::optimizer_step_", mutates_args=("params", "grads"))
     def _optimizer_step(optimizer: StepTarget, params: list[torch.Tensor],
@@ -160,39 +198,41 @@ def _refuse_arguments(what, args, kwargs):
                            "call it without them, or leave the step eager")
 
 
-def _step_tensors(optimizer):
-    """What the graph sees of an optimizer's step: every parameter, the gradients present and
-    the groups' tensor learning rates."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+def _step_tensors(target):
+    """What the graph sees of an optimizer's step, read through its target: every parameter,
+    the gradients present and the groups' tensor learning rates."""
+    groups = target.param_groups
+    params = [p for g in groups for p in g["params"]]
     if has_dtensors(params):
         raise RuntimeError(
             "fusedamp: under torch.compile, the step of DTensor (FSDP2) parameters is not taken "
             "into the graph (the step's operators have no sharding rule); compile the model "
             "and leave scaler.step / opt.step eager, where they are one fused pass per shard")
     grads = [p.grad for p in params if p.grad is not None]
-    lrs = [g["lr"] for g in optimizer.param_groups if isinstance(g["lr"], torch.Tensor)]
+    lrs = [groups[i]["lr"] for i in target.tensor_lr_groups()]
     return params, grads, lrs
 
 
 def optimizer_step(optimizer, args, kwargs):
     """``optimizer.step()`` of a fusedamp optimizer, in a compiled graph."""
     _refuse_arguments("optimizer.step()", args, kwargs)
-    torch.ops.fusedamp.optimizer_step_(optimizer._step_target, *_step_tensors(optimizer))
+    target = optimizer._step_target
+    torch.ops.fusedamp.optimizer_step_(target, *_step_tensors(target))
 
 
 def scaler_step(scaler, optimizer, args, kwargs):
     """``scaler.step(optimizer)`` in a compiled graph: the scaler's eager step through the op,
     with the optimizer's own target (fusedamp's) or the one prepared for it (torch's)."""
     _refuse_arguments("scaler.step(optimizer)", args, kwargs)
-    torch.ops.fusedamp.scaler_step_(scaler._step_target, _target_of(scaler, optimizer, "step"),
-                                    *_step_tensors(optimizer))
+    target = _target_of(scaler, optimizer, "step")
+    torch.ops.fusedamp.scaler_step_(scaler._step_target, target, *_step_tensors(target))
     return None
 
 
 def scaler_unscale(scaler, optimizer):
     """``scaler.unscale_(optimizer)`` in a compiled graph: the scaler's eager unscale_."""
     target = _target_of(scaler, optimizer, "unscale_")
-    _, grads, _ = _step_tensors(optimizer)
+    _, grads, _ = _step_tensors(target)
     torch.ops.fusedamp.scaler_unscale_(scaler._step_target, target, grads)
 
 
@@ -224,14 +264,18 @@ def scale(scaler, outputs):
 def schedule_step(schedule):
     """``scheduler.step()`` of a fusedamp.lr_scheduler schedule, in a compiled graph: its eager
     step (the same lr bits), after the optimizer's step in the graph's order."""
-    lrs = [g["lr"] for g in schedule.optimizer.param_groups]
+    # Through the optimizer's target, as the step reads them (a schedule's lrs are tensors).
+    target = getattr(schedule.optimizer, "_step_target", None)
+    groups = schedule.optimizer.param_groups if target is None else target.param_groups
+    lrs = [g["lr"] for g in groups]
     torch.ops.fusedamp.schedule_step_(schedule._step_target, lrs, schedule._applied)
 
 
 def zero_grad(optimizer, set_to_none):
     """torch.optim.Optimizer.zero_grad's effect, in a form dynamo traces (torch's own is kept
-    out of tracing): the gradients set to None, or detached and zeroed in place."""
-    for group in optimizer.param_groups:
+    out of tracing): the gradients set to None, or detached and zeroed in place. The groups
+    are read through the optimizer's target, as the step reads them."""
+    for group in optimizer._step_target.param_groups:
         for p in group["params"]:
             if p.grad is None:
                 continue

@@ -1,7 +1,8 @@
 """The optimizer half of a step -- ``scaler.step(opt); scaler.update(); opt.zero_grad()`` --
 under ``torch.compile(fullgraph=True)``: one graph (a graph break fails the compile), no
 recompilation over 200 steps with a changing tensor lr, skipped steps, scale growth and backoff,
-and every parameter, optimizer state and scaler state equal to eager's bit for bit.
+nor with a float lr a torch schedule changes every step, and every parameter, optimizer state
+and scaler state equal to eager's bit for bit.
 
 The gradients a backward would leave are made outside the compiled function from one seeded
 generator, so the eager and compiled runs see the same ones.
@@ -176,6 +177,34 @@ def test_zero_grad_keeping_the_tensors_equals_eager(device):
     for a, b in zip(eager[0], compiled[0], strict=True):
         assert torch.equal(a, b) and torch.equal(b.grad, torch.zeros_like(b))
 
+
+def test_float_lr_set_by_a_torch_schedule_every_step_compiles_once(device):
+    """The quick start's float lr under torch's CosineAnnealingLR (a new value every step,
+    stepped outside the compiled half): one compile over the run, the eager run's bits."""
+    def train(compiled, steps=6):
+        params, opt, scaler = _build("adamw", device)
+        opt.param_groups[0]["lr"] = 1e-2  # a float, as torch's schedules leave it
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+        half = torch.compile(_optimizer_half, fullgraph=True) if compiled else _optimizer_half
+        gen, lrs = torch.Generator().manual_seed(1), []
+        for _ in range(steps):
+            scaler.scale(torch.ones((), device=device))
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+            lrs.append(opt.param_groups[0]["lr"])
+            half(scaler, opt, True)
+            sched.step()
+        return params, opt, lrs
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = train(False), train(True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(type(lr) is float for lr in compiled[2]) and len(set(compiled[2])) == 6
+    assert eager[2] == compiled[2]
+    for a, b in zip(eager[0] + _state_tensors(eager[1]),
+                    compiled[0] + _state_tensors(compiled[1]), strict=True):
+        assert torch.equal(a, b)
 
 def test_compiled_step_holds_no_copy_of_parameters_or_state(device):
     """inductor's code calls the step op on the parameters and gradients themselves: no
