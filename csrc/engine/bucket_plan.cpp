@@ -1,6 +1,7 @@
 // fusedamp::optim::detail::BucketPlan (see bucket_plan.h).
 #include "bucket_plan.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/stochastic_rounding_math.h>
 
@@ -45,9 +46,19 @@ void check_grad(const char* who, const at::Tensor& p, const at::Tensor& g, size_
   TORCH_CHECK(g.scalar_type() == p.scalar_type() || g.scalar_type() == at::kFloat,
               "fusedamp::optim::", who, ": gradient dtype ", g.scalar_type(),
               " must be the parameter's (", p.scalar_type(), ") or float32", where());
-  TORCH_CHECK(p.numel() <= 1 || checks::same_ints(g.strides(), p.strides()),
-              "fusedamp::optim::", who, ": gradient strides ", g.strides(),
-              " differ from the parameter's ", p.strides(), where());
+}
+
+// A gradient set by hand may have other strides than its parameter: a transposed tensor of the
+// parameter's shape, or an expanded one whose elements share memory. torch.optim steps it; the
+// fused kernels walk a parameter, its gradient and its state as one range of the same layout.
+// So the gradient is replaced by a copy in the parameter's layout, as autograd's AccumulateGrad
+// replaces a gradient that breaks its layout contract, and the copy stays the .grad: a scaled
+// step leaves the unscaled gradient in it, as torch leaves it in .grad (an expanded gradient
+// could not hold it in place). Reached only where a gradient failed the walk's clean read.
+void follow_param_layout(const at::Tensor& p, const at::Tensor& g) {
+  if (p.numel() > 1 && !checks::same_ints(g.strides(), p.strides())) {
+    p.mutable_grad() = at::empty_strided(p.sizes(), p.strides(), g.options()).copy_(g);
+  }
 }
 
 // A parameter's stochastic-rounding seed: 64 mixed bits of (the group's seed, the parameter's
@@ -138,6 +149,7 @@ void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
                           "\" keeps bfloat16 weights, but parameter ", j, " of param group ",
                           gi, " is ", p.scalar_type(),
                           "; use master_weights=True or \"kahan\"");
+        follow_param_layout(p, g);  // g is p's .grad member: it names the copy from here on
         param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                               p.device()});
       }
