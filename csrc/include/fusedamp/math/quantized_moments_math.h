@@ -40,6 +40,11 @@ C10_HOST_DEVICE inline int64_t moment_blocks(int64_t numel) {
 }
 
 // ---- per block: what a scale makes of the codes ------------------------------------------
+// exp_avg_step is FP32: subnormal where the block's largest |m| is below 127^2 2^-126 (about
+// 1.9e-34), 0 below 127^2 2^-150 (1.1e-41), so the smallest blocks decode to fewer bits than
+// their codes hold, the very smallest to 0. Decoding through the codes' 2^64 would cost every
+// step a multiply per element, for moments whose updates no weight shows (measured:
+// docs/master_weights.md#fp32-subnormal-blocks).
 struct QuantizedBlock {
   float exp_avg_step;     // stored m = q |q| * exp_avg_step
   float exp_avg_sq_step;  // stored v = (q * exp_avg_sq_step)^4
