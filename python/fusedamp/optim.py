@@ -326,6 +326,12 @@ class _EngineState(defaultdict):
         self._engine.set_param_state(param, _from_torch_state(value))
         super().__setitem__(param, self._engine.param_state(param))
 
+    def __missing__(self, param):
+        # torch's state is a defaultdict(dict): reading a parameter without state (unused, or
+        # before its first step) gives {}. Here that {} is not a state the engine could hold,
+        # so it is handed out, not stored; assigning a whole valid state stores it.
+        return {}
+
     def __reduce__(self):
         return defaultdict, (dict,), None, None, iter(self.items())
 

@@ -172,6 +172,24 @@ def test_a_state_entry_assigned_like_torchs_dict_reaches_the_engine(device, kind
     _assert_same("after", params, opt, twin_params, twin)
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_reading_the_state_of_a_parameter_without_state_gives_an_empty_dict(device, kind):
+    """torch's state is a defaultdict(dict): an unused parameter, or any before the first
+    step, reads as {} (code that logs or inspects every parameter's state relies on it); the
+    read stores nothing, and assigning an invalid state still fails and changes nothing."""
+    params, opt = _fp16_optimizer(device, kind, [(5,), (3,)])
+    assert opt.state[params[0]] == {} and "master_param" not in opt.state[params[1]]
+    assert len(opt.state) == 0
+    params[0].grad = torch.ones_like(params[0])  # params[1] stays unused
+    opt.step()
+    assert opt.state[params[1]] == {} and params[1] not in opt.state
+    assert "master_param" in opt.state[params[0]]
+    with pytest.raises(RuntimeError, match="parameter 1"):
+        opt.state[params[1]] = {"no_such_state": torch.zeros(3, device=device)}
+    assert params[1] not in opt.state and opt.state[params[1]] == {}
+    opt.state_dict()  # the reads left nothing behind that a checkpoint would trip over
+
+
 @pytest.mark.parametrize("new_shape", [(2, 3), (8,)])
 def test_a_parameter_given_another_shape_after_a_step_is_refused(device, new_shape):
     """A parameter given memory of another shape after the engine has stepped it (its state was
