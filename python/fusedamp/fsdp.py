@@ -29,7 +29,9 @@ DTensors are refused: their gradients are per rank and would be counted once per
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ except ImportError:  # torch built without distributed
     DTensor = None
 
 __all__ = ["has_dtensors", "make_engine", "local_grad_views", "check_plain_step",
-           "unscale_shards", "local_names", "reduce_over"]
+           "unscale_shards", "local_names", "reduce_over", "check_gatherable"]
 
 
 def has_dtensors(tensors) -> bool:
@@ -173,6 +175,43 @@ def check_plain_step(params):
             "(torch's AMP protocol), so the scaler would decide on this rank's gradient shards "
             "alone; over DTensor (FSDP2) parameters use fusedamp.optim.AdamW/Adam/SGD, which "
             "reduce found_inf over the mesh")
+
+
+def _gathered_by_torch():
+    """Whether torch.distributed.checkpoint's get_optimizer_state_dict (or get_state_dict) with
+    StateDictOptions(full_state_dict=True) is what asks for the state dict: it all-gathers every
+    DTensor in it once state_dict() returns, so this is the last moment to refuse it cleanly.
+    Its options reach state_dict() by no argument; they are read from its frame (False when
+    torch's internals look otherwise: the gather then fails as before)."""
+    try:
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+        code = inspect.unwrap(dcp_state_dict._get_optim_state_dict).__code__
+    except (ImportError, AttributeError):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None and getattr(frame.f_locals.get("info"), "full_state_dict", False)
+
+
+def check_gatherable(state):
+    """Refuses, before anything is gathered or changed, a consolidated state dict of a state
+    holding master_weights="split"'s int16 remainders as DTensors: neither Gloo nor NCCL has a
+    16-bit integer all-gather (Gloo's answer is a bare 'Invalid scalar type')."""
+    if DTensor is None or not any(isinstance(v, DTensor) and v.dtype == torch.int16
+                                  for s in state.values() for v in s.values()):
+        return
+    if _gathered_by_torch():
+        raise NotImplementedError(
+            "fusedamp.optim: a full (consolidated) optimizer state dict "
+            "(StateDictOptions(full_state_dict=True)) cannot be made with "
+            "master_weights='split' on FSDP2: its int16 remainders (param_remainder) would "
+            "have to be all-gathered, and neither Gloo nor NCCL has a 16-bit integer "
+            "collective. Save the sharded state dict instead (full_state_dict=False, the "
+            "default, with torch.distributed.checkpoint: it loads on any number of ranks, and "
+            "into one process), or use master_weights='split8' or True, whose state gathers "
+            "(docs/distributed.md). Nothing was changed.")
 
 
 def _reduction_group(params):

@@ -53,7 +53,7 @@ import torch.optim.optimizer as _torch_optimizer
 
 from . import compiled_step
 from ._library import _C
-from .fsdp import make_engine
+from .fsdp import check_gatherable, make_engine
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 
@@ -258,6 +258,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
                 s = self._engine.param_state(p)
                 if s:
                     state[index[id(p)]] = {k: v.clone() for k, v in s.items()}
+        check_gatherable(state)
         skipped = self._engine.skipped_steps()
         return {"state": state, "param_groups": groups,
                 "skipped_steps": None if skipped is None else skipped.clone()}

@@ -21,7 +21,8 @@ mesh. Every comparison is bit for bit:
   single-process export of the same state.
 
 What torch's state-dict API does not carry (strict xfails below): fusedamp's top-level
-skipped_steps, and the consolidated form (full_state_dict=True) of "split"'s int16 remainders.
+skipped_steps, and the consolidated form (full_state_dict=True) of "split"'s int16 remainders,
+which the optimizer refuses with a clear error.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -267,14 +268,30 @@ def test_skipped_steps_survive_the_checkpoint(ranks, saver, loader):
 
 _INT16_GATHER = ("get_optimizer_state_dict(options=StateDictOptions(full_state_dict=True)) "
                  "all-gathers every state tensor, and with master_weights='split' the int16 "
-                 "param_remainder cannot be: Gloo (and NCCL) have no int16 all-gather "
-                 "(RuntimeError 'Invalid scalar type')")
+                 "param_remainder cannot be: Gloo (and NCCL) have no int16 all-gather; the "
+                 "optimizer refuses it (test_full_state_dict_of_split_remainders_is_refused)")
+SPLIT_CASES = [c for c in CASES if CASES[c][1] == "split"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_full_state_dict_of_split_remainders_is_refused(ranks, case, world):
+    """On every rank, before anything is gathered: an error that names the option and what
+    works instead, not Gloo's bare 'Invalid scalar type'. It changes nothing: the ranks'
+    fixed-gradient continuation runs after it and equals one process's
+    (test_resharded_resume_continues_bit_exactly)."""
+    for r in ranks[world]:
+        error = r["saved"][case]["full_state_dict"].get("error", "")
+        assert error.startswith("NotImplementedError"), error
+        for words in ("master_weights='split'", "full_state_dict=True",
+                      "sharded state dict", "full_state_dict=False", "'split8'"):
+            assert words in error, (words, error)
 
 
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
                                             reason=_INT16_GATHER))
-    if CASES[c][1] == "split" else c for c in CASES])
+    if c in SPLIT_CASES else c for c in CASES])
 def test_full_state_dict_is_the_full_state(ranks, case):
     """torch's consolidated form (the state dict's param groups name state_dtype by a string:
     torch.distributed.checkpoint takes no torch.dtype values)."""
