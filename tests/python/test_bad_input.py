@@ -177,8 +177,11 @@ def test_bad_arguments_raise_clear_errors(device):
         fusedamp.optim.SGD(ps, nesterov=True)
     with pytest.raises(RuntimeError, match="growth_factor"):
         fusedamp.GradScaler(device, growth_factor=1.0)
-    # Not an error: scale() multiplies any tensor of outputs, with torch.amp's type promotion.
-    ours, theirs = fusedamp.GradScaler(device), torch.amp.GradScaler(device)
+    # Not an error: scale() multiplies any tensor of outputs, with torch.amp's type promotion;
+    # an FP16 one first holds the scale at 2^15 (the README's differences), so torch's product
+    # at that scale is the reference.
+    ours = fusedamp.GradScaler(device)
+    theirs = torch.amp.GradScaler(device, init_scale=2.0 ** 15)
     for t in (torch.ones(3, device=device, dtype=torch.float16), torch.ones((), device=device,
                                                                           dtype=torch.float16)):
         if theirs.is_enabled():
