@@ -49,20 +49,49 @@ struct LaneOps<at::vec::Vectorized<float>> {
     return at::vec::maximum(x.abs(), y.abs());
 #endif
   }
-  static inline at::vec::Vectorized<float> max_finite(const at::vec::Vectorized<float>& acc,
-                                                     const at::vec::Vectorized<float>& candidate) {
-    const at::vec::Vectorized<float> inf(std::numeric_limits<float>::infinity());
-    // (candidate > acc) and (candidate < inf): false for inf and NaN lanes.
-    return at::vec::Vectorized<float>::blendv(acc, candidate,
-                                              (candidate > acc) & (candidate < inf));
+  // The telemetry's lanes (math/telemetry_math.h), once per element of every gradient pass
+  // with telemetry: a float compare-and-blend chain through acc (compare, mask to vector, and,
+  // vector to mask, blend: 5 dependent instructions per vector) made the pass compute-bound.
+  // Magnitudes order as their bits do, so the largest finite one is an integer maximum of the
+  // finite lanes: one instruction on the accumulator's chain.
+  static inline at::vec::Vectorized<float> max_finite_magnitude(
+      const at::vec::Vectorized<float>& acc, const at::vec::Vectorized<float>& magnitude) {
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+#if defined(CPU_CAPABILITY_AVX512)
+    const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(kInf), _CMP_LT_OQ);
+    const __m512i a = _mm512_castps_si512(acc);
+    return _mm512_castsi512_ps(
+        _mm512_mask_max_epi32(a, finite, a, _mm512_castps_si512(magnitude)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256 finite = _mm256_cmp_ps(magnitude, _mm256_set1_ps(kInf), _CMP_LT_OQ);
+    return _mm256_castsi256_ps(_mm256_max_epi32(
+        _mm256_castps_si256(acc), _mm256_castps_si256(_mm256_and_ps(finite, magnitude))));
+#else
+    const at::vec::Vectorized<float> inf(kInf);
+    return at::vec::Vectorized<float>::blendv(acc, magnitude,
+                                              (magnitude > acc) & (magnitude < inf));
+#endif
   }
-  static inline at::vec::Vectorized<float> one_if_less(const at::vec::Vectorized<float>& x,
-                                                      const at::vec::Vectorized<float>& y) {
-    return x.lt(y);
+  // A masked add of 1 (AVX-512: the compare's mask register is the add's mask).
+  static inline at::vec::Vectorized<float> count_if_less(const at::vec::Vectorized<float>& count,
+                                                        const at::vec::Vectorized<float>& x,
+                                                        const at::vec::Vectorized<float>& y) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_mask_add_ps(count, _mm512_cmp_ps_mask(x, y, _CMP_LT_OQ), count,
+                              _mm512_set1_ps(1.f));
+#else
+    return count + x.lt(y);
+#endif
   }
-  static inline at::vec::Vectorized<float> one_if_equal(const at::vec::Vectorized<float>& x,
-                                                       const at::vec::Vectorized<float>& y) {
-    return x.eq(y);
+  static inline at::vec::Vectorized<float> count_if_equal(const at::vec::Vectorized<float>& count,
+                                                         const at::vec::Vectorized<float>& x,
+                                                         const at::vec::Vectorized<float>& y) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_mask_add_ps(count, _mm512_cmp_ps_mask(x, y, _CMP_EQ_OQ), count,
+                              _mm512_set1_ps(1.f));
+#else
+    return count + x.eq(y);
+#endif
   }
   static inline at::vec::Vectorized<float> where_equal(const at::vec::Vectorized<float>& x,
                                                       const at::vec::Vectorized<float>& y,

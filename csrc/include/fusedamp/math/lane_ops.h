@@ -20,16 +20,18 @@ struct LaneOps {
   static C10_HOST_DEVICE inline V abs(V x) { return std::fabs(x); }
   // Per lane: the larger of |x| and |y|, NaN if either is NaN (a block scale's running top).
   static C10_HOST_DEVICE inline V max_magnitude(V x, V y) { return max(abs(x), abs(y)); }
-  // Per lane: candidate where it is finite and larger than acc, otherwise acc.
-  static C10_HOST_DEVICE inline V max_finite(V acc, V candidate) {
-    return (candidate > acc && candidate - candidate == V(0.f)) ? candidate : acc;
+  // Per lane: magnitude where it is finite and larger than acc, otherwise acc. Both are
+  // magnitudes (never negative) and acc is finite: the CPU compares their bits as integers.
+  static C10_HOST_DEVICE inline V max_finite_magnitude(V acc, V magnitude) {
+    return (magnitude > acc && magnitude - magnitude == V(0.f)) ? magnitude : acc;
   }
-  // Per lane: 1 where the relation holds, else 0 (NaN compares false); summed, they count.
-  static C10_HOST_DEVICE inline V one_if_less(V x, V y) {
-    return x < y ? V(1.f) : V(0.f);
+  // Per lane: count + 1 where the relation holds, else count (NaN compares false). A count
+  // stays exact below 2^24.
+  static C10_HOST_DEVICE inline V count_if_less(V count, V x, V y) {
+    return x < y ? count + V(1.f) : count;
   }
-  static C10_HOST_DEVICE inline V one_if_equal(V x, V y) {
-    return x == y ? V(1.f) : V(0.f);
+  static C10_HOST_DEVICE inline V count_if_equal(V count, V x, V y) {
+    return x == y ? count + V(1.f) : count;
   }
   // Per lane: if_equal where x == y, otherwise `otherwise` (NaN equals nothing).
   static C10_HOST_DEVICE inline V where_equal(V x, V y, V if_equal, V otherwise) {

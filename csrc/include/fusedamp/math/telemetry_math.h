@@ -44,9 +44,9 @@ C10_HOST_DEVICE inline TelemetryLanes<V> telemetry_zero() {
 template <typename V>
 C10_HOST_DEVICE inline void accumulate_telemetry(TelemetryLanes<V>& t, V x, V smallest_normal) {
   const V magnitude = LaneOps<V>::abs(x);
-  t.amax = LaneOps<V>::max_finite(t.amax, magnitude);
-  t.n_small = t.n_small + LaneOps<V>::one_if_less(magnitude, smallest_normal);
-  t.n_zero = t.n_zero + LaneOps<V>::one_if_equal(x, V(0.f));
+  t.amax = LaneOps<V>::max_finite_magnitude(t.amax, magnitude);
+  t.n_small = LaneOps<V>::count_if_less(t.n_small, magnitude, smallest_normal);
+  t.n_zero = LaneOps<V>::count_if_equal(t.n_zero, x, V(0.f));
 }
 
 // What grad_stats_'s telemetry tensor holds (FP64, in this order), and how calls combine:
