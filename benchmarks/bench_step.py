@@ -125,7 +125,8 @@ class SizeSpec:
 
 def make_sizes(device: str, only: list[str] | None) -> list[SizeSpec]:
     sizes = [SizeSpec("10000x64", [(64,)] * 10000, "synthetic"),
-             SizeSpec("1000x1024", [(1024,)] * 1000, "synthetic")]
+             SizeSpec("1000x1024", [(1024,)] * 1000, "synthetic"),
+             SizeSpec("8x1024x1024", [(1024, 1024)] * 8, "synthetic")]
     for name, builtin in [("resnet50", resnet50_shapes), ("gpt2-124M", gpt2_shapes)]:
         shapes, src = _library_shapes("resnet50" if name == "resnet50" else "gpt2")
         if shapes is None:
@@ -259,9 +260,10 @@ def fusedamp_ops(opt_name):
     return build
 
 
-def fusedamp_api(opt_name, **modes):
+def fusedamp_api(opt_name, scaler_options=None, **modes):
     """fusedamp through its public classes (fusedamp.optim.*, fusedamp.GradScaler); modes:
-    adopt_param_edits / write_back_grads (default: the optimizers' defaults, both on)."""
+    adopt_param_edits / write_back_grads (default: the optimizers' defaults, both on);
+    scaler_options: GradScaler keywords (default: its defaults, telemetry on)."""
     def build(spec, w, g, device, dtype, clip):
         import fusedamp
         params, grads, pristine = _params_with_grads(spec, w, g, device, dtype, LOSS_SCALE)
@@ -273,7 +275,7 @@ def fusedamp_api(opt_name, **modes):
             opt = fusedamp.optim.SGD(params, lr=SGD_LR, momentum=MOMENTUM, master_weights=True,
                                      max_grad_norm=norm, **modes)
         scaler = fusedamp.GradScaler(device, init_scale=LOSS_SCALE,
-                                     growth_interval=GROWTH_INTERVAL)
+                                     growth_interval=GROWTH_INTERVAL, **(scaler_options or {}))
         scaler.scale(torch.ones((), device=device))  # what backward's scale(loss) initialises
 
         def step():
@@ -357,6 +359,11 @@ def make_configs(with_api: bool) -> list[Config]:
                         f"fusedamp_{opt}_lean",
                         fusedamp_api(opt, adopt_param_edits=False, write_back_grads=False),
                         base))
+                    # The default's telemetry (GradScaler(telemetry=True)) against none: its
+                    # own cost is the ratio of this row's time to the default row's.
+                    cfgs.append(Config(
+                        f"fusedamp-api {opt} {dt}{c} telemetry off", "fusedamp", opt, dt, clip,
+                        f"fusedamp_{opt}_api", fusedamp_api(opt, dict(telemetry=False)), base))
     for clip in [False, True]:
         c = "+clip" if clip else ""
         s = "_clip" if clip else ""
@@ -447,13 +454,17 @@ def measure(cfg: Config, spec: SizeSpec, w, g, device, clock: Clock, budget_s, m
         raise RuntimeError("the step changed no parameter (skipped?)")
     del runner
     gc.collect()
+    return summarise(cfg, spec, dev, host)
+
+
+def summarise(cfg: Config, spec: SizeSpec, dev, host) -> dict:
     med = statistics.median(dev)
     bpp = BYTES_PER_PARAM[cfg.bytes_key]
     return {"config": cfg.key, "size": spec.name, "family": cfg.family, "opt": cfg.opt,
-            "dtype": cfg.dtype, "clip": cfg.clip, "reps": reps, "median_s": med,
+            "dtype": cfg.dtype, "clip": cfg.clip, "reps": len(dev), "median_s": med,
             "p10_s": percentile(dev, 0.1), "p90_s": percentile(dev, 0.9),
             "host_median_s": statistics.median(host), "bytes_per_param": bpp,
-            "gbps": bpp * spec.numel / med / 1e9}
+            "gbps": bpp * spec.numel / med / 1e9, "_dev": dev, "_host": host}
 
 
 # ----------------------------------------------------------------------------- machine
@@ -567,6 +578,13 @@ def write_markdown(path, info, copy, sizes, results, rat, targets, command):
               "| --- | --- | --- | --: | --- |"]
         L += [f"| {t['target']} | {t['size']} | {t['fusedamp']} | {t['ratio']:.2f} | "
               f"{'yes' if t['met'] else '**no**'} |" for t in targets]
+    cost = telemetry_cost(results)
+    if cost:
+        L += ["", "## Telemetry's cost", "",
+              "Median step time of the default (GradScaler telemetry on) over the same step "
+              "with `GradScaler(telemetry=False)`, same size, same run, minus 1.", "",
+              "| size | configuration | telemetry cost |", "| --- | --- | --: |"]
+        L += [f"| {c['size']} | {c['config']} | {100 * c['cost']:+.1f}% |" for c in cost]
     slower = [r for r in rat if r["ratio"] < 1.0]
     L += ["", "## Flags: fusedamp slower than torch", ""]
     L += [f"- {r['size']}: {r['fusedamp']} vs {r['torch']}: {r['ratio']:.2f}" for r in slower] \
@@ -584,6 +602,18 @@ def write_markdown(path, info, copy, sizes, results, rat, targets, command):
                  f"{r['bytes_per_param']} | {r['gbps']:.1f} | "
                  f"{100 * r['gbps'] / copy['gbps']:.0f}% |")
     Path(path).write_text("\n".join(L) + "\n")
+
+
+def telemetry_cost(results) -> list[dict]:
+    """Each default API row against its telemetry-off twin: time on / time off - 1."""
+    by = {(r["size"], r["config"]): r for r in results}
+    out = []
+    for (size, key), r in by.items():
+        off = by.get((size, key + " telemetry off"))
+        if off:
+            out.append({"size": size, "config": key,
+                        "cost": r["median_s"] / off["median_s"] - 1.0})
+    return out
 
 
 def check_targets(rat, device) -> list[dict]:
@@ -652,6 +682,10 @@ def main(argv=None):
     ap.add_argument("--copy-mib", type=int, default=None, help="memory-copy reference size")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny budget, no files")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every configuration this many times, in turns, and pool")
+    ap.add_argument("--name", default="step",
+                    help="result files' stem: NAME_cpu.{md,json,png} (default: step)")
     ap.add_argument("--no-api", action="store_true",
                     help="skip the fusedamp.optim/GradScaler rows even if they exist")
     args = ap.parse_args(argv)
@@ -682,24 +716,33 @@ def main(argv=None):
     print(f"memory copy reference: {copy['gbps']:.1f} GB/s", file=sys.stderr)
 
     results, failures = [], []
-    total = len(sizes) * len(cfgs)
+    total = len(sizes) * len(cfgs) * args.rounds
     bar = tqdm(total=total, unit="cfg", dynamic_ncols=True) if tqdm else None
     for spec in sizes:
         gen = torch.Generator().manual_seed(0)
         w = (torch.randn(spec.numel, generator=gen) * 0.02).to(device)
         g = (torch.randn(spec.numel, generator=gen) * GRAD_STD).to(device)
-        for cfg in cfgs:
+        # Rounds take turns over the configurations (a slow spell of a shared machine then
+        # falls on all of them); each configuration's repetitions of all rounds are pooled.
+        pooled = {}
+        for cfg in [c for _ in range(args.rounds) for c in cfgs]:
             if bar:
                 bar.set_postfix_str(f"{spec.name}: {cfg.key}")
             try:
                 r = measure(cfg, spec, w, g, device, clock, budget, min_reps, max_reps, warmup)
-                results.append(r)
+                if cfg.key in pooled:
+                    r = summarise(cfg, spec, pooled[cfg.key]["_dev"] + r["_dev"],
+                                  pooled[cfg.key]["_host"] + r["_host"])
+                pooled[cfg.key] = r
             except Exception as e:  # keep the run going; report the failure
                 failures.append({"size": spec.name, "config": cfg.key, "error": repr(e)})
                 print(f"\n{spec.name} / {cfg.key} failed: {e!r}", file=sys.stderr)
             if bar:
                 bar.update(1)
             gc.collect()
+        for r in pooled.values():
+            del r["_dev"], r["_host"]
+            results.append(r)
         del w, g
         gc.collect()
         if device == "cuda":
@@ -714,6 +757,8 @@ def main(argv=None):
     for r in rat:
         flag = "  <-- fusedamp slower" if r["ratio"] < 1 else ""
         print(f"{r['size']:>10}  {r['fusedamp']:<26} vs {r['torch']:<36} {r['ratio']:5.2f}{flag}")
+    for c in telemetry_cost(results):
+        print(f"{c['size']:>10}  {c['config']:<26} telemetry cost {100 * c['cost']:+.1f}%")
     if failures:
         print(f"{len(failures)} configuration(s) failed", file=sys.stderr)
     if args.quick:
@@ -728,12 +773,14 @@ def main(argv=None):
            "hyper_parameters": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD,
                                 "sgd_lr": SGD_LR, "momentum": MOMENTUM, "max_norm": MAX_NORM,
                                 "loss_scale": LOSS_SCALE, "grad_std": GRAD_STD},
-           "results": results, "ratios": rat, "targets": targets, "failures": failures}
-    (out / f"step_{tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    write_markdown(out / f"step_{tag}.md", info, copy, sizes, results, rat, targets, command)
-    plot(out / f"step_{tag}.png", rat, sizes,
+           "results": results, "ratios": rat, "targets": targets,
+           "telemetry_cost": telemetry_cost(results), "failures": failures}
+    stem = f"{args.name}_{tag}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_markdown(out / f"{stem}.md", info, copy, sizes, results, rat, targets, command)
+    plot(out / f"{stem}.png", rat, sizes,
          f"fusedamp step vs torch.amp — {info.get('gpu', info['cpu'])}, torch {info['torch']}")
-    print(f"wrote {out}/step_{tag}.{{md,json,png}}", file=sys.stderr)
+    print(f"wrote {out}/{stem}.{{md,json,png}}", file=sys.stderr)
     return 0
 
 
