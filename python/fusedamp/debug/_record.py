@@ -1,0 +1,121 @@
+"""Host-side bookkeeping of one watched iteration, and how its device rows are read back.
+
+The device holds, per iteration row, one FP64[4] telemetry record (grad_stats_'s slots: amax,
+subnormal count, zero count, first non-finite position) per module and kind below. What the
+host keeps is only what it knows without looking at data: in which order modules finished
+(forward) or produced gradients (backward), how many elements each record covered, and which
+records are the same tensor measured once for several modules (aliases).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Record kinds, per module: the forward inputs, the forward output, the gradient the module
+# received (w.r.t. its outputs) and the gradient it produced (w.r.t. its inputs and its own
+# parameters).
+IN, OUT, RECV, PROD = range(4)
+KINDS = 4
+# grad_stats_'s telemetry slots (csrc/include/fusedamp/math/telemetry_math.h).
+AMAX, SUBNORMAL, ZERO, FIRST = range(4)
+SLOTS = 4
+
+
+class Iteration:
+    """What the host knows of one iteration; records are named by slot = module * KINDS + kind."""
+
+    __slots__ = ("index", "forward_order", "backward_order", "aliases", "numel", "dtype",
+                 "_finished", "_produced")
+
+    def __init__(self, index):
+        self.index = index
+        self.forward_order = []   # modules in the order their forward finished (first call)
+        self.backward_order = []  # modules in the order they first produced a gradient
+        self.aliases = {}         # slot -> slots measured once for it and for others
+        self.numel = {}           # slot -> elements measured directly into it
+        self.dtype = {}           # slot -> dtype of the first tensor measured for it
+        self._finished = set()
+        self._produced = set()
+
+    def measured(self, slot, tensors):
+        self.numel[slot] = self.numel.get(slot, 0) + sum(t.numel() for t in tensors)
+        self.dtype.setdefault(slot, tensors[0].dtype)
+
+    def alias(self, slot, source):
+        if slot != source:
+            self.aliases.setdefault(slot, []).append(source)
+
+    def finished_forward(self, module):
+        if module not in self._finished:
+            self._finished.add(module)
+            self.forward_order.append(module)
+
+    def produced_gradient(self, module):
+        if module not in self._produced:
+            self._produced.add(module)
+            self.backward_order.append(module)
+
+    def closure(self, slot):
+        """The slots whose records together make up `slot` (itself and its aliases, transitively)."""
+        seen, todo = [], [slot]
+        while todo:
+            s = todo.pop()
+            if s not in seen:
+                seen.append(s)
+                todo.extend(self.aliases.get(s, ()))
+        return seen
+
+    def signature(self):
+        return (tuple(self.forward_order), tuple(self.backward_order),
+                tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
+
+
+class Stats:
+    """One record read back and combined with its aliases: amax, elements below the smallest
+    normal (zeros included), elements, non-finite, dtype; measured False where nothing was."""
+
+    __slots__ = ("amax", "small", "numel", "nonfinite", "dtype", "measured")
+
+    def __init__(self, row, it, slot, num_kinds=KINDS):
+        self.amax, self.small, self.numel, self.nonfinite = 0.0, 0.0, 0, False
+        self.dtype, self.measured = None, False
+        for s in it.closure(slot):
+            module, kind = divmod(s, num_kinds)
+            values = row[module][kind]
+            if s in it.numel or values[FIRST] != math.inf:
+                self.measured = True
+            self.amax = max(self.amax, values[AMAX])
+            self.small += values[SUBNORMAL] + values[ZERO]
+            self.numel += it.numel.get(s, 0)
+            self.nonfinite = self.nonfinite or values[FIRST] != math.inf
+            self.dtype = self.dtype or it.dtype.get(s)
+
+    @property
+    def underflow_fraction(self):
+        return self.small / self.numel if self.numel else None
+
+
+def headroom_bits(amax, dtype):
+    """log2(largest finite value of dtype / amax): how many doublings are left before overflow."""
+    if amax is None or amax <= 0 or dtype is None:
+        return None
+    return math.log2(torch.finfo(dtype).max / amax)
+
+
+def producer(row, it, phase):
+    """The first module (forward: in finishing order; backward: in producing order) whose
+    output (gradient produced) is non-finite while its inputs (gradient received) were finite,
+    as (module, True); where non-finite values came only from outside every module (the data,
+    the loss), the first module that received them, as (module, False); else None."""
+    order, made, given = ((it.forward_order, OUT, IN) if phase == "forward"
+                          else (it.backward_order, PROD, RECV))
+    entered = None
+    for m in order:
+        produced = Stats(row, it, m * KINDS + made)
+        received = Stats(row, it, m * KINDS + given)
+        if produced.nonfinite and not received.nonfinite:
+            return m, True
+        if received.nonfinite and entered is None:
+            entered = m
+    return None if entered is None else (entered, False)

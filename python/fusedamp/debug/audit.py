@@ -1,0 +1,2 @@
+def precision_audit(*a, **k):
+    raise NotImplementedError

@@ -1,0 +1,302 @@
+"""``fusedamp.debug.watch(model)``: which module produced the first inf/NaN, forward or backward.
+
+Per module and iteration (an iteration begins at each forward of the root module) the watch
+records on the device, with no host synchronisation, grad_stats_'s one-pass telemetry of
+- the forward inputs and output (amax, non-finite),
+- the gradient the module received (w.r.t. its outputs) and the one it produced (w.r.t. its
+  inputs and its own parameters): amax, non-finite, elements zero or subnormal.
+Rows live in a device ring of `capacity` iterations; the first iteration with any non-finite
+value is also latched on the device, so it is found after the ring has moved on.
+
+Gradients are seen through tensor hooks on the module's input and output tensors (not
+register_full_backward_hook): in-place modules (ReLU(inplace=True)), ``out += identity`` in a
+parent, and outputs that are tuples, dicts or ModelOutputs all work, and the hooks never
+change a value. A tensor passed from one module to the next (or from a container to its first
+child) is measured once and the record shared. A module called several times in one iteration
+(shared weights) accumulates all calls into its one record (max of amax, sums of counts, any
+non-finite). Hooks run eagerly under torch.compile (graph breaks at each module boundary).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from .. import ops
+from ._record import FIRST, IN, KINDS, OUT, PROD, RECV, SLOTS, Iteration
+
+__all__ = ["watch", "Watch"]
+
+_MEASURED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_watched = weakref.WeakSet()   # root modules with a live watch: a second one is an error
+_HISTORY = 256                 # distinct iteration layouts kept for the latched iteration
+
+
+def watch(model, capacity=64):
+    """Attach a numerics watch to every submodule of `model`; see :class:`Watch`."""
+    return Watch(model, capacity=capacity)
+
+
+def _eager(fn):
+    # The hooks keep Python state (weak references, dicts); under torch.compile they run
+    # eagerly between compiled pieces instead of being traced.
+    return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
+
+
+class Watch:
+    """Per-module, per-iteration numerics record of a model; see the module docstring.
+
+    ``first_nonfinite()``, ``first_underflow()``, ``report()``, ``history()`` and ``plot()``
+    read the device record (they synchronise: call them after training, or when a step was
+    skipped). ``remove()`` (or leaving a ``with`` block) detaches every hook."""
+
+    def __init__(self, model, capacity=64):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"fusedamp.debug.watch: expected an nn.Module, got "
+                            f"{type(model).__name__}")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"fusedamp.debug.watch: capacity must be an int >= 1, "
+                             f"got {capacity!r}")
+        # torch.compile(model) wraps the user's module: watch (and name) the module they wrote.
+        root = getattr(model, "_orig_mod", model)
+        named = list(root.named_modules())
+        if len(named) < 2:
+            raise ValueError("fusedamp.debug.watch: the model has no submodules; a watch "
+                             "reports per module, so wrap the computation in modules")
+        if root in _watched:
+            raise RuntimeError("fusedamp.debug.watch: this model already has a watch "
+                               "attached; call its remove() (or leave its with block) first")
+        self.names = [name for name, _ in named]
+        self._root = root
+        self._capacity = capacity
+        device = next((t.device for t in root.parameters()), None)
+        if device is None:
+            device = next((t.device for t in root.buffers()), torch.device("cpu"))
+        self.device = device
+        seed = torch.zeros(len(named), KINDS, SLOTS, dtype=torch.float64, device=device)
+        seed[..., FIRST] = float("inf")
+        self._seed = seed
+        self._ring = seed.expand(capacity, -1, -1, -1).clone()
+        self._found = torch.zeros(1, device=device)    # grad_stats_'s outputs nobody reads:
+        self._sum_sq = torch.zeros(1, device=device)   # non-finite is telemetry[FIRST] < inf
+        self._latched = seed.clone()                   # first row with a non-finite value
+        self._latched_iteration = torch.full((), -1.0, dtype=torch.float64, device=device)
+        self._rows = [None] * capacity                 # Iteration of each ring row
+        self._history = []                             # (iteration, Iteration) layouts
+        self._iteration = -1
+        self._current = None
+        self._views = {}
+        self._forward_seen = {}   # id(tensor) -> (weakref, version, slot) this iteration
+        self._grad_seen = {}      # id(tensor) -> (weakref, version, slots)
+        self._tensor_handles = []
+        self._warned_device = False
+        self._closed = False
+        handles = [root.register_forward_pre_hook(self._begin, prepend=True)]
+        for index, (_, module) in enumerate(named):
+            handles.append(module.register_forward_pre_hook(
+                functools.partial(self._before, index), with_kwargs=True))
+            handles.append(module.register_forward_hook(functools.partial(self._after, index)))
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    handles.append(p.register_hook(functools.partial(self._param_grad, index)))
+        self._handles = handles
+        _watched.add(root)
+
+    # ---- attaching -----------------------------------------------------------------------
+    def remove(self):
+        """Detach every hook; the model is left exactly as it was. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles + self._tensor_handles:
+            handle.remove()
+        self._handles, self._tensor_handles = [], []
+        self._forward_seen.clear()
+        self._grad_seen.clear()
+        _watched.discard(self._root)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    # ---- recording (no host synchronisation below) --------------------------------------
+    @_eager
+    def _begin(self, module, args):
+        if self._closed:
+            return
+        if self._current is not None:
+            self._latch(self._current)
+        self._iteration += 1
+        row = self._iteration % self._capacity
+        self._ring[row].copy_(self._seed)
+        self._current = self._rows[row] = Iteration(self._iteration)
+        self._row_view = self._ring[row]
+        self._views = {}
+        self._forward_seen.clear()
+        self._grad_seen.clear()
+        self._tensor_handles = []   # hooks of the last iteration's tensors die with them
+
+    def _latch(self, it):
+        # Keep the first row that holds any non-finite value, decided on the device.
+        row = self._ring[it.index % self._capacity]
+        first = (row[..., FIRST] != float("inf")).any() & (self._latched_iteration < 0)
+        self._latched.copy_(torch.where(first, row, self._latched))
+        self._latched_iteration.copy_(torch.where(first, float(it.index), self._latched_iteration))
+        if not self._history or self._history[-1][1].signature() != it.signature():
+            self._history.append((it.index, it))
+            del self._history[:-_HISTORY]
+
+    def _view(self, it, slot):
+        if it is not self._current:   # a late backward of an earlier iteration
+            return self._ring[it.index % self._capacity, slot // KINDS, slot % KINDS]
+        view = self._views.get(slot)
+        if view is None:
+            view = self._views[slot] = self._row_view[slot // KINDS, slot % KINDS]
+        return view
+
+    def _floats(self, obj, out, depth=0):
+        """The floating tensors in obj (tensors, tuples, lists, dicts, ModelOutputs), once each."""
+        if isinstance(obj, torch.Tensor):
+            if obj.dtype in _MEASURED_DTYPES and all(t is not obj for t in out):
+                if obj.device == self.device:
+                    out.append(obj)
+                elif not self._warned_device:
+                    self._warned_device = True
+                    warnings.warn(f"fusedamp.debug.watch records tensors on {self.device} "
+                                  f"only; those on {obj.device} are not measured")
+        elif depth < 8 and isinstance(obj, (tuple, list)):
+            for item in obj:
+                self._floats(item, out, depth + 1)
+        elif depth < 8 and isinstance(obj, Mapping):
+            for item in obj.values():
+                self._floats(item, out, depth + 1)
+        return out
+
+    def _measure(self, it, slot, tensors):
+        ops.grad_stats_(tensors, self._found, self._sum_sq, None, self._view(it, slot))
+        it.measured(slot, tensors)
+
+    def _forward_record(self, it, slot, tensors):
+        """Measure tensors into slot, sharing the record of a tensor measured already."""
+        fresh = []
+        for t in tensors:
+            seen = self._forward_seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == t._version:
+                it.alias(slot, seen[2])
+            else:
+                fresh.append(t)
+        if fresh:
+            self._measure(it, slot, fresh)
+            if len(tensors) == 1:
+                t = tensors[0]
+                self._forward_seen[id(t)] = (weakref.ref(t), t._version, slot)
+
+    def _watch_gradient(self, it, slot, tensors):
+        """Measure the gradient of each tensor into slot when backward reaches it."""
+        for t in tensors:
+            if not t.requires_grad:
+                continue
+            seen = self._grad_seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == t._version:
+                seen[2].append(slot)   # measured once, in the first slot; shared with this one
+                continue
+            slots = [slot]
+            self._grad_seen[id(t)] = (weakref.ref(t), t._version, slots)
+            self._tensor_handles.append(
+                t.register_hook(functools.partial(self._gradient, it, slots)))
+
+    @_eager
+    def _before(self, index, module, args, kwargs):
+        it = self._current
+        if it is None or self._closed:
+            return
+        tensors = self._floats((args, kwargs), [])
+        if tensors:
+            self._forward_record(it, index * KINDS + IN, tensors)
+            self._watch_gradient(it, index * KINDS + PROD, tensors)
+
+    @_eager
+    def _after(self, index, module, args, output):
+        it = self._current
+        if it is None or self._closed:
+            return
+        tensors = self._floats(output, [])
+        if tensors:
+            self._forward_record(it, index * KINDS + OUT, tensors)
+            self._watch_gradient(it, index * KINDS + RECV, tensors)
+        it.finished_forward(index)
+
+    @_eager
+    def _gradient(self, it, slots, grad):
+        if self._closed or grad is None or grad.dtype not in _MEASURED_DTYPES:
+            return
+        if grad.device != self.device or it is not self._rows[it.index % self._capacity]:
+            return   # another device, or a backward of an iteration the ring has dropped
+        self._measure(it, slots[0], [grad])
+        for slot in slots:
+            it.alias(slot, slots[0])
+            if slot % KINDS == PROD:
+                it.produced_gradient(slot // KINDS)
+
+    @_eager
+    def _param_grad(self, index, grad):
+        it = self._current
+        if self._closed or it is None or grad.dtype not in _MEASURED_DTYPES:
+            return
+        if grad.is_sparse or grad.device != self.device:
+            return
+        self._measure(it, index * KINDS + PROD, [grad])
+        it.produced_gradient(index)
+
+    # ---- reading (synchronises) ----------------------------------------------------------
+    def _read(self):
+        """[(Iteration, row as nested lists)], oldest first, the latched row included."""
+        ring = self._ring.cpu().tolist()
+        rows = sorted((it.index, it, ring[it.index % self._capacity])
+                      for it in self._rows if it is not None)
+        latched = int(self._latched_iteration.item())
+        if latched < 0:
+            return [(it, row) for _, it, row in rows]
+        if rows and latched >= rows[0][0]:
+            return [(it, row) for _, it, row in rows]
+        layout = None
+        for start, it in self._history:
+            if start <= latched:
+                layout = it
+        if layout is None:
+            return [(it, row) for _, it, row in rows]
+        it = Iteration(latched)
+        it.forward_order, it.backward_order = layout.forward_order, layout.backward_order
+        it.aliases, it.numel, it.dtype = layout.aliases, layout.numel, layout.dtype
+        return [(it, self._latched.cpu().tolist())] + [(it, row) for _, it, row in rows]
+
+    @property
+    def iterations(self):
+        """How many iterations (root forwards) the watch has seen."""
+        return self._iteration + 1
+
+    def first_nonfinite(self):
+        from ._analysis import first_nonfinite
+        return first_nonfinite(self)
+
+    def first_underflow(self, threshold=0.9):
+        from ._analysis import first_underflow
+        return first_underflow(self, threshold)
+
+    def report(self, dtype=None):
+        from ._analysis import report
+        return report(self, dtype)
+
+    def history(self, dtype=None):
+        from ._analysis import history
+        return history(self, dtype)
+
+    def plot(self, path, dtype=None):
+        from ._analysis import plot
+        return plot(self, path, dtype)
