@@ -23,6 +23,7 @@ from . import ops  # noqa: F401
 from .convert import convert_module, is_norm_layer, restore  # noqa: F401
 from .export import fp32_state_dict, master_weights  # noqa: F401
 from .diagnostics import nonfinite_grads  # noqa: F401
+from . import debug  # noqa: F401
 from .grad_scaler import GradScaler  # noqa: F401
 from .initialize import initialize  # noqa: F401
 

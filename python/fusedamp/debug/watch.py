@@ -94,13 +94,22 @@ class Watch:
         self._tensor_handles = []
         self._warned_device = False
         self._closed = False
+        # A parameter's hook sees its gradient summed over every use: one shared by several
+        # modules (tied embeddings) would blame each for the others' part, so it is left out.
+        owners = {}
+        for _, module in named:
+            for p in module.parameters(recurse=False):
+                owners[p] = owners.get(p, 0) + 1
         handles = [root.register_forward_pre_hook(self._begin, prepend=True)]
+        self._hookless = []
         for index, (_, module) in enumerate(named):
             handles.append(module.register_forward_pre_hook(
                 functools.partial(self._before, index), with_kwargs=True))
             handles.append(module.register_forward_hook(functools.partial(self._after, index)))
             for p in module.parameters(recurse=False):
-                if p.requires_grad:
+                if p.requires_grad and owners[p] == 1:
+                    if p._backward_hooks is None:
+                        self._hookless.append(p)
                     handles.append(p.register_hook(functools.partial(self._param_grad, index)))
         self._handles = handles
         _watched.add(root)
@@ -114,6 +123,10 @@ class Watch:
         for handle in self._handles + self._tensor_handles:
             handle.remove()
         self._handles, self._tensor_handles = [], []
+        for p in self._hookless:   # removing a hook leaves an empty dict where None was
+            if p._backward_hooks is not None and not p._backward_hooks:
+                p._backward_hooks = None
+        self._hookless = []
         self._forward_seen.clear()
         self._grad_seen.clear()
         _watched.discard(self._root)
@@ -285,9 +298,9 @@ class Watch:
         from ._analysis import first_nonfinite
         return first_nonfinite(self)
 
-    def first_underflow(self, threshold=0.9):
+    def first_underflow(self, threshold=0.9, dtype=None):
         from ._analysis import first_underflow
-        return first_underflow(self, threshold)
+        return first_underflow(self, threshold, dtype)
 
     def report(self, dtype=None):
         from ._analysis import report
