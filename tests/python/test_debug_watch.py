@@ -19,7 +19,7 @@ AT = 3   # the iteration a fault is injected at
 
 def train(model, make_input, iterations, inject=None, step=True, compiled=None):
     """A few SGD steps; inject(i) sets the fault for iteration i."""
-    run = compiled or model
+    run = model if compiled is None else compiled
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for i in range(iterations):
         if inject is not None:
@@ -51,7 +51,7 @@ def test_producer_is_named(kind, fault, compiled):
     def inject(i):
         fault_of(model, kind).inject(**(values if i == AT else {}))
 
-    with fusedamp.debug.watch(run or model) as w:
+    with fusedamp.debug.watch(model if run is None else run) as w:
         train(model, make_input, 6, inject, step=fault == "backward_tiny", compiled=run)
         if fault == "backward_tiny":
             assert w.first_nonfinite() is None
