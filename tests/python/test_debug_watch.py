@@ -238,6 +238,24 @@ def test_nonfinite_from_outside_and_clean_run():
                                        "source": "outside"}
 
 
+@pytest.mark.parametrize("parameters", [False, True])
+def test_first_layer_and_parameter_gradients(parameters):
+    """The input needs no gradient: the fault's own code (a custom autograd function applied in
+    its forward) made the inf its child received; with parameters=True the child's weight
+    gradients count as produced too."""
+    from debug_models import Fault
+    torch.manual_seed(0)
+    model = nn.Sequential(Fault(8), nn.ReLU(), nn.Linear(8, 2))
+    with fusedamp.debug.watch(model, parameters=parameters) as w:
+        train(model, lambda: torch.randn(4, 8), 5,
+              lambda i: model[0].inject(**(dict(backward=INF) if i == AT else {})), step=False)
+        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": "0",
+                                       "source": "module"}
+        report = {r["module"]: r for r in w.report()}
+        assert (report["0.lin"]["backward_amax"] is not None) == parameters
+        assert report["2"]["underflow_fraction"] is not None   # its input is the ReLU's output
+
+
 @pytest.mark.parametrize("scaler", ["fusedamp", "torch"])
 def test_with_grad_scalers_and_autocast(scaler, tmp_path):
     name, build, make_input = MODELS["mlp"]

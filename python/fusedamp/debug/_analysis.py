@@ -18,7 +18,7 @@ def first_nonfinite(watch):
     data for the forward, the loss for the backward) and the module is the first that got it."""
     for it, row in watch._read():
         for phase in ("forward", "backward"):
-            found = producer(row, it, phase)
+            found = producer(row, it, phase, watch.names)
             if found is not None:
                 module, made = found
                 return {"iteration": it.index, "phase": phase, "module": watch.names[module],

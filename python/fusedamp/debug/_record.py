@@ -25,18 +25,20 @@ SLOTS = 4
 class Iteration:
     """What the host knows of one iteration; records are named by slot = module * KINDS + kind."""
 
-    __slots__ = ("index", "forward_order", "backward_order", "aliases", "numel", "dtype",
-                 "_finished", "_produced")
+    __slots__ = ("index", "forward_order", "backward_order", "received_order", "aliases",
+                 "numel", "dtype", "_finished", "_produced", "_received")
 
     def __init__(self, index):
         self.index = index
         self.forward_order = []   # modules in the order their forward finished (first call)
         self.backward_order = []  # modules in the order they first produced a gradient
+        self.received_order = []  # modules in the order they first received a gradient
         self.aliases = {}         # slot -> slots measured once for it and for others
         self.numel = {}           # slot -> elements measured directly into it
         self.dtype = {}           # slot -> dtype of the first tensor measured for it
         self._finished = set()
         self._produced = set()
+        self._received = set()
 
     def measured(self, slot, tensors):
         self.numel[slot] = self.numel.get(slot, 0) + sum(t.numel() for t in tensors)
@@ -56,6 +58,11 @@ class Iteration:
             self._produced.add(module)
             self.backward_order.append(module)
 
+    def received_gradient(self, module):
+        if module not in self._received:
+            self._received.add(module)
+            self.received_order.append(module)
+
     def closure(self, slot):
         """The slots whose records together make up `slot` (itself and its aliases, transitively)."""
         seen, todo = [], [slot]
@@ -68,7 +75,7 @@ class Iteration:
 
     def signature(self):
         return (tuple(self.forward_order), tuple(self.backward_order),
-                tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
+                tuple(self.received_order), tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
 
 
 class Stats:
@@ -103,19 +110,42 @@ def headroom_bits(amax, dtype):
     return math.log2(torch.finfo(dtype).max / amax)
 
 
-def producer(row, it, phase):
-    """The first module (forward: in finishing order; backward: in producing order) whose
-    output (gradient produced) is non-finite while its inputs (gradient received) were finite,
-    as (module, True); where non-finite values came only from outside every module (the data,
-    the loss), the first module that received them, as (module, False); else None."""
-    order, made, given = ((it.forward_order, OUT, IN) if phase == "forward"
+def _ancestors(names, module):
+    """Indices of module's enclosing modules, innermost first (by their dotted names)."""
+    name = names[module]
+    index = {n: i for i, n in enumerate(names)}
+    out = []
+    while name:
+        name = name.rpartition(".")[0]
+        if name in index:
+            out.append(index[name])
+    return out
+
+
+def producer(row, it, phase, names):
+    """The module that made the phase's first non-finite value, as (module, True), or, where it
+    came from outside every module (the data, the loss), the first module that got it, as
+    (module, False); None where the phase saw none.
+
+    Made: the first module (forward: in finishing order; backward: in producing order) whose
+    output (gradient produced) is non-finite while its inputs (gradient received) were finite.
+    Where none is, a module got non-finite values that no module's output carried: they were
+    made by a parent's own code between its children (``y * mul``, a custom autograd function
+    applied in its forward); the innermost parent whose inputs (received gradient) were still
+    finite is named."""
+    forward = phase == "forward"
+    order, made, given = ((it.forward_order, OUT, IN) if forward
                           else (it.backward_order, PROD, RECV))
-    entered = None
     for m in order:
         produced = Stats(row, it, m * KINDS + made)
         received = Stats(row, it, m * KINDS + given)
         if produced.nonfinite and not received.nonfinite:
             return m, True
-        if received.nonfinite and entered is None:
-            entered = m
-    return None if entered is None else (entered, False)
+    got = it.forward_order if forward else it.received_order
+    entered = next((m for m in got if Stats(row, it, m * KINDS + given).nonfinite), None)
+    if entered is None:
+        return None
+    for parent in _ancestors(names, entered):
+        if not Stats(row, it, parent * KINDS + given).nonfinite:
+            return parent, True
+    return entered, False
