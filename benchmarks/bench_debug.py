@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Step-time overhead of fusedamp.debug.watch against the usual ways to find a NaN.
+
+One FP32 training step (forward, backward, SGD step) of a small GPT-2 and of ResNet-18, four ways:
+
+  plain              no instrumentation
+  fusedamp watch     fusedamp.debug.watch(model): per module, grad_stats_ on inputs, outputs and
+                     produced/received gradients, into a device ring, no host synchronisation
+  isfinite hooks     what one writes by hand: a forward hook on every module raising where
+                     ``not torch.isfinite(output).all()``, and a tensor hook doing the same for
+                     the gradient w.r.t. each output (one host synchronisation per check)
+  detect_anomaly     torch.autograd.detect_anomaly(): NaN checks of every backward op's
+                     outputs, plus the forward traceback recorded for each op
+
+The variants run interleaved, step by step, so that a busy shared machine slows them alike; the
+table gives each one's median step time and its ratio to the plain step.
+
+    PYTHONPATH=python python3 benchmarks/bench_debug.py [--steps 20] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import fusedamp  # noqa: E402
+
+
+def gpt2():
+    import transformers
+    config = transformers.GPT2Config(vocab_size=512, n_positions=128, n_embd=128, n_layer=4,
+                                     n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (4, 128))
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss, \
+        "GPT-2 (n_layer 4, n_embd 128, vocab 512), batch 4 x 128 tokens"
+
+
+def resnet18():
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+    return model, lambda m: torch.nn.functional.cross_entropy(m(x), y), \
+        "ResNet-18 (torchvision, 10 classes), batch 8 x 3 x 64 x 64"
+
+
+class IsfiniteHooks:
+    """The hand-written check: raise at the first module whose output or output gradient holds
+    inf/NaN."""
+
+    def __init__(self, model):
+        self.handles = [m.register_forward_hook(self._forward) for _, m in model.named_modules()]
+
+    @staticmethod
+    def _tensors(out):
+        if isinstance(out, torch.Tensor):
+            return [out] if out.is_floating_point() else []
+        if isinstance(out, (tuple, list)):
+            return [t for o in out for t in IsfiniteHooks._tensors(o)]
+        if isinstance(out, dict):
+            return [t for o in out.values() for t in IsfiniteHooks._tensors(o)]
+        return []
+
+    def _forward(self, module, args, out):
+        for t in self._tensors(out):
+            if not torch.isfinite(t).all():
+                raise FloatingPointError(f"non-finite output of {type(module).__name__}")
+            if t.requires_grad:
+                t.register_hook(self._backward)
+
+    @staticmethod
+    def _backward(grad):
+        if not torch.isfinite(grad).all():
+            raise FloatingPointError("non-finite gradient")
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+VARIANTS = ("plain", "fusedamp watch", "isfinite hooks", "detect_anomaly")
+
+
+def attach(variant, model):
+    """The function that detaches the variant's instrumentation from model."""
+    if variant == "fusedamp watch":
+        return fusedamp.debug.watch(model).remove
+    if variant == "isfinite hooks":
+        return IsfiniteHooks(model).remove
+    return lambda: None
+
+
+def measure(build, steps, warmup):
+    models = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model, loss_fn, description = build()
+        models[variant] = (model, torch.optim.SGD(model.parameters(), lr=1e-3), loss_fn)
+    detach = [attach(v, models[v][0]) for v in VARIANTS]
+    times = {v: [] for v in VARIANTS}
+    for step in range(warmup + steps):
+        for v in VARIANTS:
+            model, opt, loss_fn = models[v]
+            start = time.perf_counter()
+            with (torch.autograd.detect_anomaly() if v == "detect_anomaly"
+                  else contextlib.nullcontext()):
+                loss_fn(model).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times[v].append((time.perf_counter() - start) * 1e3)
+    for d in detach:
+        d()
+    return description, {v: statistics.median(t) for v, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 on a loaded shared machine: OpenMP threads "
+                             "waiting for a descheduled peer dominate the times otherwise)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for name, build in (("gpt2", gpt2), ("resnet18", resnet18)):
+        description, medians = measure(build, args.steps, args.warmup)
+        results.append({"model": name, "description": description, "median_ms": medians})
+        print(description)
+        for v in VARIANTS:
+            print(f"  {v:<16s} {medians[v]:9.2f} ms  x{medians[v] / medians['plain']:.3f}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"{when}, fusedamp {commit}, {platform.processor() or platform.machine()} "
+              f"({os.cpu_count()} cores, {torch.get_num_threads()} threads), torch "
+              f"{torch.__version__}. FP32 step (forward, backward, SGD), median of "
+              f"{args.steps} steps after {args.warmup}, variants interleaved step by step.")
+    lines = ["# fusedamp.debug.watch: step-time overhead (CPU)", "",
+             f"`PYTHONPATH=python python3 benchmarks/bench_debug.py --steps {args.steps}"
+             f"{f' --threads {args.threads}' if args.threads else ''}`", "",
+             header, "", "| model | variant | step ms (median) | / plain |", "|---|---|--:|--:|"]
+    for r in results:
+        for v in VARIANTS:
+            ms = r["median_ms"][v]
+            lines.append(f"| {r['description']} | {v} | {ms:.1f} | "
+                         f"{ms / r['median_ms']['plain']:.3f} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "debug_cpu.json"), "w") as f:
+        json.dump({"header": header, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "debug_cpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
