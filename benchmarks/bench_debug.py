@@ -135,6 +135,7 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     results = []
     for name, build in (("gpt2", gpt2), ("resnet18", resnet18)):
         description, medians = measure(build, args.steps, args.warmup)
@@ -148,7 +149,9 @@ def main():
     header = (f"{when}, fusedamp {commit}, {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} cores, {torch.get_num_threads()} threads), torch "
               f"{torch.__version__}. FP32 step (forward, backward, SGD), median of "
-              f"{args.steps} steps after {args.warmup}, variants interleaved step by step.")
+              f"{args.steps} steps after {args.warmup}, variants interleaved step by step. "
+              f"Load average over the run (the machine is shared): "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
     lines = ["# fusedamp.debug.watch: step-time overhead (CPU)", "",
              f"`PYTHONPATH=python python3 benchmarks/bench_debug.py --steps {args.steps}"
              f"{f' --threads {args.threads}' if args.threads else ''}`", "",
