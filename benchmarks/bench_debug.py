@@ -13,7 +13,8 @@ One FP32 training step (forward, backward, SGD step) of a small GPT-2 and of Res
                      outputs, plus the forward traceback recorded for each op
 
 The variants run interleaved, step by step, so that a busy shared machine slows them alike; the
-table gives each one's median step time and its ratio to the plain step.
+table gives each one's median step time, its ratio to the plain step's, and the median of its
+per-round ratios to the plain step of the same round.
 
     PYTHONPATH=python python3 benchmarks/bench_debug.py [--steps 20] [--out benchmarks/results]
 """
@@ -121,7 +122,11 @@ def measure(build, steps, warmup):
                 times[v].append((time.perf_counter() - start) * 1e3)
     for d in detach:
         d()
-    return description, {v: statistics.median(t) for v, t in times.items()}
+    # Paired: each variant against the plain step of the same round, so that the machine's
+    # load, which drifts over a run, cancels out.
+    ratios = {v: statistics.median(a / b for a, b in zip(t, times["plain"]))
+              for v, t in times.items()}
+    return description, {v: statistics.median(t) for v, t in times.items()}, ratios
 
 
 def main():
@@ -138,11 +143,13 @@ def main():
     load_before = os.getloadavg()[0]
     results = []
     for name, build in (("gpt2", gpt2), ("resnet18", resnet18)):
-        description, medians = measure(build, args.steps, args.warmup)
-        results.append({"model": name, "description": description, "median_ms": medians})
+        description, medians, ratios = measure(build, args.steps, args.warmup)
+        results.append({"model": name, "description": description, "median_ms": medians,
+                         "median_paired_ratio": ratios})
         print(description)
         for v in VARIANTS:
-            print(f"  {v:<16s} {medians[v]:9.2f} ms  x{medians[v] / medians['plain']:.3f}")
+            print(f"  {v:<16s} {medians[v]:9.2f} ms  x{medians[v] / medians['plain']:.3f}"
+                  f"  paired x{ratios[v]:.3f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -155,12 +162,14 @@ def main():
     lines = ["# fusedamp.debug.watch: step-time overhead (CPU)", "",
              f"`PYTHONPATH=python python3 benchmarks/bench_debug.py --steps {args.steps}"
              f"{f' --threads {args.threads}' if args.threads else ''}`", "",
-             header, "", "| model | variant | step ms (median) | / plain |", "|---|---|--:|--:|"]
+             header, "", "| model | variant | step ms (median) | / plain | paired ratio (median) |",
+             "|---|---|--:|--:|--:|"]
     for r in results:
         for v in VARIANTS:
             ms = r["median_ms"][v]
             lines.append(f"| {r['description']} | {v} | {ms:.1f} | "
-                         f"{ms / r['median_ms']['plain']:.3f} |")
+                         f"{ms / r['median_ms']['plain']:.3f} | "
+                         f"{r['median_paired_ratio'][v]:.3f} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "debug_cpu.json"), "w") as f:
         json.dump({"header": header, "results": results}, f, indent=1)

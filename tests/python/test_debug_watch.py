@@ -60,8 +60,7 @@ def test_producer_is_named(kind, fault, compiled):
             assert w.first_underflow() is None   # FP32 gradients: nothing subnormal in FP32
         else:
             phase = fault.split("_")[0]
-            assert w.first_nonfinite() == {"iteration": AT, "phase": phase, "module": name,
-                                           "source": "module"}
+            assert w.first_nonfinite() == {"iteration": AT, "phase": phase, "module": name}
             report = {r["module"]: r for r in w.report()}
             assert AT in report[name]["nonfinite_iterations"]
 
@@ -90,8 +89,9 @@ def test_gpt2_producer(phase, compiled):
             mul.fill_(INF if i == AT else 1.0)
             out = run(**_gpt2_batch())
             out.loss.backward()
-        assert w.first_nonfinite() == {"iteration": AT, "phase": phase, "module": target,
-                                       "source": "module"}
+        assert w.first_nonfinite(source=True) == {
+            "iteration": AT, "phase": phase, "module": target,
+            "source": "module"}
         names = [r["module"] for r in w.report()]
         assert names == [n for n, _ in model.named_modules()]
 
@@ -206,7 +206,7 @@ def test_non_tensor_outputs_shared_module_and_no_backward():
         # the first call's output is finite, the second call gets inf*... from the parent's
         # multiply: the shared module's record combines both calls (inputs non-finite), so the
         # producer is the parent, whose own code made the inf
-        assert w.first_nonfinite() == {"iteration": 2, "phase": "forward", "module": "",
+        assert w.first_nonfinite(source=True) == {"iteration": 2, "phase": "forward", "module": "",
                                        "source": "module"}
         report = {r["module"]: r for r in w.report()}
         assert report["odd"]["forward_amax"] > 0
@@ -220,8 +220,9 @@ def test_first_nonfinite_survives_the_ring():
     with fusedamp.debug.watch(model, capacity=2) as w:
         train(model, make_input, 7, lambda i: model[3].inject(
             **(dict(forward=INF) if i in (1, 5) else {})), step=False)
-        assert w.first_nonfinite() == {"iteration": 1, "phase": "forward", "module": name,
-                                       "source": "module"}
+        assert w.first_nonfinite(source=True) == {
+            "iteration": 1, "phase": "forward", "module": name,
+            "source": "module"}
         assert [h for h in w.history()["iterations"]] == [1, 5, 6]
 
 
@@ -234,8 +235,9 @@ def test_nonfinite_from_outside_and_clean_run():
         x = make_input()
         x[0, 0] = float("nan")
         model(x)
-        assert w.first_nonfinite() == {"iteration": 2, "phase": "forward", "module": "0",
-                                       "source": "outside"}
+        assert w.first_nonfinite(source=True) == {
+            "iteration": 2, "phase": "forward", "module": "0",
+            "source": "outside"}
 
 
 @pytest.mark.parametrize("parameters", [False, True])
@@ -249,8 +251,9 @@ def test_first_layer_and_parameter_gradients(parameters):
     with fusedamp.debug.watch(model, parameters=parameters) as w:
         train(model, lambda: torch.randn(4, 8), 5,
               lambda i: model[0].inject(**(dict(backward=INF) if i == AT else {})), step=False)
-        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": "0",
-                                       "source": "module"}
+        assert w.first_nonfinite(source=True) == {
+            "iteration": AT, "phase": "backward", "module": "0",
+            "source": "module"}
         report = {r["module"]: r for r in w.report()}
         assert (report["0.lin"]["backward_amax"] is not None) == parameters
         assert report["2"]["underflow_fraction"] is not None   # its input is the ReLU's output
@@ -273,8 +276,9 @@ def test_with_grad_scalers_and_autocast(scaler, tmp_path):
             grad_scaler.step(opt)
             grad_scaler.update()
             opt.zero_grad()
-        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": name,
-                                       "source": "module"}
+        assert w.first_nonfinite(source=True) == {
+            "iteration": AT, "phase": "backward", "module": name,
+            "source": "module"}
         report = {r["module"]: r for r in w.report()}
         # autocast's BF16 outputs: headroom against BF16's range (same exponent range as FP32)
         assert report["0"]["headroom_bits"] > 100

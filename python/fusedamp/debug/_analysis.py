@@ -11,18 +11,21 @@ from ._record import KINDS, OUT, PROD, RECV, Stats, headroom_bits, producer
 __all__ = ["first_nonfinite", "first_underflow", "report", "history", "plot"]
 
 
-def first_nonfinite(watch):
-    """None, or {"iteration", "phase", "module", "source"} of the earliest retained iteration
-    with a non-finite value: forward first, then backward. "source" is "module" where the named
-    module made it from finite values, "outside" where it came from outside every module (the
-    data for the forward, the loss for the backward) and the module is the first that got it."""
+def first_nonfinite(watch, source=False):
+    """None, or {"iteration", "phase", "module"} of the earliest retained iteration with a
+    non-finite value: forward first, then backward. With source=True, also "source": "module"
+    where the named module made it from finite values, "outside" where it came from outside
+    every module (the data for the forward, the loss for the backward) and the module is the
+    first that got it."""
     for it, row in watch._read():
         for phase in ("forward", "backward"):
             found = producer(row, it, phase, watch.names)
             if found is not None:
                 module, made = found
-                return {"iteration": it.index, "phase": phase, "module": watch.names[module],
-                        "source": "module" if made else "outside"}
+                out = {"iteration": it.index, "phase": phase, "module": watch.names[module]}
+                if source:
+                    out["source"] = "module" if made else "outside"
+                return out
     return None
 
 

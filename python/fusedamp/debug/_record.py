@@ -64,7 +64,7 @@ class Iteration:
             self.received_order.append(module)
 
     def closure(self, slot):
-        """The slots whose records together make up `slot` (itself and its aliases, transitively)."""
+        """The slots whose records make up `slot`: itself and its aliases, transitively."""
         seen, todo = [], [slot]
         while todo:
             s = todo.pop()
@@ -75,7 +75,8 @@ class Iteration:
 
     def signature(self):
         return (tuple(self.forward_order), tuple(self.backward_order),
-                tuple(self.received_order), tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
+                tuple(self.received_order),
+                tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
 
 
 class Stats:

@@ -31,7 +31,8 @@ __all__ = ["precision_audit", "Audit"]
 class Audit(list):
     """precision_audit's result: a list of per-module dicts, worst local error first, with
     ``keep_fp32``: the innermost modules whose local error exceeds ``tolerance`` (or is not
-    finite; a module containing one is not listed again), as ``fusedamp.initialize(model, optimizer, dtype, keep_fp32=audit.keep_fp32)`` takes them."""
+    finite; a module containing one is not listed again), as
+    ``fusedamp.initialize(model, optimizer, dtype, keep_fp32=audit.keep_fp32)`` takes them."""
 
     def __init__(self, rows, keep_fp32, tolerance):
         super().__init__(rows)

@@ -314,9 +314,9 @@ class Watch:
         """How many iterations (root forwards) the watch has seen."""
         return self._iteration + 1
 
-    def first_nonfinite(self):
+    def first_nonfinite(self, source=False):
         from ._analysis import first_nonfinite
-        return first_nonfinite(self)
+        return first_nonfinite(self, source)
 
     def first_underflow(self, threshold=0.9, dtype=None):
         from ._analysis import first_underflow
