@@ -192,6 +192,9 @@ class Watch:
 
     def _floats(self, obj, out, depth=0):
         """The floating tensors in obj (tensors, tuples, lists, dicts, ModelOutputs), once each."""
+        if depth == 0 and type(obj) is torch.Tensor and obj.dtype in _MEASURED_DTYPES \
+                and obj.device == self.device:
+            return [obj]   # the common case, without the walk (hooks' Python is most of the cost)
         if isinstance(obj, torch.Tensor):
             if obj.dtype in _MEASURED_DTYPES and all(t is not obj for t in out):
                 if obj.device == self.device:
@@ -246,7 +249,7 @@ class Watch:
         it = self._current
         if it is None or self._closed:
             return
-        tensors = self._floats((args, kwargs), [])
+        tensors = self._floats(args[0] if len(args) == 1 and not kwargs else (args, kwargs), [])
         if tensors:
             self._forward_record(it, index * KINDS + IN, tensors)
             self._watch_gradient(it, index * KINDS + PROD, tensors)
