@@ -286,3 +286,24 @@ def test_with_grad_scalers_and_autocast(scaler, tmp_path):
             w.report(dtype=torch.float16)[1]["headroom_bits"] + 112, abs=0.5)
         path = w.plot(tmp_path / "watch.png")
         assert os.path.getsize(path) > 1000
+
+
+def test_with_initialize_fp16_master_weights():
+    """fusedamp.initialize's FP16 model (FP32 masters, its scaler): the FP16 gradients'
+    underflow is counted against FP16, and a backward inf is named."""
+    name, build, make_input = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt, scaler = fusedamp.initialize(model, opt, dtype=torch.float16)
+    with fusedamp.debug.watch(model) as w:
+        for i in range(5):
+            fault_of(model, "mlp").inject(**(dict(backward=INF) if i == AT else {}))
+            loss = model(make_input()).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": name}
+        report = {r["module"]: r for r in w.report()}
+        assert report[name]["headroom_bits"] < 16   # against FP16's 65504
