@@ -4,7 +4,8 @@ Per module and iteration (an iteration begins at each forward of the root module
 records on the device, with no host synchronisation, grad_stats_'s one-pass telemetry of
 - the forward inputs and output (amax, non-finite),
 - the gradient the module received (w.r.t. its outputs) and the one it produced (w.r.t. its
-  inputs and its own parameters): amax, non-finite, elements zero or subnormal.
+  inputs; with parameters=True, its own parameters' too): amax, non-finite, elements zero or
+  subnormal.
 Rows live in a device ring of `capacity` iterations; the first iteration with any non-finite
 value is also latched on the device, so it is found after the ring has moved on.
 
