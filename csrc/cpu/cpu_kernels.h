@@ -84,7 +84,8 @@ struct KernelTable {
   // With momentum, the rows' first state address is the momentum buffer, of state_dtype
   // (without momentum, state_dtype is FP32 and names nothing); int8: codes, and the second
   // address their block scales.
-  void (*sgd)(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);
+  void (*sgd)(const CpuStep& step, bool momentum, at::ScalarType state_dtype,
+              const math::SgdHyper& h);
 };
 
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
@@ -95,7 +96,8 @@ struct KernelTable {
                   GradTelemetry* telemetry);                                                 \
   void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,                 \
             const math::AdamHyper& h);                                                       \
-  void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h);        \
+  void sgd(const CpuStep& step, bool momentum, at::ScalarType state_dtype,                 \
+           const math::SgdHyper& h);                                                       \
   }
 
 FUSEDAMP_DECLARE_CPU_KERNELS(DEFAULT)

@@ -237,10 +237,11 @@ struct CpuOps {
   static void sgd_step(const Step<math::SgdHyper>& step) {
     // The state list: the momentum buffers, where there is momentum; int8 buffers are
     // quantized (the rows' second address: their block scales).
+    const bool momentum = step.state.count != 0;
     const at::ScalarType state_dtype =
-        step.state.count == 0 ? at::kFloat : step.state.lists[0][0].scalar_type();
+        momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
     run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().sgd(cpu_step, state_dtype, step.hyper);
+      kernels().sgd(cpu_step, momentum, state_dtype, step.hyper);
     });
   }
 };

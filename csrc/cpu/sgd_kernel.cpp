@@ -59,7 +59,8 @@ void sgd_quantized_lists(const CpuStep& step, const math::SgdHyper& h) {
 
 }  // namespace
 
-void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& h) {
+void sgd(const CpuStep& step, bool momentum, at::ScalarType state_dtype,
+         const math::SgdHyper& h) {
   if (state_dtype == at::kChar) {  // quantized momentum buffers (momentum != 0: the checks)
     step_switch(step, [&](auto param, auto grad, auto store) {
       sgd_quantized_lists<decltype(param), decltype(grad), store>(step, h);
@@ -67,10 +68,11 @@ void sgd(const CpuStep& step, at::ScalarType state_dtype, const math::SgdHyper& 
     return;
   }
   // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none and
-  // the caller passes FP32.
+  // the caller passes FP32. Whether there are is the state list's say (momentum != 0 in
+  // double), not the FP32 hyper-parameter's, which a momentum below 2^-150 rounds to 0.
   step_switch(step, [&](auto param, auto grad, auto store, auto with_momentum, auto state) {
     sgd_lists<decltype(param), decltype(grad), store, with_momentum, decltype(state)>(step, h);
-  }, BoolSwitch{h.momentum != 0.f}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

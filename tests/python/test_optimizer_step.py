@@ -86,3 +86,26 @@ def test_the_state_of_a_small_parameter_is_one_block_of_disjoint_tensors(device)
     small.grad = torch.zeros_like(small)
     opt.step()
     torch.testing.assert_close(state["exp_avg"], torch.full((3,), 7.0 * 0.9, device=device))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_momentum_that_rounds_to_zero_in_fp32_still_writes_the_buffer(device, state_dtype):
+    """momentum=1e-46 is nonzero (a buffer exists, as in torch) but 0 as an FP32 hyper-parameter:
+    the first step writes buf = g all the same, and later ones buf = 0 * buf + g, as torch's
+    FP32 buffer does; no step reads an unwritten buffer."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(100, device=device))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt = fusedamp.optim.SGD([p], lr=0.1, momentum=1e-46, state_dtype=state_dtype)
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=1e-46)
+    for i in range(3):
+        g = torch.randn(100, device=device)
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        tol = 0 if state_dtype == torch.float32 else 0.02 * g.abs().max().item()
+        if state_dtype != torch.int8:  # int8: codes and block scales, seen through the weights
+            buf = opt.state[p]["momentum_buffer"].float()
+            torch.testing.assert_close(buf, ref_opt.state[ref]["momentum_buffer"], rtol=0,
+                                       atol=tol)
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0.1 * tol)

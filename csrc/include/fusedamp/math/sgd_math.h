@@ -41,14 +41,15 @@ C10_HOST_DEVICE inline void sgd_update(
   if (h.weight_decay != 0.f) {
     g = g + V(h.weight_decay) * p;
   }
-  if (h.momentum != 0.f) {
-    if (first_step) {
-      buf = g;
-    } else {
-      buf = V(h.momentum) * buf + V(h.one_minus_dampening) * g;
-    }
-    g = h.nesterov ? g + V(h.momentum) * buf : buf;
+  // Called only where a momentum buffer exists (momentum != 0 in double, the caller's test):
+  // not tested again on the FP32 momentum, which a momentum below 2^-150 rounds to 0 and would
+  // leave a first step's buffer unwritten.
+  if (first_step) {
+    buf = g;
+  } else {
+    buf = V(h.momentum) * buf + V(h.one_minus_dampening) * g;
   }
+  g = h.nesterov ? g + V(h.momentum) * buf : buf;
   p = p - V(lr) * g;
 }
 
