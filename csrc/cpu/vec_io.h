@@ -24,6 +24,20 @@ struct LaneOps<at::vec::Vectorized<float>> {
   static inline at::vec::Vectorized<float> sqrt(const at::vec::Vectorized<float>& x) {
     return x.sqrt();
   }
+  static inline at::vec::Vectorized<float> fma(const at::vec::Vectorized<float>& x,
+                                               const at::vec::Vectorized<float>& y,
+                                               const at::vec::Vectorized<float>& z) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    return at::vec::fmadd(x, y, z);
+#else
+    // DEFAULT's at::vec::fmadd is x * y + z, rounded twice: one rounding lane by lane instead.
+    at::vec::Vectorized<float> r;
+    for (int l = 0; l < at::vec::Vectorized<float>::size(); ++l) {
+      r[l] = std::fma(x[l], y[l], z[l]);
+    }
+    return r;
+#endif
+  }
   static inline at::vec::Vectorized<float> max(const at::vec::Vectorized<float>& x,
                                                const at::vec::Vectorized<float>& y) {
     return at::vec::maximum(x, y);  // NaN-propagating, as torch.maximum

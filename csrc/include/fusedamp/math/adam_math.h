@@ -4,6 +4,11 @@
 //   m = m + (1 - beta1) * (g - m)           v = beta2 * v + (1 - beta2) * g * g
 //   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
 // with step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+// The L2 term, m's update and v's sum are each one fused multiply-add, as torch.optim's CPU
+// kernels compute them on AVX2/AVX-512 (add(alpha=), lerp_ and mul_ + addcmul_ are vectorised
+// with fmadd: on 2^20 elements torch's ops equal these placements in every element, the
+// unfused forms differ in 2-29 % of them). Nothing else is fused: AdamW's decay, the
+// denominator and the update round each operation, as torch's do.
 #include <fusedamp/math/lane_ops.h>
 
 namespace fusedamp::math {
@@ -91,11 +96,11 @@ C10_HOST_DEVICE inline void adam_update(V& p, V& m, V& v, V g, const AdamHyper& 
     if (h.decoupled) {
       p = p * V(c.decay_factor);
     } else {
-      g = g + V(h.weight_decay) * p;
+      g = LaneOps<V>::fma(V(h.weight_decay), p, g);
     }
   }
-  m = m + V(h.one_minus_beta1) * (g - m);
-  v = v * V(h.beta2) + V(h.one_minus_beta2) * g * g;
+  m = LaneOps<V>::fma(V(h.one_minus_beta1), g - m, m);
+  v = LaneOps<V>::fma(V(h.one_minus_beta2) * g, g, v * V(h.beta2));
   if (v_max != nullptr) {
     *v_max = LaneOps<V>::max(*v_max, v);
   }

@@ -1,8 +1,12 @@
 #pragma once
 // The element formulas in this folder are templates over a "lane" type V: plain `float` on the
 // GPU and in scalar tails, `at::vec::Vectorized<float>` in the CPU kernels. Arithmetic
-// operators are shared by both; the few functions that are spelled differently (sqrt, a
+// operators are shared by both; the few functions that are spelled differently (sqrt, fma, a
 // per-lane choice) go through LaneOps, which the CPU kernels specialise for Vectorized<float>.
+//
+// libfusedamp is compiled with floating-point contraction off (CMakeLists.txt), so `a * b + c`
+// rounds twice in every build; a formula that means one rounding says so with LaneOps::fma.
+// An element's bits then depend neither on the instruction set nor on CPU against CUDA.
 #include <c10/macros/Macros.h>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +17,15 @@ template <typename V>
 struct LaneOps {
   // std::sqrt and std::fabs of a float are also CUDA device functions (sqrtf, fabsf).
   static C10_HOST_DEVICE inline V sqrt(V x) { return std::sqrt(x); }
+  // x * y + z rounded once (an FMA instruction where the target has one; std::fma is correct,
+  // if slower, where it does not).
+  static C10_HOST_DEVICE inline V fma(V x, V y, V z) {
+#if defined(__CUDA_ARCH__)
+    return ::fmaf(x, y, z);
+#else
+    return std::fma(x, y, z);
+#endif
+  }
   // Per lane: the larger, NaN if either is NaN (torch.maximum's rule).
   static C10_HOST_DEVICE inline V max(V x, V y) {
     return (x != x || y != y) ? x + y : (x > y ? x : y);

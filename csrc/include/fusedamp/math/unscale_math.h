@@ -17,9 +17,10 @@ C10_HOST_DEVICE inline V accumulate_nonfinite(V acc, V x) {
   return acc + x * V(0.f);
 }
 
+// One fused multiply-add per element (one instruction on AVX2, AVX-512 and CUDA).
 template <typename V>
 C10_HOST_DEVICE inline V accumulate_square(V acc, V x) {
-  return acc + x * x;
+  return LaneOps<V>::fma(x, x, acc);
 }
 
 C10_HOST_DEVICE inline bool is_nonfinite_marker(float acc) {
