@@ -124,7 +124,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // The same kernel allowed up to 128 registers (2 blocks per SM): ptxas's default target for
 // the split8 weight store (the extra rounding to 24 bits) was 80 registers with an 8-byte
-// spill; asked for at least one block per SM instead, it took 122.
+// spill; asked for at least one block per SM instead, it took 122. AMSGrad (a third moment
+// list) with FP32 masters or split remainders spilled 8-16 bytes at 80 registers once every
+// product and sum rounds on its own (--fmad=false: the bits of math/, not of the compiler).
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 __global__ void __launch_bounds__(kThreads, 2)
     adam_kernel_two_blocks(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b,
@@ -144,7 +146,7 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   apply_step<Pos, kStore>(
       lists, vec_width_of<TP, TG, TS>(), step, step.write_back_grads,
       [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-        if constexpr (kStore == WeightStore::kSplit8) {
+        if constexpr (kStore == WeightStore::kSplit8 || kAmsgrad) {
           adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>
               <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
         } else {
