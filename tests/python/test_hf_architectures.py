@@ -205,3 +205,19 @@ def test_the_scale_fits_an_fp16_loss(device):
     fp32 = fusedamp.GradScaler(device)
     fp32.scale(torch.ones((), device=device))
     assert fp32.get_scale() == 2.0 ** 16
+
+
+def test_a_converted_model_pickles_with_its_scope():
+    """torch.save of the whole converted model: the copy runs under its own autocast scope (the
+    scope holds the module, not a bound method of the original)."""
+    import io
+    model = _model("bert").eval()
+    fusedamp.initialize(model, torch.optim.AdamW(model.parameters()), torch.bfloat16)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.forward.module is loaded
+    batch = _batches("bert")[0]
+    a, b = model(**batch), loaded(**batch)
+    assert b.loss.dtype == torch.float32 and torch.equal(a.logits, b.logits)
