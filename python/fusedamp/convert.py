@@ -120,17 +120,10 @@ class _BoundaryCasts:
         return _cast_floating(output, torch.float32) if self.dtypes.as_trained() else output
 
 
-class _FP32Inputs:
-    """A module kept FP32: its floating inputs cast to FP32."""
-
-    @staticmethod
-    def pre(module, args, kwargs):
-        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
-
-
-class _NormCasts:
-    """A norm layer's: inputs to the dtype of its own parameters (FP32 as trained), outputs to
-    the model's dtype."""
+class _KeptCasts:
+    """A module kept FP32 (a norm layer, or one named by keep_fp32): inputs to the dtype of its
+    own parameters (FP32 as trained; a model cast to one dtype again runs in that dtype); a norm
+    layer's outputs to the model's dtype."""
 
     def __init__(self, dtypes, norm):
         self.dtypes = dtypes
@@ -246,7 +239,9 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
     ``fusedamp.restore(model)`` undoes it."""
     kept_names = set(check_convertible(model, dtype, keep_fp32))
     norm_layers = [m for m in model.modules() if is_norm_layer(m)]
-    kept = [m for n, m in model.named_modules() if n in kept_names and m not in norm_layers]
+    # The outermost of the named modules: what lies inside one runs in its scope already.
+    kept = [m for n, m in model.named_modules() if n in kept_names and m not in norm_layers
+            and not any(n.startswith(k + ".") for k in kept_names)]
     fp32 = set(norm_layers) | {p for m in kept for p in m.modules()}
     for module in model.modules():
         target = torch.float32 if module in fp32 else dtype
@@ -263,12 +258,12 @@ def convert_module(model: nn.Module, dtype: torch.dtype = torch.float16,
             # cuDNN) and returns the input's dtype: no cast, so no FP32 copy of the activation
             # is saved for backward.
             continue
-        hooks = _NormCasts(dtypes, module)
+        hooks = _KeptCasts(dtypes, module)
         handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         handles.append(module.register_forward_hook(hooks.post, with_kwargs=True))
     for module in kept:
         # FP32 in, autocast off inside; its FP32 output goes on as the model's code has it.
-        hooks = _FP32Inputs()
+        hooks = _KeptCasts(dtypes, module)
         handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         _scope_forward(module, dtypes, kept=True)
     boundary = _BoundaryCasts(dtypes)

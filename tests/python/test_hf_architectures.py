@@ -221,3 +221,14 @@ def test_a_converted_model_pickles_with_its_scope():
     batch = _batches("bert")[0]
     a, b = model(**batch), loaded(**batch)
     assert b.loss.dtype == torch.float32 and torch.equal(a.logits, b.logits)
+
+
+def test_a_model_with_kept_modules_cast_again_runs_in_that_dtype():
+    """After model.to(bfloat16) a converted model runs as a plain BF16 model, its keep_fp32
+    modules included: their inputs follow their own weights' dtype, not FP32."""
+    model = _model("gpt2").eval()
+    fusedamp.initialize(model, torch.optim.AdamW(model.parameters()), torch.float16,
+                        keep_fp32=["mlp"])
+    model.to(torch.bfloat16)
+    out = model(**_batches("gpt2")[0])
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
