@@ -56,7 +56,7 @@ __device__ __forceinline__ void store_bytes(int8_t* p, const uint32_t (&words)[(
 }
 
 // The weights a fused step kernel updates, seen as FP32 lanes, for each way of keeping them
-// (static_switch.h WeightStore; the CPU twin is csrc/cpu/vec_io.h StepWeights):
+// (static_switch.h WeightStore; the CPU twin is csrc/cpu/step_weights.h):
 //   kParams         the params themselves are read and written;
 //   kMaster         the FP32 master is read, both are written; kMasterAdoptingEdits reads the
 //                   param too: where it is not its master's rounding, the model was edited and

@@ -3,7 +3,7 @@
 // chunks, and over a chunk two vectors at a time, so that an algorithm writes only its update.
 #include "chunked_for_each.h"
 #include "cpu_kernels.h"
-#include "vec_io.h"
+#include "step_weights.h"
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
 

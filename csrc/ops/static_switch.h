@@ -77,7 +77,7 @@ void static_switch(Body&& body, const First& first, const Rest&... rest) {
 }
 
 // How a step keeps the weights it updates (master_weights of the optimizers): the element
-// math sees FP32 lanes either way; only the loads and stores differ (cpu/vec_io.h and
+// math sees FP32 lanes either way; only the loads and stores differ (cpu/step_weights.h and
 // cuda/step_weights.cuh StepWeights).
 enum class WeightStore : uint8_t {
   kParams,                // no master: the params are read and written (round to nearest)
