@@ -8,6 +8,7 @@
 
 #include "chunked_for_each.h"
 #include "cpu_kernels.h"
+#include "half_patterns.h"
 #include "vec_io.h"
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
@@ -94,23 +95,25 @@ bool stats_one_vector(T* p, int64_t n, float inv_scale, float* sum_sq,
   return has_nan(bad, n);
 }
 
+// A chunk of FP32 (or FP64) gradients; see stats_one_vector.
 template <typename T, bool kUnscale, bool kTelemetry>
 bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry* telemetry) {
   if (n <= Vec::size()) {
     return stats_one_vector<T, kUnscale, kTelemetry>(p, n, inv_scale, sum_sq, telemetry);
   }
   const Vec s(inv_scale);
-  Vec bad(0.f), sq0(0.f), sq1(0.f);
-  // The pair's halves accumulate telemetry apart, as the sums of squares: two dependency
-  // chains per accumulator instead of one twice as long. Combined below (exact: counts are
-  // integers, the maximum is a maximum).
+  // The pair's halves accumulate apart: two dependency chains per accumulator instead of one
+  // twice as long. Combined below (exact: a NaN stays a NaN, counts are integers, the maximum
+  // is a maximum).
+  Vec bad0(0.f), bad1(0.f), sq0(0.f), sq1(0.f);
   auto tele = math::telemetry_zero<Vec>();
   auto tele1 = math::telemetry_zero<Vec>();
   const Vec smallest_normal(math::smallest_normal<T>());
   for (int64_t i = 0; i < n; i += kPair) {
     Vec a, b;
     PairIO<T>::load(p + i, n - i, a, b);
-    bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, a), b);
+    bad0 = math::accumulate_nonfinite(bad0, a);
+    bad1 = math::accumulate_nonfinite(bad1, b);
     sq0 = math::accumulate_square(sq0, a);
     sq1 = math::accumulate_square(sq1, b);
     if constexpr (kTelemetry) {
@@ -129,7 +132,56 @@ bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry
     telemetry->n_small = lane_sum(tele.n_small + tele1.n_small) - padding;
     telemetry->n_zero = lane_sum(tele.n_zero + tele1.n_zero) - padding;
   }
-  return has_nan(bad);
+  return has_nan(bad0 + bad1);
+}
+
+// A chunk of FP16/BF16 gradients: the same results, the check and the telemetry taken from the
+// bit patterns (half_patterns.h) and only the sum of squares from the values. The squares are
+// summed as above, pair by pair with the padded last pair, so the sum has the same bits.
+template <typename T, bool kUnscale, bool kTelemetry>
+bool stats_range_16(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry* telemetry) {
+  if (n <= Vec::size()) {
+    return stats_one_vector<T, kUnscale, kTelemetry>(p, n, inv_scale, sum_sq, telemetry);
+  }
+  const Vec s(inv_scale);
+  Vec sq0(0.f), sq1(0.f);
+  HalfPatternLanes<T, kTelemetry, kUnscale && kTelemetry> lanes;
+  const auto pair = [&](int64_t i, int64_t k) __attribute__((always_inline)) {
+    Vec a, b;
+    PairIO<T>::load(p + i, k, a, b);
+    if (k == kPair) {
+      lanes.add(p + i);
+    } else {
+      lanes.add_partial(p + i, k);
+    }
+    sq0 = math::accumulate_square(sq0, a);
+    sq1 = math::accumulate_square(sq1, b);
+    if constexpr (kUnscale) {  // after the patterns were read
+      PairIO<T>::store(p + i, k, math::unscale(a, s), math::unscale(b, s));
+    }
+  };
+  int64_t i = 0;
+  for (; i + kPair <= n; i += kPair) {
+    pair(i, kPair);
+  }
+  if (i < n) {
+    pair(i, n - i);
+  }
+  *sum_sq = lane_sum(sq0 + sq1);
+  const bool bad = lanes.nonfinite();
+  if constexpr (kTelemetry) {
+    const int64_t padding = (kPair - n % kPair) % kPair;
+    using Patterns = math::HalfPatterns<T>;
+    if constexpr (kUnscale) {
+      telemetry->amax = Patterns::value(lanes.largest(lanes.finite_top));
+    } else {
+      // Where nothing was inf or NaN, the largest pattern is the largest finite one.
+      telemetry->amax = bad ? largest_finite_value(p, n) : Patterns::value(lanes.largest(lanes.top));
+    }
+    telemetry->n_small = static_cast<float>(lanes.sum(lanes.n_small) - padding);
+    telemetry->n_zero = static_cast<float>(lanes.sum(lanes.n_zero) - padding);
+  }
+  return bad;
 }
 
 // f(chunk, i, grads[i], begin, end) over every chunk of the grads (all threads), with the
@@ -169,9 +221,15 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
       ChunkTelemetry* tele = telemetry != nullptr ? &chunk_tele[c] : nullptr;
       static_switch(
           [&](auto unscale, auto with_telemetry) {
-            chunk_bad[c] = stats_range<scalar_t, decltype(unscale)::value,
-                                       decltype(with_telemetry)::value>(p, end - begin, inv,
-                                                                        &chunk_sq[c], tele);
+            constexpr bool kUnscale = decltype(unscale)::value;
+            constexpr bool kTelemetry = decltype(with_telemetry)::value;
+            if constexpr (sizeof(scalar_t) == 2) {
+              chunk_bad[c] = stats_range_16<scalar_t, kUnscale, kTelemetry>(
+                  p, end - begin, inv, &chunk_sq[c], tele);
+            } else {
+              chunk_bad[c] = stats_range<scalar_t, kUnscale, kTelemetry>(p, end - begin, inv,
+                                                                         &chunk_sq[c], tele);
+            }
           },
           BoolSwitch{inv_scale != nullptr}, BoolSwitch{telemetry != nullptr});
     });

@@ -286,3 +286,37 @@ def test_unscale_telemetry_needs_sum_sq(device):
         ops.unscale_and_check_(grads, torch.zeros(1, device=device),
                                torch.ones(1, device=device), None, telemetry)
     assert all(torch.equal(a, b) for a, b in zip(grads, before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unscale", [False, True], ids=["grad_stats", "unscale_and_check"])
+def test_telemetry_edges_at_every_length_and_offset(device, dtype, unscale):
+    """The edge values of a 16-bit format (-0, the smallest normal and the largest subnormal,
+    the largest finite, inf, NaN), and an overflowing grad whose finite maximum is the largest
+    of all, at every length around the vector widths and at odd offsets of a longer grad."""
+    info = torch.finfo(dtype)
+    edges = torch.tensor([-0.0, info.tiny, -info.tiny, info.tiny * (1 - info.eps), 1.0,
+                          -info.max * 0.5, info.max, -info.max], dtype=torch.float64)
+    for n in list(range(1, 100)) + [4096 + 33]:
+        for overflow in [None, INF, float("nan")]:
+            x = torch.linspace(-3, 3, n, dtype=torch.float64).to(dtype)
+            spots = torch.arange(len(edges)) * 7 % n
+            x[spots] = edges[: len(spots)].to(dtype)
+            if overflow is not None:
+                x[(n * 5) // 9] = overflow
+            long = torch.zeros(n + 37, dtype=dtype)
+            long[13: 13 + n] = x
+            for g in [x, long[13: 13 + n]]:
+                grads = [g.to(device)]
+                want = reference(grads)
+                found = torch.zeros(1, device=device)
+                telemetry = torch.tensor([0.0, 0.0, 0.0, INF], dtype=torch.float64,
+                                         device=device)
+                if unscale:
+                    ops.unscale_and_check_(grads, found, torch.ones(1, device=device),
+                                           torch.zeros(1, device=device), telemetry)
+                else:
+                    ops.grad_stats_(grads, found, torch.zeros(1, device=device), None,
+                                    telemetry)
+                assert telemetry.tolist() == want, (n, overflow)
+                assert found.item() == float(overflow is not None), (n, overflow)

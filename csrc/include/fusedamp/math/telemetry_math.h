@@ -49,6 +49,29 @@ C10_HOST_DEVICE inline void accumulate_telemetry(TelemetryLanes<V>& t, V x, V sm
   t.n_zero = LaneOps<V>::count_if_equal(t.n_zero, x, V(0.f));
 }
 
+// The same telemetry read from a 16-bit gradient's bit patterns, 16-bit lane by 16-bit lane
+// (twice the lanes of the FP32 values, no conversion): with m = bits & 0x7FFF, the magnitude's
+// pattern, patterns order as magnitudes do and every NaN lies above +inf, so
+//   |x| finite              <=>  m <  kInf          (and amax = the largest such m, as a value)
+//   |x| < smallest normal   <=>  m <  kSmallestNormal
+//   x == 0 (either sign)    <=>  m == 0
+//   x not finite            <=>  m >= kInf
+// — the values accumulate_telemetry and the overflow check find, bit for bit.
+template <typename T>
+struct HalfPatterns;
+template <>
+struct HalfPatterns<c10::Half> {
+  static constexpr uint16_t kInf = 0x7C00;
+  static constexpr uint16_t kSmallestNormal = 0x0400;  // 2^-14
+  static float value(uint16_t m) { return static_cast<float>(c10::Half(m, c10::Half::from_bits())); }
+};
+template <>
+struct HalfPatterns<c10::BFloat16> {
+  static constexpr uint16_t kInf = 0x7F80;
+  static constexpr uint16_t kSmallestNormal = 0x0080;  // 2^-126
+  static float value(uint16_t m) { return float_of_bits(static_cast<uint32_t>(m) << 16); }
+};
+
 // What grad_stats_'s telemetry tensor holds (FP64, in this order), and how calls combine:
 // amax by max, counts by sum, the first non-finite grad's list position by min (the caller seeds
 // it with +inf: "none").
