@@ -20,6 +20,7 @@ void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
                                                   Vec& g0, Vec& g1) {
     if constexpr (kMomentum) {
       Vec b0, b1;
+      prefetch_pair_ahead(buf + i);
       if (!first_step) {
         PairIO<TS>::load(buf + i, k, b0, b1);
       }

@@ -18,8 +18,9 @@ void for_each_step_chunk(const CpuStep& step, const Body& body) {
   });
 }
 
-// A chunk of n elements, two vectors at a time: the gradient (times grad_mult) and the weights
-// loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i, at most kPair
+// A chunk of n elements, two vectors at a time: the gradient's and the weights' memory asked
+// for kPrefetchAhead elements ahead (an algorithm asks for its state's), the gradient (times
+// grad_mult) and the weights loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i, at most kPair
 // counted), then the weights stored as their store keeps them and, with write_grads, the
 // multiplied gradient written back. The whole pairs run with k the constant kPair, so that the
 // loads', stores' and update's tail checks fold away, and a partial last pair after them.
@@ -29,6 +30,8 @@ C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad
   const Vec mult(grad_mult);
   const auto pair = [&](int64_t i, int64_t k) __attribute__((always_inline)) {
     Vec g0, g1, p0, p1;
+    prefetch_pair_ahead(g + i);
+    w.prefetch_ahead(i);
     PairIO<TG>::load(g + i, k, g0, g1);
     g0 = g0 * mult;
     g1 = g1 * mult;

@@ -31,6 +31,18 @@ struct StepWeights {
   uint32_t step = 0;
   int64_t first_index = 0;
 
+  // The streams of the pair kPrefetchAhead elements past i (vec_io.h prefetch_pair_ahead).
+  C10_ALWAYS_INLINE void prefetch_ahead(int64_t i) const {
+    prefetch_pair_ahead(param + i);
+    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+      prefetch_pair_ahead(static_cast<const float*>(extra) + i);
+    } else if constexpr (is_split_store(kStore)) {
+      prefetch_pair_ahead(static_cast<const SplitRemainder<kStore>*>(extra) + i);
+    } else if constexpr (kStore == WeightStore::kKahan) {
+      prefetch_pair_ahead(static_cast<const TP*>(extra) + i);
+    }
+  }
+
   inline void load(int64_t i, int64_t n, Vec& a, Vec& b) const {
     if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
       PairIO<float>::load(static_cast<float*>(extra) + i, n, a, b);
