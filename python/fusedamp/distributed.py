@@ -29,8 +29,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
 
 from ._library import _C
 from .flat_shard import converted_state, flat_shards
-from .optim import (StepResults, amp_handover, closure_loss, names_int8_state,
-                    pack_param_groups)
+from .optim import StepResults, amp_handover, closure_loss
+from .optim_options import names_int8_state
+from .optim_state import pack_param_groups
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["ShardedOptimizer", "ZeroRedundancyOptimizer", "optimizer_state_bytes"]

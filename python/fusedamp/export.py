@@ -17,7 +17,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ._library import _C
 from .distributed import ShardedOptimizer
-from .optim import pack_param_groups
+from .optim_state import pack_param_groups
 from .zero import broadcast_partitions
 
 __all__ = ["master_weights", "fp32_state_dict"]

@@ -9,6 +9,7 @@ from ._library import _C
 from .convert import check_convertible, convert_module
 from .grad_scaler import GradScaler
 from .optim import SGD, Adam, AdamW, FusedOptimizer
+from .optim_options import check_group
 
 _FUSED = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
 # torch.optim's AdamW records decoupled_weight_decay=True in its defaults; fusedamp's AdamW
@@ -95,7 +96,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     kwargs = _fused_arguments(optimizer, fused_cls, engine_args)
     groups = [dict(g, **engine_args) for g in optimizer.param_groups]
     for group in groups:
-        FusedOptimizer.check_group(group)
+        check_group(group)
     fused_cls._engine_cls.validate(groups)
     device = next(model.parameters()).device
     enabled = (dtype == torch.float16) if loss_scaling is None else bool(loss_scaling)

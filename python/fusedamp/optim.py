@@ -51,9 +51,12 @@ from typing import Iterable
 import torch
 import torch.optim.optimizer as _torch_optimizer
 
-from . import compiled_step
+from . import compiled_step, optim_state
 from ._library import _C
-from .fsdp import check_gatherable, make_engine
+from .fsdp import has_dtensors
+from .optim_options import check_group, defaults_of
+from .part_engine import PartitionEngine
+from .shard_engine import ShardEngine
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 
@@ -61,6 +64,18 @@ __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 # read by the step to decide whether it needs torch's hook-running wrapper.
 _GLOBAL_STEP_HOOKS = (_torch_optimizer._global_optimizer_pre_hooks,
                       _torch_optimizer._global_optimizer_post_hooks)
+
+
+def make_engine(engine_cls, groups, partition_of=None):
+    """The engine for these param groups: the C++ engine itself for plain tensors, a
+    ShardEngine over the local shards for DTensor (FSDP2) parameters, a PartitionEngine where
+    the groups are this rank's partition of parameters stepped across `partition_of` (a
+    process group: ZeRO stage 1). The last two reduce the step's statistics over the ranks."""
+    if has_dtensors(p for g in groups for p in g):
+        return ShardEngine(engine_cls, groups)
+    if partition_of is not None:
+        return PartitionEngine(engine_cls(groups), partition_of)
+    return engine_cls(groups)
 
 
 class StepResults:
@@ -101,9 +116,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
 
     def _build_engine(self):
         for group in self.param_groups:
-            self.check_group(group)
-        # DTensor (FSDP2) parameters: the engine steps their local shards; a partition: its
-        # statistics are reduced over the ranks (fsdp.py).
+            check_group(group)
         engine = make_engine(self._engine_cls, [list(g["params"]) for g in self.param_groups],
                              self._partition_of)
         engine.sync_options(self.param_groups)
@@ -112,20 +125,6 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         # Snapshots of the group dicts the step last pushed (sync_changed_options): dropped
         # whenever options reach the engine another way.
         self._synced_options = []
-
-    @staticmethod
-    def check_group(group):
-        """What only the Python side can see: torch.optim arguments fusedamp does not do, or
-        accepts without them meaning anything (its step is always one fused, capturable pass)."""
-        if group.get("differentiable", False):
-            raise ValueError("fusedamp: differentiable=True is not supported")
-        if isinstance(group.get("state_dtype"), str):  # as a state dict spells it
-            group["state_dtype"] = _dtype_named(group["state_dtype"])
-        for name in ("foreach", "fused", "capturable"):
-            if group.get(name):
-                warnings.warn(f"fusedamp: {name}={group[name]!r} has no effect: fusedamp's step is "
-                              "always one fused pass that never syncs with the host",
-                              stacklevel=4)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -224,20 +223,14 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
             return []
         return list(scaler.telemetry()["grad_norm"])
 
-    # ---- state ----------------------------------------------------------------------
+    # ---- state (optim_state.py: the engine's state in torch.optim's shapes) --------------
     @property
     def state(self):
         # torch.optim keeps per-parameter state in self.state (a defaultdict); here it lives in
         # the engine and is exposed as the tensors themselves (no copies).
         if getattr(self, "_engine", None) is None:
             return self.__dict__.setdefault("_pre_state", defaultdict(dict))
-        out = _EngineState(self._engine)
-        for g in self.param_groups:
-            for p in g["params"]:
-                s = self._engine.param_state(p)
-                if s:
-                    dict.__setitem__(out, p, s)
-        return out
+        return optim_state.engine_state(self._engine, self.param_groups)
 
     @state.setter
     def state(self, value):
@@ -246,54 +239,14 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def state_dict(self):
         """torch.optim's layout (per-parameter state by index, packed param groups), plus the
         engine's skipped-step counter (torch.optim ignores the extra key)."""
-        index, groups = pack_param_groups(self.param_groups)
-        for g in groups:
-            # By name: torch.distributed.checkpoint takes no torch.dtype values (its consolidated
-            # and CPU-offloaded state dicts refuse them); a group given the name takes it back.
-            if isinstance(g.get("state_dtype"), torch.dtype):
-                g["state_dtype"] = str(g["state_dtype"])
-        state = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                s = self._engine.param_state(p)
-                if s:
-                    state[index[id(p)]] = {k: v.clone() for k, v in s.items()}
-        check_gatherable(state)
-        skipped = self._engine.skipped_steps()
-        return {"state": state, "param_groups": groups,
-                "skipped_steps": None if skipped is None else skipped.clone()}
+        return optim_state.state_dict(self._engine, self.param_groups)
 
     def load_state_dict(self, state_dict):
         """Loads fusedamp's or torch.optim's state dict (the same kind of optimizer). Everything
         is checked before anything changes; parameters without an entry get no state."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError("fusedamp: loaded state dict has a different number of param groups")
-        for mine, theirs in zip(self.param_groups, groups):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError("fusedamp: loaded state dict contains a parameter group that "
-                                 "doesn't match the size of optimizer's group")
-        # torch's rule (the checkpoint's hyper-parameters replace the group's) except for how
-        # the state is stored: master_weights and state_dtype stay the ones this optimizer was
-        # built with (the memory the user chose), and the loaded state is converted to them
-        # (docs/master_weights.md).
-        kept = ("params",) + _STORAGE_OPTIONS
-        merged = [dict(mine, **{k: v for k, v in theirs.items() if k not in kept})
-                  for mine, theirs in zip(self.param_groups, groups)]
-        for group in merged:
-            self.check_group(group)
-        self._engine_cls.validate(merged)
-        params = [p for g in self.param_groups for p in g["params"]]
-        ids = [i for g in groups for i in g["params"]]
-        entries = [(p, _from_torch_state(state_dict["state"][i])) for i, p in zip(ids, params)
-                   if i in state_dict["state"]]
-        # The engine checks every entry before it replaces anything.
-        self._engine.load_param_states([p for p, _ in entries], [s for _, s in entries])
-        self.param_groups[:] = merged
-        self._engine.sync_options(self.param_groups)
+        optim_state.load_state_dict(self._engine, self._engine_cls, self.param_groups,
+                                    state_dict)
         self._synced_options.clear()
-        if state_dict.get("skipped_steps") is not None:
-            self._engine.set_skipped_steps(state_dict["skipped_steps"])
 
     # ---- pickling (as torch.optim: the parameters travel with the optimizer) ------------
     def __getstate__(self):
@@ -310,63 +263,6 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
         self._build_engine()
         self._step_target = compiled_step.make_target(self)
         self.load_state_dict(engine_state)
-
-
-class _EngineState(defaultdict):
-    """``optimizer.state``: each parameter's state as the engine holds it (the tensors
-    themselves). Assigning a parameter's entry, as torch.optim's dict takes it (torch's
-    ZeroRedundancyOptimizer.load_state_dict loads its local optimizer that way), hands the
-    state to the engine, which checks it and converts it to the group's master-weight mode and
-    state dtype before anything changes. A copy is a plain dict."""
-
-    def __init__(self, engine):
-        super().__init__(dict)
-        self._engine = engine
-
-    def __setitem__(self, param, value):
-        self._engine.set_param_state(param, _from_torch_state(value))
-        super().__setitem__(param, self._engine.param_state(param))
-
-    def __missing__(self, param):
-        # torch's state is a defaultdict(dict): reading a parameter without state (unused, or
-        # before its first step) gives {}. Here that {} is not a state the engine could hold,
-        # so it is handed out, not stored; assigning a whole valid state stores it.
-        return {}
-
-    def __reduce__(self):
-        return defaultdict, (dict,), None, None, iter(self.items())
-
-
-# Group options that say how the state is stored, not what the algorithm does.
-_STORAGE_OPTIONS = ("master_weights", "state_dtype")
-
-
-def names_int8_state(value):
-    """Whether a state_dtype option -- a dtype, or its name as a state dict spells it -- is
-    torch.int8 (the 8-bit moments)."""
-    if isinstance(value, str):
-        try:
-            value = _dtype_named(value)
-        except ValueError:
-            return False
-    return value is torch.int8
-
-
-def _dtype_named(name):
-    """torch.bfloat16 for "torch.bfloat16" (or "bfloat16"); an unknown name is refused."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"fusedamp: state_dtype {name!r} names no torch dtype")
-    return dtype
-
-
-def _from_torch_state(state):
-    """A parameter's state in torch.optim's spelling, in fusedamp's: torch's SGD keeps no step
-    count (a momentum buffer exists once a step ran) and may hold a None buffer."""
-    state = {k: v for k, v in state.items() if v is not None}
-    if "step" not in state and "momentum_buffer" in state:
-        state["step"] = torch.ones(())
-    return state
 
 
 def _step_hooks_of(optimizer):
@@ -389,25 +285,6 @@ def amp_handover(optimizer):
     return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
 
 
-def pack_param_groups(param_groups):
-    """torch.optim's state_dict layout of param groups: each parameter replaced by its index
-    in group order. Returns ({id(param): index}, packed groups)."""
-    index, groups = {}, []
-    for g in param_groups:
-        packed = {k: v for k, v in g.items() if k != "params"}
-        packed["params"] = []
-        for p in g["params"]:
-            index.setdefault(id(p), len(index))
-            packed["params"].append(index[id(p)])
-        groups.append(packed)
-    return index, groups
-
-
-def _defaults_of(arguments):
-    """A constructor's keyword arguments as the param-group defaults (torch.optim's layout)."""
-    return {k: v for k, v in arguments.items() if k not in ("self", "params", "__class__")}
-
-
 class Adam(FusedOptimizer):
     """torch.optim.Adam (L2 weight decay, or decoupled as AdamW's with
     decoupled_weight_decay=True) with FP32 master weights; see the module doc."""
@@ -420,7 +297,7 @@ class Adam(FusedOptimizer):
                  master_weights=True, state_dtype=torch.float32, rounding_seed=0,
                  max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
                  write_back_grads=True):
-        super().__init__(params, _defaults_of(locals()))
+        super().__init__(params, defaults_of(locals()))
 
 
 class AdamW(Adam):
@@ -451,4 +328,4 @@ class SGD(FusedOptimizer):
                  fused=None, master_weights=True, state_dtype=torch.float32, rounding_seed=0,
                  max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
                  write_back_grads=True):
-        super().__init__(params, _defaults_of(locals()))
+        super().__init__(params, defaults_of(locals()))

@@ -6,8 +6,9 @@ checkpoints: all torch's) for a fusedamp optimizer class, with what a local opti
 only its partition cannot do alone:
 
 - its statistics pass is summed over the process group between the engine's phases
-  (fsdp.PartitionEngine): a non-finite gradient skips the step on every rank, not only on the
-  rank whose partition holds it, and ``max_grad_norm`` clips by the norm of all gradients;
+  (part_engine.PartitionEngine): a non-finite gradient skips the step on every rank, not only
+  on the rank whose partition holds it, and ``max_grad_norm`` clips by the norm of all
+  gradients;
 - it takes torch's AMP protocol: ``fusedamp.GradScaler`` (or torch's) checks every gradient
   (after DDP each rank holds them all, so the check and the telemetry are global and the same
   on every rank) and hands ``grad_scale``/``found_inf`` to the local fused step, which unscales
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeRO
 
-from .optim import FusedOptimizer, amp_handover
+from .optim import AdamW, FusedOptimizer, amp_handover
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -44,7 +45,7 @@ class ZeroRedundancyOptimizer(_TorchZeRO):
     def __init__(self, params, optimizer_class=None, process_group=None,
                  parameters_as_bucket_view=False, overlap_with_ddp=False, **defaults):
         if optimizer_class is None:
-            from .optim import AdamW as optimizer_class
+            optimizer_class = AdamW
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class,
                                                                  FusedOptimizer)):
             raise TypeError("fusedamp.distributed.ZeroRedundancyOptimizer: optimizer_class "
