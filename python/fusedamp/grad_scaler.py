@@ -53,9 +53,11 @@ class _NotGiven:
 
 
 _NOT_GIVEN = _NotGiven()
-# The engine's construction arguments (_engine_args). Pickles of earlier versions carry a 14th,
-# the scale-history flag, which __setstate__ drops.
-_ENGINE_ARG_COUNT = 13
+# Pickles of earlier versions carry the engine's arguments as a tuple (_engine_args), in this
+# order; some have a 14th, the scale-history flag, which __setstate__ drops.
+_PICKLED_ENGINE_ARGS = ("device", "init_scale", "growth_factor", "backoff_factor",
+                        "growth_interval", "enabled", "hysteresis", "min_scale", "max_scale",
+                        "policy", "amax_target", "telemetry", "telemetry_capacity")
 
 
 def _params_with_grads(optimizer):
@@ -85,13 +87,15 @@ class GradScaler:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self._enabled = bool(enabled)
-        self._engine_args = (str(device), float(init_scale), float(growth_factor),
-                             float(backoff_factor), int(growth_interval), self._enabled,
-                             int(hysteresis), None if min_scale is None else float(min_scale),
-                             None if max_scale is None else float(max_scale), str(policy),
-                             None if amax_target is None else float(amax_target),
-                             bool(telemetry), int(telemetry_capacity))
-        self._engine = _C.GradScaler(*self._engine_args)
+        self._engine_options = dict(
+            device=str(device), init_scale=float(init_scale), growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor), growth_interval=int(growth_interval),
+            enabled=self._enabled, hysteresis=int(hysteresis),
+            min_scale=None if min_scale is None else float(min_scale),
+            max_scale=None if max_scale is None else float(max_scale), policy=str(policy),
+            amax_target=None if amax_target is None else float(amax_target),
+            telemetry=bool(telemetry), telemetry_capacity=int(telemetry_capacity))
+        self._engine = _C.GradScaler(**self._engine_options)
         self._records_telemetry = self._engine.has_telemetry()
         self._step_target = compiled_step.make_target(self)  # in a compiled graph (its ops)
         self._torch_step_targets = {}  # id(optimizer): its target (prepare_compiled_step)
@@ -332,9 +336,10 @@ class GradScaler:
         # fusedamp.diagnostics.History (_history). Dropped.
         state.pop("_scale_history", None)
         state.pop("_history", None)
-        state["_engine_args"] = tuple(state["_engine_args"])[:_ENGINE_ARG_COUNT]
+        if "_engine_args" in state:
+            state["_engine_options"] = dict(zip(_PICKLED_ENGINE_ARGS, state.pop("_engine_args")))
         self.__dict__.update(state)
-        self._engine = _C.GradScaler(*self._engine_args)
+        self._engine = _C.GradScaler(**self._engine_options)
         self._records_telemetry = self._engine.has_telemetry()
         self._step_target = compiled_step.make_target(self)
         self._torch_step_targets = {}

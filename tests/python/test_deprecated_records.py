@@ -168,11 +168,14 @@ RING_PICKLE = base64.b64decode(
     "AEsDhZRLAYWUiYwLY29sbGVjdGlvbnOUjAtPcmRlcmVkRGljdJSTlClSlHSUUpR1Yi4=")
 
 
-def _check_restored(restored, scale, growth_tracker):
+def _check_restored(restored, scale, growth_tracker, **made_with):
     assert restored.get_scale() == scale
     assert restored.state_dict()["_growth_tracker"] == growth_tracker
     assert not hasattr(restored, "_scale_history") and not hasattr(restored, "_history")
-    assert len(restored._engine_args) == 13
+    # The pickled tuple of engine arguments, the scale-history flag left out, builds the
+    # engine the scaler had.
+    assert not hasattr(restored, "_engine_args")
+    assert restored._engine_options == fusedamp.GradScaler("cpu", **made_with)._engine_options
     assert _scale_history(restored) == []  # the old history is dropped
     param = torch.nn.Parameter(torch.zeros(4))
     _iterate(restored, fusedamp.optim.SGD([param], lr=0.0), param)
@@ -181,7 +184,8 @@ def _check_restored(restored, scale, growth_tracker):
 
 def test_a_scaler_pickled_with_a_scale_history_ring_loads():
     restored = pickle.loads(RING_PICKLE)
-    _check_restored(restored, scale=512.0, growth_tracker=1)
+    _check_restored(restored, scale=512.0, growth_tracker=1, init_scale=2.0 ** 10,
+                    growth_interval=2)
 
 
 @pytest.mark.parametrize("recorded", [[1024.0, 512.0, 1024.0], None])
@@ -190,6 +194,9 @@ def test_a_scaler_pickled_with_a_python_history_loads(monkeypatch, recorded):
     fusedamp.diagnostics.History (`_history`; None where history=False)."""
     scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 10)
     state = scaler.__getstate__()
+    del state["_engine_options"]  # the 13 engine arguments of that version, by position:
+    state["_engine_args"] = ("cpu", 2.0 ** 10, 2.0, 0.5, 2000, True, 1, None, None, "torch",
+                             None, True, 4096)
     old = None
     if recorded is not None:
         old = fusedamp.diagnostics.History()
@@ -199,7 +206,7 @@ def test_a_scaler_pickled_with_a_python_history_loads(monkeypatch, recorded):
     data = pickle.dumps(scaler)
     monkeypatch.undo()
     assert b"fusedamp.diagnostics" in data or recorded is None
-    _check_restored(pickle.loads(data), scale=1024.0, growth_tracker=0)
+    _check_restored(pickle.loads(data), scale=1024.0, growth_tracker=0, init_scale=2.0 ** 10)
 
 
 def test_history_is_no_longer_public():

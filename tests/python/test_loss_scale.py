@@ -207,6 +207,30 @@ def test_hysteresis_and_bounds(device):
     assert seen[:6] == [256, 256, 128, 64, 64, 64] and seen[-1] == 1024
 
 
+@pytest.mark.parametrize("restore", [False, True], ids=["built", "unpickled"])
+def test_every_constructor_argument_reaches_the_engine(device, restore):
+    """Each argument, none at its default, is the engine's setting of the same name, in a
+    scaler as built and as unpickled (which builds its engine again from the arguments)."""
+    import pickle
+
+    given = dict(init_scale=2.0 ** 9, growth_factor=4.0, backoff_factor=0.25,
+                 growth_interval=7, hysteresis=3, min_scale=2.0, max_scale=2.0 ** 20,
+                 policy="amax", amax_target=1000.0)
+    scaler = fusedamp.GradScaler(device, telemetry_capacity=5, **given)
+    if restore:
+        scaler = pickle.loads(pickle.dumps(scaler))
+    settings = scaler.state_dict()
+    assert {k: settings["scale" if k == "init_scale" else k] for k in given} == given
+    assert scaler.is_enabled()
+    param = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = fusedamp.optim.SGD([param], lr=0.0)
+    for _ in range(6):
+        scaler.scale(param.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert len(scaler.telemetry()["scale"]) == 5  # the last telemetry_capacity iterations
+
+
 def test_the_inverse_scale_is_torchs(device):
     """The engine takes 1 / scale in FP32 (one op; on the CPU the double reciprocal on the
     host, into a tensor it keeps) where torch rounds the double reciprocal to FP32: the same
