@@ -10,7 +10,7 @@
 - ``fusedamp.lr_scheduler``: schedules counted in applied optimizer steps (a skipped step does
   not advance them), computed on the device.
 - ``fusedamp.distributed.ZeroRedundancyOptimizer``: torch's ZeRO stage 1 over fusedamp's
-  optimizers, with global clipping and skips (``ShardedOptimizer``: deprecated).
+  optimizers, with global clipping and skips.
 - The operators: ``torch.ops.fusedamp.*``, and ``fusedamp.ops.*``: the same operators from
   Python without torch.ops' boxing of every list element.
 """

@@ -15,9 +15,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ._library import _C
-from .distributed import ShardedOptimizer
-from .optim_state import pack_param_groups
 from .zero import broadcast_partitions
 
 __all__ = ["master_weights", "fp32_state_dict"]
@@ -25,22 +22,9 @@ __all__ = ["master_weights", "fp32_state_dict"]
 
 def _masters_by_param(optimizer):
     """{id(param): (FP32 master, whether it is a separate copy)} of the parameters that have
-    one (a collective for a ShardedOptimizer: call it on every rank). A separate copy (the
-    state's master_param) may be stale against an edited weight; one rebuilt from the weight
-    (split, Kahan) is not."""
+    one. A separate copy (the state's master_param) may be stale against an edited weight; one
+    rebuilt from the weight (split, Kahan) is not."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if isinstance(optimizer, ShardedOptimizer):
-        # The engine rebuilds the FP32 master from whatever store the gathered state holds.
-        state = optimizer.consolidated_state_dict(to=None)["state"]
-        index, _ = pack_param_groups(optimizer.param_groups)
-        out = {}
-        for p in params:
-            i = index[id(p)]
-            if state.get(i):
-                _, fp32 = _C.convert_param_state(p.detach(), state[i], True, torch.float32, i)
-                if "master_param" in fp32:
-                    out[id(p)] = (fp32["master_param"], "master_param" in state[i])
-        return out
     out = {}
     engine = getattr(optimizer, "_engine", None)
     for p in params:
@@ -81,8 +65,8 @@ def _zero_fp32_values(optimizer):
 def master_weights(model: torch.nn.Module, optimizer) -> dict:
     """{parameter name: FP32 tensor}: each parameter's master weight where it has one (and,
     for a separate FP32 copy, the model weight is still its rounding), else the parameter
-    itself in FP32. Under a sharded optimizer (ShardedOptimizer, ZeroRedundancyOptimizer) a
-    collective: call it on every rank."""
+    itself in FP32. Under a ZeroRedundancyOptimizer (torch's or fusedamp's) a collective: call
+    it on every rank."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         values = _zero_fp32_values(optimizer)
         return {name: values[id(p)] if id(p) in values else p.detach().float().clone()

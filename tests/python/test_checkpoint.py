@@ -118,3 +118,73 @@ def test_state_dict_names_the_state_dtype_and_the_name_is_taken_back(device):
         is torch.float32
     with pytest.raises(ValueError, match="names no torch dtype"):
         fusedamp.optim.AdamW([p], state_dtype="torch.bfloat17")
+
+
+# The consolidated checkpoint (consolidated_state_dict()) of fusedamp.distributed.
+# ShardedOptimizer(params, "adamw", lr=1e-2) over nn.Linear(4, 2) in BF16 after two steps, and
+# the weights it left: per-parameter state by index in fusedamp.optim's format, with the param
+# groups of that class (fewer options than fusedamp.optim.AdamW's).
+SHARDED_WEIGHTS = [
+    torch.tensor([[-0.0228271484375, 0.27734375, -0.396484375, -0.38671875],
+                  [-0.1728515625, 0.1513671875, -0.014404296875, 0.376953125]],
+                 dtype=torch.bfloat16),
+    torch.tensor([-0.0245361328125, 0.1513671875], dtype=torch.bfloat16)]
+SHARDED_CHECKPOINT = {
+    "state": {
+        0: {"master_param": torch.tensor(
+                [[-0.022828806191682816, 0.2774503231048584, -0.3955417573451996,
+                  -0.3871261775493622],
+                 [-0.17330174148082733, 0.1512928009033203, -0.01441001333296299,
+                  0.37722957134246826]]),
+            "exp_avg": torch.tensor(
+                [[0.2045312523841858, 0.00039062544237822294, -0.18929199874401093,
+                  0.11343750357627869],
+                 [-0.1428515613079071, -0.14246094226837158, -0.11595703661441803,
+                  0.11367187649011612]]),
+            "exp_avg_sq": torch.tensor(
+                [[0.0028021512553095818, 0.00015734291810076684, 0.0047161392867565155,
+                  0.0007106885896064341],
+                 [0.0013816370628774166, 0.001981233013793826, 0.0024841544218361378,
+                  0.0008496860973536968]]),
+            "step": torch.tensor(2.0)},
+        1: {"master_param": torch.tensor([-0.024489767849445343, 0.1517615169286728]),
+            "exp_avg": torch.tensor([-0.1678124964237213, -0.09263671934604645]),
+            "exp_avg_sq": torch.tensor([0.0015795616200193763, 0.00047969879233278334]),
+            "step": torch.tensor(2.0)}},
+    "param_groups": [{"lr": 0.01, "weight_decay": 0.01, "maximize": False,
+                      "master_weights": True, "state_dtype": torch.float32, "rounding_seed": 0,
+                      "max_grad_norm": None, "betas": (0.9, 0.999), "eps": 1e-08,
+                      "params": [0, 1]}]}
+
+
+@pytest.mark.parametrize("kind", ["fusedamp.optim", "ZeroRedundancyOptimizer"])
+def test_a_sharded_optimizer_checkpoint_loads(kind, request):
+    """The sharded optimizer's consolidated checkpoints load into fusedamp.optim.AdamW and, on
+    a process group, into fusedamp.distributed.ZeroRedundancyOptimizer (docs/distributed.md):
+    the state is the checkpoint's bit for bit, its hyper-parameters replace the defaults, the
+    options it does not name keep theirs, and the next step runs from it."""
+    model = torch.nn.Linear(4, 2).bfloat16()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), SHARDED_WEIGHTS):
+            p.copy_(w)
+    if kind == "fusedamp.optim":
+        opt = local = fusedamp.optim.AdamW(model.parameters(), lr=5.0)
+    else:
+        request.getfixturevalue("one_rank_process_group")
+        opt = fusedamp.distributed.ZeroRedundancyOptimizer(model.parameters(), lr=5.0)
+        local = opt.optim
+    opt.load_state_dict(SHARDED_CHECKPOINT)
+    params = list(model.parameters())
+    for i, saved in SHARDED_CHECKPOINT["state"].items():
+        state = local.state[params[i]]
+        assert state.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(state[name], value), (i, name)
+    group = local.param_groups[0]
+    assert group["lr"] == 0.01 and group["amsgrad"] is False
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(local.state[p]["step"].item() == 3.0 for p in params)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before))

@@ -5,7 +5,7 @@ parameters): 2 ranks on Gloo on the CPU, launched as test_distributed.py launche
 Numerics (the tolerances below):
 - FP32 parameters: the ranks' gradients are the FP32 means of half batches, reduce-scattered
   and averaged; the reference's the mean of the whole batch. They differ by FP32 summation
-  order only, so the runs agree to FP32 rounding (test_distributed.py's TOL_FP32).
+  order only, so the runs agree to FP32 rounding (TOL_FP32).
 - param_dtype BF16/FP16, reduce_dtype FP32: each rank runs forward and backward in BF16/FP16
   on its rows. The reference that computes the same rows' gradients in one process (split)
   gets the same gradients up to the FP32 rounding of the mean and of the global norm; but a
@@ -30,10 +30,11 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
 
 from fsdp_worker import INF_STEP, SCENARIOS, STEPS, UNSCALE_STEP, reference_run  # noqa: E402
-from test_distributed import TOL_FP32, _launch  # noqa: E402  (the launcher pattern)
+from test_distributed import _launch  # noqa: E402  (the launcher pattern)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp_worker.py")
 WORLD = 2
+TOL_FP32 = dict(rtol=1e-5, atol=1e-6)
 TOL_SPLIT = {"bf16": 2e-3, "fp16": 5e-4}
 TOL_WHOLE_BATCH = {"bf16": 3e-2, "fp16": 2e-3}
 

@@ -31,8 +31,7 @@ def runs(tmp_path_factory):
     out = {2: _launch(2, "gloo", two, worker=WORKER)}
     out[3] = _launch(3, "gloo", str(tmp_path_factory.mktemp("zero3")), load_path=two,
                      worker=WORKER)
-    for name in ("checkpoint", "sharded_checkpoint"):
-        out[name] = torch.load(os.path.join(two, f"{name}.pt"), weights_only=False)
+    out["checkpoint"] = torch.load(os.path.join(two, "checkpoint.pt"), weights_only=False)
     return out
 
 
@@ -183,26 +182,23 @@ def test_ddp_with_the_scaler_skips_and_scales_alike(runs, world):
     assert run["telemetry"]["amax"][0] > 0
 
 
-@pytest.mark.parametrize("name,resumed", [("checkpoint", "resumed"),
-                                          ("sharded_checkpoint", "resumed_sharded")])
-def test_a_checkpoint_of_two_ranks_continues_on_three_bit_for_bit(runs, name, resumed):
-    """A consolidated checkpoint written by 2 ranks (torch's ZeRO format, or the consolidated
-    one of fusedamp.distributed.ShardedOptimizer, which this class replaces), loaded by 3 (each
+def test_a_checkpoint_of_two_ranks_continues_on_three_bit_for_bit(runs):
+    """A consolidated checkpoint written by 2 ranks (torch's ZeRO format), loaded by 3 (each
     takes its new partition) and by one process: the loaded state is the saved one, and the
     continued steps are bit-identical."""
-    checkpoint = runs[name]
+    checkpoint = runs["checkpoint"]
     saved = checkpoint["optimizer"]["state"]
     loaded = {}
     for r in runs[3]:
-        assert not loaded.keys() & r[resumed]["loaded"].keys()  # each in one partition
-        loaded.update(r[resumed]["loaded"])
+        assert not loaded.keys() & r["resumed"]["loaded"].keys()  # each in one partition
+        loaded.update(r["resumed"]["loaded"])
     assert loaded.keys() == saved.keys() and len(saved) == len(checkpoint["model"])
     for i, s in saved.items():
         mine = loaded[i]
         assert mine.keys() == s.keys() and all(torch.equal(mine[k], v) for k, v in s.items())
     ref, _, _ = one_process(steps=RESUME_STEPS, first=STEPS, checkpoint=checkpoint)
-    _ranks_identical(runs[3], lambda r: r[resumed]["params"])
-    for a, b in zip(runs[3][0][resumed]["params"], ref):
+    _ranks_identical(runs[3], lambda r: r["resumed"]["params"])
+    for a, b in zip(runs[3][0]["resumed"]["params"], ref):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

@@ -6,9 +6,8 @@ module itself.
 
 Most scenarios step on the gradients of the whole global batch, computed alike on every rank
 (one thread, the same batch), so that only the step can differ from one process. Results go to
-OUT_DIR/rank{RANK}.pt; rank 0 also writes the consolidated checkpoints, of this class and of the
-ShardedOptimizer it replaces, to OUT_DIR/checkpoint.pt and OUT_DIR/sharded_checkpoint.pt, which
-a launch given CHECKPOINT_DIR (another world size's OUT_DIR) resumes.
+OUT_DIR/rank{RANK}.pt; rank 0 also writes the consolidated checkpoint to OUT_DIR/checkpoint.pt,
+which a launch given CHECKPOINT_DIR (another world size's OUT_DIR) resumes.
 """
 from __future__ import annotations
 
@@ -194,8 +193,7 @@ def main():
            "nan_torch": clipped_run(TorchZeRO, NAN_STEP),
            "ddp_scaler": ddp_scaler_run(rank, world),
            "torch_zero_load_keeps_state": torch_zero_load(rank)}
-    # The checkpoints other world sizes resume from (FP32 masters after STEPS steps): this
-    # class's, and the consolidated one of the sharded optimizer it replaces.
+    # The checkpoint other world sizes resume from (FP32 masters after STEPS steps).
     model = make_model("cpu", torch.bfloat16)
     opt = zero(model, **MODE_ADAM)
     train_full_batch(model, opt, STEPS, "cpu")
@@ -203,17 +201,8 @@ def main():
     if rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                    os.path.join(out_dir, "checkpoint.pt"))
-    model = make_model("cpu", torch.bfloat16)
-    sharded = fusedamp.distributed.ShardedOptimizer(model.parameters(), "adamw",
-                                                    grads_averaged=True, **MODE_ADAM)
-    train_full_batch(model, sharded, STEPS, "cpu")
-    full = sharded.consolidated_state_dict(to=0)
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": full},
-                   os.path.join(out_dir, "sharded_checkpoint.pt"))
-    if load_path:  # the folder of another world size's checkpoints
+    if load_path:  # the folder of another world size's checkpoint
         out["resumed"] = resume_run(os.path.join(load_path, "checkpoint.pt"))
-        out["resumed_sharded"] = resume_run(os.path.join(load_path, "sharded_checkpoint.pt"))
     try:
         fusedamp.distributed.ZeroRedundancyOptimizer(make_model("cpu").parameters(),
                                                      optimizer_class=torch.optim.AdamW)
