@@ -12,34 +12,6 @@ fusedamp's — sets ``grad_scale`` and ``found_inf`` on the optimizer before ``s
 step unscales, checks and skips itself on the device. ``_step_checks_nonfinite`` tells a scaler
 that the step checks the gradients itself (ORing its finding into ``found_inf``), so
 fusedamp.GradScaler adds no pass of its own.
-
-Extra arguments over torch's:
-  master_weights (default True)  how FP16/BF16 weights keep the bits rounding drops, per group:
-                 True   an FP32 master copy (+4 bytes/param)
-                 "split"  BF16 only: an int16 remainder (+2 bytes/param); weight + remainder is
-                        exactly the FP32 master of True (the weight differs from True's only
-                        where the master lies exactly halfway between two BF16 values)
-                 "split8"  BF16 only: an int8 remainder (+1 byte/param); weight + remainder is
-                        a 24-bit master (16 significant bits): each step's FP32 result rounded
-                        to nearest 24 bits
-                 "kahan"  a compensation buffer of the weight's dtype (+2 bytes/param)
-                 "stochastic"  BF16 only: no state; the weight is rounded stochastically,
-                        reproducibly from ``rounding_seed`` (and the step, the element)
-                 False  none: round to nearest (updates below half an ulp are lost)
-  state_dtype (default torch.float32)  the moments / momentum buffers: float32, bfloat16, or
-                 torch.int8 (or "int8"; Adam/AdamW without amsgrad, SGD): 8-bit codes in blocks
-                 of 32 elements with FP32 block scales (2.25 bytes/param for Adam's two
-                 moments, 1.125 for SGD's buffer); on FSDP2 every shard of such a parameter must
-                 hold whole blocks of it
-  rounding_seed (default 0)  the seed of master_weights="stochastic"
-  max_grad_norm  (default None)  fused global-norm clipping (clip_grad_norm_'s formula)
-  skip_nonfinite (default True)  skip the step on inf/NaN even without a loss scaler
-  adopt_param_edits (default True)  the model's weights are the truth: a weight that is no
-                 longer its master's rounding (a loaded snapshot, a clamp, a pruning mask) is
-                 taken into the master before the update (+2 bytes/param read at FP16)
-  write_back_grads (default True)  after a scaled or clipped step ``.grad`` holds the gradient
-                 the update used, unscaled and clipped, as torch's fused optimizers leave it
-                 (+2 bytes/param written at FP16; False keeps the scaled gradients)
 """
 from __future__ import annotations
 
@@ -54,9 +26,12 @@ import torch.optim.optimizer as _torch_optimizer
 from . import compiled_step, optim_state
 from ._library import _C
 from .fsdp import has_dtensors
-from .optim_options import check_group, defaults_of
+from .optim_options import check_group, defaults_of, extra_options_doc
 from .part_engine import PartitionEngine
 from .shard_engine import ShardEngine
+
+if __doc__:  # None under python -OO
+    __doc__ += "\n" + extra_options_doc()
 
 __all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
 
@@ -285,9 +260,13 @@ def amp_handover(optimizer):
     return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
 
 
+# Each class's documentation ends with fusedamp's own arguments, written from their table.
+_EXTRAS_DOC = "\n\n" + extra_options_doc(indent="    ")
+
+
 class Adam(FusedOptimizer):
-    """torch.optim.Adam (L2 weight decay, or decoupled as AdamW's with
-    decoupled_weight_decay=True) with FP32 master weights; see the module doc."""
+    __doc__ = """torch.optim.Adam (L2 weight decay, or decoupled as AdamW's with
+    decoupled_weight_decay=True) with FP32 master weights; see the module doc.""" + _EXTRAS_DOC
 
     _engine_cls = _C.Adam
 
@@ -301,7 +280,8 @@ class Adam(FusedOptimizer):
 
 
 class AdamW(Adam):
-    """torch.optim.AdamW (decoupled weight decay) with FP32 master weights."""
+    __doc__ = """torch.optim.AdamW (decoupled weight decay) with FP32 master weights; see the
+    module doc.""" + _EXTRAS_DOC
 
     _engine_cls = _C.AdamW
 
@@ -310,16 +290,13 @@ class AdamW(Adam):
                  capturable=False, differentiable=False, fused=None, master_weights=True,
                  state_dtype=torch.float32, rounding_seed=0, max_grad_norm=None,
                  skip_nonfinite=True, adopt_param_edits=True, write_back_grads=True):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
-                         state_dtype=state_dtype, rounding_seed=rounding_seed,
-                         max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-                         adopt_param_edits=adopt_param_edits, write_back_grads=write_back_grads)
+        # Adam's defaults with decoupled weight decay, as torch's AdamW records them.
+        FusedOptimizer.__init__(self, params,
+                                dict(defaults_of(locals()), decoupled_weight_decay=True))
 
 
 class SGD(FusedOptimizer):
-    """torch.optim.SGD with FP32 master weights; see the module doc."""
+    __doc__ = """torch.optim.SGD with FP32 master weights; see the module doc.""" + _EXTRAS_DOC
 
     _engine_cls = _C.SGD
 
