@@ -31,12 +31,14 @@ void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max
   const math::AdamHyper h = hyper;
   const math::AdamCoeffs c = coeffs;
   step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
-                                                  Vec& g0, Vec& g1) {
+                                                  Vec& g0, Vec& g1, auto ahead) {
     Vec m0, m1, v0, v1;
-    prefetch_pair_ahead(m + i);
-    prefetch_pair_ahead(v + i);
-    if constexpr (kAmsgrad) {
-      prefetch_pair_ahead(v_max + i);
+    if constexpr (decltype(ahead)::value) {
+      prefetch_pair_ahead(m + i);
+      prefetch_pair_ahead(v + i);
+      if constexpr (kAmsgrad) {
+        prefetch_pair_ahead(v_max + i);
+      }
     }
     PairIO<TS>::load(m + i, k, m0, m1);
     PairIO<TS>::load(v + i, k, v0, v1);

@@ -88,8 +88,10 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
   // Vecs, whose constructor zeroes them (a memset of the arrays for every call).
   alignas(64) float top[kBlocks][kLists][Vec::size()];
   using Ops = math::LaneOps<Vec>;
+  // The gradient and weights are asked for ahead (step_pairs); the 8-bit codes, a byte an
+  // element, are left to the hardware's prefetchers.
   step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
-                                                  Vec& g0, Vec& g1) {
+                                                  Vec& g0, Vec& g1, auto /*ahead*/) {
     const int64_t b = i / kPair / kPairsPerBlock;
     const bool first = i % B == 0;
     const auto keep_top = [&](int list, const Vec& a, const Vec& c) {

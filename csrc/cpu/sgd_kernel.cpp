@@ -17,10 +17,12 @@ void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
                bool write_grads) {
   const math::SgdHyper h = hyper;  // in registers, not reloaded after every store (adam_range)
   step_pairs(w, g, n, grad_mult, write_grads, [&](int64_t i, int64_t k, Vec& p0, Vec& p1,
-                                                  Vec& g0, Vec& g1) {
+                                                  Vec& g0, Vec& g1, auto ahead) {
     if constexpr (kMomentum) {
       Vec b0, b1;
-      prefetch_pair_ahead(buf + i);
+      if constexpr (decltype(ahead)::value) {
+        prefetch_pair_ahead(buf + i);
+      }
       if (!first_step) {
         PairIO<TS>::load(buf + i, k, b0, b1);
       }

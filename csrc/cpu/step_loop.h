@@ -5,6 +5,8 @@
 #include "cpu_kernels.h"
 #include "step_weights.h"
 
+#include <type_traits>
+
 namespace fusedamp::cpu::CPU_CAPABILITY {
 
 // body(i, row, begin, end) for every chunk [begin, end) of every row i of the step (all
@@ -18,36 +20,44 @@ void for_each_step_chunk(const CpuStep& step, const Body& body) {
   });
 }
 
-// A chunk of n elements, two vectors at a time: the gradient's and the weights' memory asked
-// for kPrefetchAhead elements ahead (an algorithm asks for its state's), the gradient (times
-// grad_mult) and the weights loaded, update(i, k, p0, p1, g0, g1) applied (k: the elements left from i, at most kPair
-// counted), then the weights stored as their store keeps them and, with write_grads, the
+// A chunk of n elements, two vectors at a time: the gradient (times grad_mult) and the weights
+// loaded, update(i, k, p0, p1, g0, g1, ahead) applied (k: the elements left from i, at most
+// kPair counted), then the weights stored as their store keeps them and, with write_grads, the
 // multiplied gradient written back. The whole pairs run with k the constant kPair, so that the
 // loads', stores' and update's tail checks fold away, and a partial last pair after them.
+// While the chunk holds kPrefetchAhead more elements, the gradient's and the weights' memory
+// that far ahead is asked for, and `ahead` (std::true_type) tells the update to ask for its
+// state's; past that, and in chunks shorter than that, nothing is (it would be another
+// tensor's memory: for steps over many small tensors a cost and no gain).
 template <typename TG, typename Weights, typename Update>
 C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad_mult,
                                   bool write_grads, const Update& update) {
   const Vec mult(grad_mult);
-  const auto pair = [&](int64_t i, int64_t k) __attribute__((always_inline)) {
+  const auto pair = [&](int64_t i, int64_t k, auto ahead) __attribute__((always_inline)) {
     Vec g0, g1, p0, p1;
-    prefetch_pair_ahead(g + i);
-    w.prefetch_ahead(i);
+    if constexpr (decltype(ahead)::value) {
+      prefetch_pair_ahead(g + i);
+      w.prefetch_ahead(i);
+    }
     PairIO<TG>::load(g + i, k, g0, g1);
     g0 = g0 * mult;
     g1 = g1 * mult;
     w.load(i, k, p0, p1);
-    update(i, k, p0, p1, g0, g1);
+    update(i, k, p0, p1, g0, g1, ahead);
     w.store(i, k, p0, p1);
     if (write_grads) {
       PairIO<TG>::store(g + i, k, g0, g1);
     }
   };
   int64_t i = 0;
+  for (; i + kPrefetchAhead + kPair <= n; i += kPair) {
+    pair(i, kPair, std::true_type{});
+  }
   for (; i + kPair <= n; i += kPair) {
-    pair(i, kPair);
+    pair(i, kPair, std::false_type{});
   }
   if (i < n) {
-    pair(i, n - i);
+    pair(i, n - i, std::false_type{});
   }
 }
 
