@@ -65,14 +65,13 @@ TORCH_LIBRARY(fusedamp, m) {
   // before the update. write_back_grads: grads[i] receive the multiplied gradient (unscaled and
   // clipped), as torch's fused optimizers leave them. max_exp_avg_sqs, when given, is AMSGrad's
   // running maximum of exp_avg_sqs (one per param), used in the denominator.
-  // How the weights are kept (master_weights), from master_params' dtype: empty = none (params
-  // rounded to nearest); float32 = FP32 masters; int16 (bfloat16 params) = remainders, the
-  // pair being the FP32 master exactly ("split", math/split_math.h); int8 (bfloat16 params) =
-  // remainders of a 24-bit master ("split8", the step's result rounded to 24 bits, same file);
-  // the params' float16/
-  // bfloat16 = Kahan compensations ("kahan", math/kahan_math.h). rounding_seeds (one per
-  // tensor, bfloat16 params, no master_params): stochastic rounding from the counter (seed,
-  // step count, element index) (math/stochastic_rounding_math.h). The state lists (moments,
+  // How the weights are kept (master_weights: the modes of fusedamp/master_modes.h), from
+  // master_params' dtype beside the params': empty = none (params rounded to nearest); float32
+  // = FP32 masters; int16 or int8 (bfloat16 params) = remainders below the weight
+  // (math/split_math.h); the params' own float16/bfloat16 = Kahan compensations
+  // (math/kahan_math.h). rounding_seeds (one per tensor, bfloat16 params, no master_params):
+  // stochastic rounding from the counter (seed, step count, element index)
+  // (math/stochastic_rounding_math.h). The state lists (moments,
   // AMSGrad maxima, momentum buffers) are all float32 or all bfloat16, or (Adam without
   // AMSGrad) quantized: exp_avgs int8 and exp_avg_sqs uint8 codes with moment_scales (one
   // contiguous float32 [ceil(numel / 32), 2] tensor per param: each block of 32 elements'

@@ -245,7 +245,7 @@ void launch(const Step<Hyper>& step, const StepScalarPointers& s) {
       lists, written, 1,
       [&](size_t i, void** slots) {
         slots[0] = const_cast<void*>(step.steps[i].const_data_ptr());
-        if constexpr (kStore == WeightStore::kStochastic) {
+        if constexpr (master_mode_info(kStore).seeded) {
           slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(step.rounding_seeds[i]));
         }
         // Written: mutable_data_ptr() gives a copy-on-write tensor its own storage first.

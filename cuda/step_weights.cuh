@@ -56,9 +56,9 @@ __device__ __forceinline__ void store_bytes(int8_t* p, const uint32_t (&words)[(
 }
 
 // The weights a fused step kernel updates, seen as FP32 lanes, for each way of keeping them
-// (static_switch.h WeightStore; the CPU twin is csrc/cpu/step_weights.h):
-//   kParams         the params themselves are read and written;
-//   kMaster         the FP32 master is read, both are written; kMasterAdoptingEdits reads the
+// (fusedamp/master_modes.h; the CPU twin is csrc/cpu/step_weights.h):
+//   kOff            the params themselves are read and written;
+//   kFp32           the FP32 master is read, both are written; kMasterAdoptingEdits reads the
 //                   param too: where it is not its master's rounding, the model was edited and
 //                   the step starts from the param (math/master_math.h);
 //   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
@@ -70,8 +70,7 @@ __device__ __forceinline__ void store_bytes(int8_t* p, const uint32_t (&words)[(
 template <typename TP, WeightStore kStore>
 struct StepWeights {
   static_assert(weight_store_fits<TP>(kStore), "no such weight store for this param dtype");
-  static constexpr bool kFp32Master =
-      kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits;
+  static constexpr bool kFp32Master = master_mode_info(kStore).kept == MasterKept::kFp32Master;
   TP* param;
   void* extra;  // master (float), remainder (int16/int8) or compensation (TP); nullptr otherwise
   uint64_t seed;
@@ -110,7 +109,7 @@ struct StepWeights {
         const float sum = lanes[l] + compensation[l];
         lanes[l] = math::kahan_weight(lanes[l], sum, to_float(from_float<TP>(sum)));
       }
-    } else {  // kParams, kStochastic
+    } else {  // kOff, kStochastic
       load_lanes<L>(param + i, lanes);
     }
   }
@@ -167,24 +166,15 @@ struct StepWeights {
   }
 };
 
-// The element type of the weight store's own list (master_params), for vector widths.
-template <typename TP, WeightStore kStore>
-using WeightStoreElem = std::conditional_t<
-    kStore == WeightStore::kSplit, int16_t,
-    std::conditional_t<kStore == WeightStore::kSplit8, int8_t,
-                       std::conditional_t<kStore == WeightStore::kKahan, TP, float>>>;
-
 // Whether a store has a list of its own beside the params (master_params).
 constexpr bool has_store_list(WeightStore store) {
-  return store == WeightStore::kMaster || store == WeightStore::kMasterAdoptingEdits ||
-         store == WeightStore::kSplit || store == WeightStore::kSplit8 ||
-         store == WeightStore::kKahan;
+  return master_mode_info(store).kept != MasterKept::kNothing;
 }
 
 // Per-tensor scalars of a step beyond its step count: the stochastic-rounding seed, passed
 // through a pointer-sized slot of the launch metadata as its value (not an address).
 constexpr int extra_slots_of(WeightStore store) {
-  return store == WeightStore::kStochastic ? 2 : 1;
+  return master_mode_info(store).seeded ? 2 : 1;
 }
 
 // Tensor t's weights at this block's chunk.
@@ -198,10 +188,10 @@ __device__ __forceinline__ StepWeights<TP, kStore> step_weights_at(const Batch& 
   w.param = static_cast<TP*>(b.ptr[param_list][ch.t]) + ch.offset;
   w.extra = nullptr;
   if constexpr (has_store_list(kStore)) {
-    w.extra = static_cast<WeightStoreElem<TP, kStore>*>(b.ptr[store_list][ch.t]) + ch.offset;
+    w.extra = static_cast<KeptElem<TP, kStore>*>(b.ptr[store_list][ch.t]) + ch.offset;
   }
   w.seed = 0;
-  if constexpr (kStore == WeightStore::kStochastic) {
+  if constexpr (master_mode_info(kStore).seeded) {
     w.seed = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(b.extra[1][ch.t]));
   }
   w.step = static_cast<uint32_t>(step_before);
@@ -273,7 +263,7 @@ void apply_step(const std::array<at::TensorList, Pos::kCount>& lists, int vec_wi
       lists, written, vec_width,
       [&](size_t i, void** slots) {
         slots[0] = const_cast<void*>(step.steps[i].const_data_ptr());
-        if constexpr (kStore == WeightStore::kStochastic) {
+        if constexpr (master_mode_info(kStore).seeded) {
           slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(step.rounding_seeds[i]));
         }
       },

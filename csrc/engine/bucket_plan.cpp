@@ -11,6 +11,7 @@
 #include "../ops/tensor_facts.h"
 #include "device_stats.h"
 #include "grad_lookahead.h"
+#include "master_weights.h"
 #include "param_state_store.h"
 
 namespace fusedamp::optim::detail {
@@ -145,10 +146,11 @@ void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
       } else {
         check_grad(who, p, g, gi, j);
         TORCH_CHECK_VALUE(group.master_weights.fits(p.scalar_type()), "fusedamp::optim::", who,
-                          ": master_weights=\"", group.master_weights.name(),
-                          "\" keeps bfloat16 weights, but parameter ", j, " of param group ",
-                          gi, " is ", p.scalar_type(),
-                          "; use master_weights=True or \"kahan\"");
+                          ": master_weights=", group.master_weights.name(), " keeps ",
+                          master_mode_dtypes(group.master_weights.info()),
+                          " weights, but parameter ", j, " of param group ", gi, " is ",
+                          p.scalar_type(), "; use master_weights=",
+                          modes_serving(p.scalar_type()));
         follow_param_layout(p, g);  // g is p's .grad member: it names the copy from here on
         param_keys.push_back({p.unsafeGetTensorImpl(), p.scalar_type(), g.scalar_type(),
                               p.device()});
@@ -243,7 +245,7 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
           b->state(info.slot).push_back(s.*info.member);
         }
       }
-      if (mode == MasterWeights::kStochastic) {
+      if (mode.info().seeded) {
         b->rounding_seeds.push_back(rounding_seed_of(group.rounding_seed, param_index));
       }
     }

@@ -10,60 +10,77 @@
 #include <fusedamp/math/split_math.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 namespace fusedamp::optim {
 
 bool MasterWeights::fits(at::ScalarType param_dtype) const {
-  if (param_dtype == at::kFloat || param_dtype == at::kBFloat16) {
-    return true;
-  }
-  return kind_ != kSplit && kind_ != kSplit8 && kind_ != kStochastic;  // BF16 formats
+  return param_dtype == at::kFloat || master_mode_fits(info(), param_dtype);
 }
 
 const char* MasterWeights::name() const {
-  switch (kind_) {
-    case kOff:
-      return "False";
-    case kFp32:
-      return "True";
-    case kSplit:
-      return "split";
-    case kSplit8:
-      return "split8";
-    case kKahan:
-      return "kahan";
-    case kStochastic:
-      return "stochastic";
-  }
-  return "?";
+  return info().spelling != nullptr ? info().spelling : "(a kernel variant, no option)";
 }
 
-namespace {
-constexpr const char* kModes =
-    "True (an FP32 master copy), False (none), \"split\" (BF16 weight + int16 remainder = the "
-    "FP32 master exactly), \"split8\" (BF16 weight + int8 remainder = a 24-bit master), "
-    "\"kahan\" (a 16-bit compensation buffer) or \"stochastic\" (BF16 stochastic rounding); "
-    "True may also be named \"fp32\" or \"float32\", False \"off\"";
-}  // namespace
+std::string MasterWeights::choices() {
+  std::vector<std::string> modes;
+  std::string other_names;
+  for (const auto& info : kMasterModes) {
+    if (info.spelling == nullptr) {
+      continue;
+    }
+    modes.push_back(std::string(info.spelling) + " (" + info.about + ")");
+    // The names that are not the spelling itself ("fp32" for True).
+    std::vector<std::string> also;
+    for (const char* n : info.names) {
+      const std::string quoted = n != nullptr ? "\"" + std::string(n) + "\"" : "";
+      if (n != nullptr && quoted != info.spelling) {
+        also.push_back(quoted);
+      }
+    }
+    if (!also.empty()) {
+      other_names += (other_names.empty() ? "" : ", ") + std::string(info.spelling) +
+                     (other_names.empty() ? " may also be named " : " ") + one_of(also);
+    }
+  }
+  return other_names.empty() ? one_of(modes) : one_of(modes) + "; " + other_names;
+}
 
 MasterWeights MasterWeights::from_code(double code) {
-  TORCH_CHECK_VALUE(code == 0.0 || code == 1.0 || code == 2.0 || code == 3.0 || code == 4.0 ||
-                        code == 5.0,
-                    "fusedamp: master_weights must be ", kModes, "; got the code ", code);
-  return MasterWeights(static_cast<Kind>(static_cast<int>(code)));
+  for (const auto& info : kMasterModes) {
+    if (info.spelling != nullptr && code == static_cast<double>(info.mode)) {
+      return info.mode;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "fusedamp: master_weights must be ", choices(), "; got the code ",
+                    code);
 }
 
 MasterWeights MasterWeights::from_name(const std::string& name) {
-  if (name == "split") return kSplit;
-  if (name == "split8") return kSplit8;
-  if (name == "kahan") return kKahan;
-  if (name == "stochastic") return kStochastic;
-  if (name == "fp32" || name == "float32") return kFp32;
-  if (name == "off") return kOff;
-  TORCH_CHECK_VALUE(false, "fusedamp: master_weights must be ", kModes, "; got '", name, "'");
+  for (const auto& info : kMasterModes) {
+    for (const char* n : info.names) {
+      if (info.spelling != nullptr && n != nullptr && name == n) {
+        return info.mode;
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(false, "fusedamp: master_weights must be ", choices(), "; got '", name, "'");
 }
 
 namespace detail {
+
+std::string modes_serving(at::ScalarType dtype) {
+  std::vector<std::string> modes;
+  for (const auto& info : kMasterModes) {
+    if (info.spelling != nullptr && master_mode_fits(info, dtype) &&
+        (info.kept != MasterKept::kNothing || info.seeded)) {
+      modes.emplace_back(info.spelling);
+    }
+  }
+  return one_of(modes);
+}
+
 namespace {
 
 // Host copies for the element loops (conversions are rare: a load, a change of mode).

@@ -5,7 +5,13 @@
 #include <ATen/core/Tensor.h>
 #include <fusedamp/optim/options.h>
 
+#include <string>
+
 namespace fusedamp::optim::detail {
+
+// The modes that serve weights of `dtype` and keep what rounding drops, for messages
+// (True or "kahan" for float16).
+std::string modes_serving(at::ScalarType dtype);
 
 // The FP32 master a BF16 weight and its remainder hold (exact): int16 ("split") or int8
 // ("split8", a 24-bit master).

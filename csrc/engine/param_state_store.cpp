@@ -9,6 +9,9 @@
 #include "master_weights.h"
 #include "quantized_moments.h"
 
+#include <string>
+#include <vector>
+
 namespace fusedamp::optim::detail {
 namespace {
 
@@ -27,8 +30,10 @@ at::Tensor fp32_like(const at::Tensor& p, const at::Tensor& src) {
 // compensation the weight's dtype, moments and buffers their own if FP32 or BF16 (the next
 // step converts them to the group's state_dtype), everything else FP32.
 at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at::Tensor& t) {
-  if (name == kParamRemainder) {  // int16 ("split") or int8 ("split8")
-    return t.scalar_type() == at::kChar ? at::kChar : at::kShort;
+  if (name == kParamRemainder) {  // of a mode keeping remainders of t's dtype; else int16
+    const MasterModeInfo* mode = master_mode_keeping(t.scalar_type(), at::kBFloat16);
+    return mode != nullptr && mode->kept == MasterKept::kRemainder ? t.scalar_type()
+                                                                   : at::kShort;
   }
   // 8-bit codes stay codes (their moment_scales / momentum_scales FP32, below).
   if (((name == kExpAvg || name == kMomentumBuffer) && t.scalar_type() == at::kChar) ||
@@ -42,6 +47,19 @@ at::ScalarType kept_dtype(const std::string& name, const at::Tensor& p, const at
     return at::kBFloat16;
   }
   return at::kFloat;
+}
+
+// The remainders the modes keep, for messages: "int16 ("split") beside a bfloat16 parameter
+// or ...".
+std::string remainder_formats() {
+  std::vector<std::string> formats;
+  for (const auto& info : kMasterModes) {
+    if (info.spelling != nullptr && info.kept == MasterKept::kRemainder) {
+      formats.push_back(c10::getDtypeNames(info.kept_dtype).first + " (" + info.spelling +
+                        ") beside a " + master_mode_dtypes(info) + " parameter");
+    }
+  }
+  return one_of(formats);
 }
 
 const StateSlotInfo* slot_named(const std::string& name) {
@@ -70,7 +88,8 @@ namespace {
 // s's weight store as `mode` keeps it for `param`, from whichever store s holds (a checkpoint
 // or the group's mode may differ); the others are dropped. FP32 parameters keep nothing.
 void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamState& s) {
-  const auto kind = param.scalar_type() == at::kFloat ? MasterWeights::kOff : mode.kind();
+  const MasterModeInfo& store =
+      param.scalar_type() == at::kFloat ? master_mode_info(MasterModes::kOff) : mode.info();
   const bool bf16 = param.scalar_type() == at::kBFloat16;
   const bool have_remainder = s.param_remainder.defined() && bf16;
   const bool have_compensation = s.kahan_compensation.defined() &&
@@ -99,8 +118,8 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
     param.detach().copy_(value.to(param.scalar_type()));
   };
   at::Tensor master, remainder, compensation;
-  switch (kind) {
-    case MasterWeights::kFp32:
+  switch (store.kept) {
+    case MasterKept::kFp32Master:
       master = held_fp32();
       if (!master.defined()) {
         master = fp32_like(param, param.detach());
@@ -108,15 +127,14 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
         round_weight_to(master);  // rebuilt exactly from a split or Kahan pair
       }
       break;
-    case MasterWeights::kSplit:
-    case MasterWeights::kSplit8: {
-      const auto dtype = kind == MasterWeights::kSplit8 ? at::kChar : at::kShort;
+    case MasterKept::kRemainder: {
+      const auto dtype = store.kept_dtype;
       if (have_remainder && s.param_remainder.scalar_type() == dtype) {
         remainder = s.param_remainder;
       } else if (const auto held = held_fp32(); held.defined()) {
         // The weight may move by one BF16 ulp where the master lies exactly halfway
-        // (math/split_math.h): the pair must be the master exactly ("split8": the master
-        // rounded to 24 bits).
+        // (math/split_math.h): the pair must be the master exactly (an int8 remainder: the
+        // master rounded to 24 bits).
         auto split = split_from_fp32(param, held, dtype);
         at::NoGradGuard no_grad;
         param.detach().copy_(split.weight);
@@ -126,7 +144,7 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
       }
       break;
     }
-    case MasterWeights::kKahan:
+    case MasterKept::kCompensation:
       if (have_compensation) {
         compensation = s.kahan_compensation;
       } else if (const auto held = held_fp32(); held.defined()) {
@@ -139,8 +157,7 @@ void convert_weight_store(const at::Tensor& param, MasterWeights mode, ParamStat
         compensation = at::zeros_like(param);
       }
       break;
-    case MasterWeights::kOff:
-    case MasterWeights::kStochastic:
+    case MasterKept::kNothing:
       break;
   }
   s.master_param = master;
@@ -330,12 +347,13 @@ ParamState ParamStateStore::from_dict(const char* who, const at::Tensor& p, size
                                                       is_weight_store_slot(info->slot))),
                 "fusedamp::optim::", who, ": unknown state '", name, "' for parameter ", index);
     if (name == kParamRemainder) {
-      TORCH_CHECK(t.defined() && t.layout() == at::kStrided &&
-                      (t.scalar_type() == at::kShort || t.scalar_type() == at::kChar) &&
-                      p.scalar_type() == at::kBFloat16,
+      const MasterModeInfo* mode =
+          t.defined() ? master_mode_keeping(t.scalar_type(), p.scalar_type()) : nullptr;
+      TORCH_CHECK(mode != nullptr && t.layout() == at::kStrided &&
+                      mode->kept == MasterKept::kRemainder &&
+                      master_mode_fits(*mode, p.scalar_type()),
                   "fusedamp::optim::", who, ": state '", name, "' of parameter ", index,
-                  " must be a dense int16 (\"split\") or int8 (\"split8\") tensor beside a "
-                  "bfloat16 parameter");
+                  " must be a dense tensor: ", remainder_formats());
     } else if (name == kMomentumBuffer && t.defined() && t.scalar_type() == at::kChar) {
       // An 8-bit momentum buffer: codes with their scales.
       TORCH_CHECK(t.layout() == at::kStrided && dict.count(kMomentumScales) == 1,
@@ -461,8 +479,8 @@ ConvertedParamState convert_param_state(const at::Tensor& weight,
                     "fusedamp::optim::convert_param_state: state_dtype must be float32, "
                     "bfloat16 or int8, got ", state_dtype);
   TORCH_CHECK_VALUE(mode.fits(weight.scalar_type()), "fusedamp::optim::convert_param_state: "
-                    "master_weights=\"", mode.name(), "\" keeps bfloat16 weights, but parameter ",
-                    index, " is ", weight.scalar_type());
+                    "master_weights=", mode.name(), " keeps ", master_mode_dtypes(mode.info()),
+                    " weights, but parameter ", index, " is ", weight.scalar_type());
   at::NoGradGuard no_grad;
   ConvertedParamState out;
   out.weight = weight.detach().clone(at::MemoryFormat::Preserve);

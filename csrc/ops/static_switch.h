@@ -17,9 +17,12 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <fusedamp/master_modes.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "dispatch_float_types.h"
 
@@ -76,66 +79,44 @@ void static_switch(Body&& body, const First& first, const Rest&... rest) {
   });
 }
 
-// How a step keeps the weights it updates (master_weights of the optimizers): the element
-// math sees FP32 lanes either way; only the loads and stores differ (cpu/step_weights.h and
-// cuda/step_weights.cuh StepWeights).
-enum class WeightStore : uint8_t {
-  kParams,                // no master: the params are read and written (round to nearest)
-  kMaster,                // FP32 master_params (master_weights=True)
-  kMasterAdoptingEdits,   // the same, and edited params are taken into their masters
-  kSplit,                 // BF16 params + int16 remainders in master_params (math/split_math.h)
-  kSplit8,                // BF16 params + int8 remainders: 24-bit masters (math/split_math.h)
-  kKahan,                 // FP16/BF16 params + compensations of their dtype (math/kahan_math.h)
-  kStochastic,            // BF16 params, stochastic rounding (math/stochastic_rounding_math.h)
-};
+// How a step keeps the weights it updates: its master-weight mode (fusedamp/master_modes.h), as
+// the kernels name it. The element math sees FP32 lanes either way; only the loads and stores
+// differ (cpu/step_weights.h and cuda/step_weights.cuh StepWeights).
+using WeightStore = MasterMode;
 
-// The remainder element of a split store (int16_t for kSplit, int8_t for kSplit8).
+namespace detail {
+template <typename T>
+struct TypeIs {
+  using type = T;
+};
+template <c10::ScalarType kDtype>
+struct CppTypeOf {
+  using type = c10::impl::ScalarTypeToCPPTypeT<kDtype>;
+};
+}  // namespace detail
+
+// The element of what kStore keeps in master_params beside params of TP: an FP32 master, a
+// remainder (int16_t, int8_t) or a compensation (TP); float where it keeps nothing.
+template <typename TP, WeightStore kStore>
+using KeptElem = typename std::conditional_t<
+    master_mode_info(kStore).kept == MasterKept::kCompensation, detail::TypeIs<TP>,
+    std::conditional_t<master_mode_info(kStore).kept_dtype == c10::ScalarType::Undefined,
+                       detail::TypeIs<float>,
+                       detail::CppTypeOf<master_mode_info(kStore).kept_dtype>>>::type;
+
+// The remainder element of a split store.
 template <WeightStore kStore>
-using SplitRemainder = std::conditional_t<kStore == WeightStore::kSplit8, int8_t, int16_t>;
+using SplitRemainder = KeptElem<c10::BFloat16, kStore>;
 
 constexpr bool is_split_store(WeightStore store) {
-  return store == WeightStore::kSplit || store == WeightStore::kSplit8;
+  return master_mode_info(store).kept == MasterKept::kRemainder;
 }
 
 // Which stores exist for a param element type; no kernel is instantiated for the others (the
 // argument checks reject them first).
 template <typename TP>
 constexpr bool weight_store_fits(WeightStore store) {
-  constexpr bool bf16 = std::is_same_v<TP, c10::BFloat16>;
-  constexpr bool half = std::is_same_v<TP, c10::Half>;
-  switch (store) {
-    case WeightStore::kSplit:
-    case WeightStore::kSplit8:
-    case WeightStore::kStochastic:
-      return bf16;
-    case WeightStore::kKahan:
-      return bf16 || half;
-    default:
-      return true;
-  }
-}
-
-// The store a step's arguments ask for (checked by op_checks.h): master_params' dtype names
-// it — FP32 masters, int16 or int8 remainders, or compensations of the params' dtype — and stochastic
-// rounding comes with its seeds and no master_params.
-inline WeightStore weight_store_of(at::TensorList master_params, bool adopt_param_edits,
-                                   bool stochastic_rounding) {
-  if (stochastic_rounding) {
-    return WeightStore::kStochastic;
-  }
-  if (master_params.empty()) {
-    return WeightStore::kParams;
-  }
-  switch (master_params[0].scalar_type()) {
-    case at::kFloat:
-      return adopt_param_edits ? WeightStore::kMasterAdoptingEdits : WeightStore::kMaster;
-    case at::kShort:
-      return WeightStore::kSplit;
-    case at::kChar:
-      return WeightStore::kSplit8;
-    default:
-      return WeightStore::kKahan;
-  }
+  return master_mode_fits(master_mode_info(store), c10::CppTypeToScalarType<TP>::value);
 }
 
 // A WeightStore among kStores: visits std::integral_constant<WeightStore, store>.
@@ -151,10 +132,14 @@ struct WeightStoreSwitchOf {
   }
 };
 
+namespace detail {
+template <size_t... kIndex>
+WeightStoreSwitchOf<kMasterModes[kIndex].mode...> every_store(std::index_sequence<kIndex...>);
+}  // namespace detail
+
+// Every mode of kMasterModes.
 using WeightStoreSwitch =
-    WeightStoreSwitchOf<WeightStore::kParams, WeightStore::kMaster,
-                        WeightStore::kMasterAdoptingEdits, WeightStore::kSplit,
-                        WeightStore::kSplit8, WeightStore::kKahan, WeightStore::kStochastic>;
+    decltype(detail::every_store(std::make_index_sequence<kMasterModes.size()>{}));
 
 // The choices every fused step kernel makes, then the kernel's own: body(param, grad, kStore,
 // more...), where param has the params' element type (FP32, FP16 or BF16), grad the grads'

@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "check_rules.h"
 #include "checks.h"
@@ -130,35 +132,47 @@ C10_ALWAYS_INLINE void take_addresses(const StepLists& lists, size_t i, const Te
   }
 }
 
-// How the weights are kept, from master_params[0]'s dtype (static_switch.h WeightStore): FP32
-// masters for any params; int16 remainders for BF16 params; a compensation of the params' own
-// 16-bit dtype. Stochastic rounding (rounding_seeds) keeps nothing but BF16 params.
+// The master_params each mode keeps, for messages: "float32 beside float32, float16 or
+// bfloat16 params (master_weights=True: an FP32 master copy), ...".
+std::string kept_master_params() {
+  std::vector<std::string> kept;
+  for (const auto& info : kMasterModes) {
+    if (info.spelling != nullptr && info.kept != MasterKept::kNothing) {
+      kept.push_back((info.kept == MasterKept::kCompensation
+                          ? std::string("the params' own dtype")
+                          : c10::getDtypeNames(info.kept_dtype).first) +
+                     " beside " + master_mode_dtypes(info) + " params (master_weights=" +
+                     info.spelling + ": " + info.about + ")");
+    }
+  }
+  return one_of(kept);
+}
+
+// How the weights are kept (fusedamp/master_modes.h), from master_params[0]'s dtype beside the
+// params' (a mode keeping such tensors must serve that param dtype), or from rounding_seeds
+// (the seeded mode keeps no master_params).
 void check_weight_store(const char* op, TensorList params, TensorList master_params,
                         c10::ScalarType pdtype, bool with_rounding_seeds,
                         c10::IntArrayRef rounding_seeds) {
   const size_t n = params.size();
   if (with_rounding_seeds) {
+    const auto& seeded = master_mode_info(master_mode_of_step(false, c10::ScalarType::Undefined,
+                                                              pdtype, true, false));
     TORCH_CHECK(rounding_seeds.size() == n, op, ": rounding_seeds has ", rounding_seeds.size(),
                 " seeds but params has ", n, " tensors; one seed per tensor");
-    TORCH_CHECK(master_params.empty(), op,
-                ": stochastic rounding (rounding_seeds) keeps no master_params; got ",
-                master_params.size());
-    TORCH_CHECK(pdtype == at::kBFloat16, op,
-                ": stochastic rounding (rounding_seeds) is for bfloat16 params, got ", pdtype);
+    TORCH_CHECK(master_params.empty(), op, ": ", seeded.about,
+                " (rounding_seeds) keeps no master_params; got ", master_params.size());
+    TORCH_CHECK(master_mode_fits(seeded, pdtype), op, ": ", seeded.about,
+                " (rounding_seeds) is for ", master_mode_dtypes(seeded), " params, got ", pdtype);
   }
   if (master_params.empty()) {
     return;
   }
   const auto mdtype = master_params[0].defined() ? master_params[0].scalar_type() : pdtype;
-  const bool fp32_master = mdtype == at::kFloat;
-  const bool split = (mdtype == at::kShort || mdtype == at::kChar) && pdtype == at::kBFloat16;
-  const bool kahan = mdtype == pdtype && (pdtype == at::kHalf || pdtype == at::kBFloat16);
-  TORCH_CHECK(fp32_master || split || kahan, op, ": master_params have dtype ", mdtype, " for ",
-              pdtype,
-              " params; supported are float32 (FP32 master weights), int16 "
-              "(remainders beside bfloat16 params: master_weights=\"split\"), int8 (24-bit "
-              "masters beside bfloat16 params: master_weights=\"split8\") and the params' "
-              "own float16/bfloat16 (Kahan compensations: master_weights=\"kahan\")");
+  const MasterModeInfo* mode = master_mode_keeping(mdtype, pdtype);
+  TORCH_CHECK(mode != nullptr && master_mode_fits(*mode, pdtype), op,
+              ": master_params have dtype ", mdtype, " for ", pdtype, " params; supported are ",
+              kept_master_params());
 }
 // The lists' lengths (without the grads' for a caller checking rows itself: it has none yet).
 void check_lengths(const StepLists& s, bool with_grads) {

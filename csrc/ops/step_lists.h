@@ -203,8 +203,13 @@ struct Step : StepLists {
   // Where the backend walks host memory: the rows the checks fill; nullptr otherwise.
   StepRows* rows = nullptr;
 
+  // The mode its arguments ask for (checked: step_checks.cpp).
   WeightStore weight_store() const {
-    return weight_store_of(master_params, adopt_param_edits, !rounding_seeds.empty());
+    const bool masters = !master_params.empty();
+    return master_mode_of_step(
+        masters, masters ? master_params[0].scalar_type() : c10::ScalarType::Undefined,
+        params.empty() ? c10::ScalarType::Undefined : params[0].scalar_type(),
+        !rounding_seeds.empty(), adopt_param_edits);
   }
 };
 

@@ -68,8 +68,8 @@ std::string group_name(size_t i) {
 // would hide a typo).
 optim::MasterWeights master_weights_of(py::handle value, const std::string& where) {
   TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
-                    where, ": master_weights must be True, False, \"split\", "
-                    "\"kahan\" or \"stochastic\", got ", py::repr(value).cast<std::string>());
+                    where, ": master_weights must be ", optim::MasterWeights::choices(),
+                    "; got ", py::repr(value).cast<std::string>());
   return py::isinstance<py::bool_>(value)
              ? optim::MasterWeights(value.cast<bool>())
              : optim::MasterWeights::from_name(value.cast<std::string>());

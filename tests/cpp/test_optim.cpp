@@ -768,3 +768,48 @@ TEST_CASE("SGD with state_dtype kChar from C++: an 8-bit buffer, saved and resum
   // The snapshots hold the codes and scales: their bits, and the weights', are equal.
   CHECK(snapshots_equal(snapshot(opt), snapshot(resumed)));
 }
+
+TEST_CASE("every mode of kMasterModes: its names and code parse, a BF16 step keeps its store",
+          "[optim][master]") {
+  for (const auto& info : fusedamp::kMasterModes) {
+    if (info.spelling == nullptr) {  // a kernel variant: no value of the option
+      CHECK_THROWS_WITH(fo::MasterWeights::from_code(static_cast<double>(info.mode)),
+                        Catch::Contains("master_weights must be"));
+      continue;
+    }
+    const fo::MasterWeights mode(info.mode);
+    CHECK(fo::MasterWeights::from_code(static_cast<double>(info.mode)) == mode);
+    for (const char* name : info.names) {
+      if (name != nullptr) {
+        CHECK(fo::MasterWeights::from_name(name) == mode);
+      }
+    }
+    CHECK(std::string(mode.name()) == info.spelling);
+    CHECK_THAT(fo::MasterWeights::choices(), Catch::Contains(info.spelling));
+    CHECK(mode.fits(at::kFloat));
+    CHECK(mode.fits(at::kHalf) == info.fits_half);
+    if (!info.fits_bfloat16) {
+      continue;
+    }
+    auto ps = make_params(at::kBFloat16);
+    fo::AdamW opt(ps, fo::AdamWOptions(1e-2).master_weights(mode));
+    set_grads(ps, 0);
+    opt.step();
+    const auto state = opt.param_state(ps[1]);
+    const std::pair<fusedamp::MasterKept, const char*> slots[] = {
+        {fusedamp::MasterKept::kFp32Master, fo::kMasterParam},
+        {fusedamp::MasterKept::kRemainder, fo::kParamRemainder},
+        {fusedamp::MasterKept::kCompensation, fo::kKahanCompensation}};
+    for (const auto& [kept, slot] : slots) {
+      INFO(info.spelling << " " << slot);
+      REQUIRE(state.count(slot) == (info.kept == kept ? 1u : 0u));
+      if (info.kept == kept) {
+        CHECK(state.at(slot).scalar_type() == (kept == fusedamp::MasterKept::kCompensation
+                                                   ? at::kBFloat16
+                                                   : info.kept_dtype));
+      }
+    }
+  }
+  CHECK_THROWS_WITH(fo::MasterWeights::from_name("split16"),
+                    Catch::Contains("master_weights must be"));
+}

@@ -19,6 +19,7 @@
 //                   (unscaled, clipped), as torch's fused optimizers leave it (default true;
 //                   +2 B/param written at FP16)
 #include <ATen/core/Tensor.h>
+#include <fusedamp/master_modes.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -27,52 +28,34 @@
 
 namespace fusedamp::optim {
 
-// How an optimizer keeps FP16/BF16 weights (FP32 parameters need nothing): converts from bool
-// (true = kFp32, false = kOff), so options.master_weights(true) reads as before.
-//   kOff         the weight alone, updated in FP32 and rounded to nearest (updates below half
-//                an ulp are lost)
-//   kFp32        an FP32 master copy (+4 B/param); the weight is its rounding
-//   kSplit       BF16 only: an int16 remainder (+2 B/param); weight + remainder is exactly the
-//                FP32 master of kFp32 (math/split_math.h; the weight differs from kFp32's only
-//                where the master lies exactly halfway between two BF16 values)
-//   kSplit8      BF16 only: an int8 remainder (+1 B/param); weight + remainder is a 24-bit
-//                master (16 significant bits): the FP32 result of each step rounded to nearest
-//                24 bits (math/split_math.h)
-//   kKahan       a compensation buffer of the weight's dtype (+2 B/param) carrying what
-//                rounding dropped (math/kahan_math.h)
-//   kStochastic  BF16 only: no extra state; the weight is rounded stochastically, reproducibly
-//                from rounding_seed (math/stochastic_rounding_math.h)
-class MasterWeights {
+// How an optimizer keeps FP16/BF16 weights (FP32 parameters need nothing): one of the modes of
+// fusedamp/master_modes.h, which says what each keeps and which weights it serves. Converts
+// from bool (true = kFp32, false = kOff), so options.master_weights(true) reads as a flag.
+class MasterWeights : public MasterModes {
  public:
-  enum Kind : uint8_t {
-    kOff = 0,
-    kFp32 = 1,
-    kSplit = 2,
-    kKahan = 3,
-    kStochastic = 4,
-    kSplit8 = 5
-  };
+  using Kind = MasterMode;
 
   constexpr MasterWeights(bool fp32_master = true) : kind_(fp32_master ? kFp32 : kOff) {}
   constexpr MasterWeights(Kind kind) : kind_(kind) {}
 
   constexpr Kind kind() const { return kind_; }
+  constexpr const MasterModeInfo& info() const { return master_mode_info(kind_); }
   constexpr bool operator==(const MasterWeights& o) const { return kind_ == o.kind_; }
   constexpr bool operator!=(const MasterWeights& o) const { return kind_ != o.kind_; }
   // Whether FP16/BF16 weights keep state besides themselves.
-  constexpr bool keeps_state() const {
-    return kind_ == kFp32 || kind_ == kSplit || kind_ == kSplit8 || kind_ == kKahan;
-  }
+  constexpr bool keeps_state() const { return info().kept != MasterKept::kNothing; }
   // Whether the mode exists for parameters of this dtype (FP32 parameters: every mode, as
   // nothing is kept for them).
   bool fits(at::ScalarType param_dtype) const;
-  // Python's spelling: "True", "False", "split", "split8", "kahan", "stochastic".
+  // Python's spelling: True, False, "split", ...
   const char* name() const;
-  // From the number set_group_option and archives carry (0..5); throws c10::ValueError.
+  // Every mode with its spelling and what it keeps, for messages.
+  static std::string choices();
+  // From the number set_group_option and archives carry (the mode's code); throws
+  // c10::ValueError.
   static MasterWeights from_code(double code);
-  // From "split", "split8", "kahan", "stochastic", "fp32" or "float32" (= true) and "off"
-  // (= false);
-  // throws c10::ValueError.
+  // From one of a mode's names (MasterModeInfo::names: "split", "fp32", "off", ...); throws
+  // c10::ValueError.
   static MasterWeights from_name(const std::string& name);
 
  private:

@@ -7,12 +7,10 @@
 // dense in the same element order as the parameter itself. The moments and momentum buffers
 // are FP32 or BF16 (state_dtype), or 8-bit codes with block scales (int8: Adam's moments,
 // SGD's momentum buffer);
-// what keeps the weight's lower bits depends on master_weights
-// (options.h MasterWeights): master_param (FP32), param_remainder (int16, "split"; int8,
-// "split8"),
-// kahan_compensation (the weight's dtype, "kahan"), or nothing. A state dict may hold any of
-// them: the next step converts it to what the group's mode keeps (exactly, between FP32 and
-// split).
+// what keeps the weight's lower bits depends on master_weights (fusedamp/master_modes.h
+// MasterKept): master_param (FP32), param_remainder (int16 or int8, below a BF16 weight),
+// kahan_compensation (the weight's dtype), or nothing. A state dict may hold any of them: the
+// next step converts it to what the group's mode keeps (exactly, between FP32 and split).
 #include <ATen/core/Tensor.h>
 
 #include <array>
@@ -37,9 +35,9 @@ struct ParamState {
   at::Tensor exp_avg_sq;       // Adam: second moment
   at::Tensor max_exp_avg_sq;   // Adam with amsgrad: running maximum of exp_avg_sq
   at::Tensor momentum_buffer;  // SGD with momentum
-  at::Tensor param_remainder;  // BF16 weight + remainder = FP32 master (int16, "split") or a
-                               // 24-bit one (int8, "split8")
-  at::Tensor kahan_compensation;  // the weight's dtype: what rounding dropped ("kahan")
+  at::Tensor param_remainder;  // BF16 weight + remainder = the master (int16: FP32; int8: 24
+                               // bits)
+  at::Tensor kahan_compensation;  // the weight's dtype: what rounding dropped
   // state_dtype int8: exp_avg holds int8 codes, exp_avg_sq uint8 codes, and this FP32
   // [ceil(numel / 32), 2] tensor each block's two scales (math/quantized_moments_math.h).
   at::Tensor moment_scales;
