@@ -143,15 +143,16 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   if constexpr (kAmsgrad) {
     lists[Pos::kVMax] = step.state.lists[2];
   }
+  const bool write_back = step.shared->write_back_grads;
   apply_step<Pos, kStore>(
-      lists, vec_width_of<TP, TG, TS>(), step, step.write_back_grads,
+      lists, vec_width_of<TP, TG, TS>(), step, write_back,
       [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
         if constexpr (kStore == WeightStore::kSplit8 || kAmsgrad) {
           adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>
-              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
         } else {
           adam_kernel<TP, TG, kStore, kAmsgrad, TS>
-              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
         }
       });
 }

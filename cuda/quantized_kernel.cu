@@ -239,7 +239,8 @@ void launch(const Step<Hyper>& step, const StepScalarPointers& s) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   // Every list is written but the grads, which are written only when written back.
   const uint32_t all = (1u << Pos::kCount) - 1u;
-  const uint32_t written = step.write_back_grads ? all : all & ~(1u << Pos::kG);
+  const bool write_back = step.shared->write_back_grads;
+  const uint32_t written = write_back ? all : all & ~(1u << Pos::kG);
   // Width 1: the kernel reads element by element and never asks for the alignment bit.
   multi_tensor_apply<Pos::kCount, scales_slot_of<kStore>() + 1>(
       lists, written, 1,
@@ -254,7 +255,7 @@ void launch(const Step<Hyper>& step, const StepScalarPointers& s) {
       [&](const QuantizedBatch<kLists, kStore>& batch, int64_t blocks) {
         quantized_kernel<Algo, TP, TG, kStore>
             <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch, Algo{step.hyper}, s,
-                                                                     step.write_back_grads);
+                                                                     write_back);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
 }

@@ -47,12 +47,12 @@ struct CudaOps {
 
   static void adam_step(const Step<math::AdamHyper>& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
-    adam(step, step.scalars.pointers());
+    adam(step, step.scalar_pointers());
   }
 
   static void sgd_step(const Step<math::SgdHyper>& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
-    sgd(step, step.scalars.pointers());
+    sgd(step, step.scalar_pointers());
   }
 };
 

@@ -115,11 +115,12 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   if constexpr (kMomentum) {
     lists[Pos::kBuf] = step.state.lists[0];
   }
+  const bool write_back = step.shared->write_back_grads;
   apply_step<Pos, kStore>(
-      lists, vec_width_of<TP, TG, TS>(), step, step.write_back_grads,
+      lists, vec_width_of<TP, TG, TS>(), step, write_back,
       [&](const SgdBatch<kStore, kMomentum>& b, unsigned blocks, auto stream) {
         sgd_kernel<TP, TG, kStore, kMomentum, TS>
-            <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, step.write_back_grads);
+            <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
       });
 }
 

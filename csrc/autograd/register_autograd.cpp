@@ -52,7 +52,7 @@ bool writes(const Op& op, size_t index, const char* name) {
   }
   if constexpr (std::is_same_v<Op, ops::AdamStep> || std::is_same_v<Op, ops::SgdStep>) {
     if (std::strcmp(name, "grads") == 0) {
-      return op.write_back_grads;
+      return op.shared.write_back_grads;
     }
   }
   return true;

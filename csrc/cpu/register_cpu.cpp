@@ -109,7 +109,7 @@ struct StepCounts {
 // returns before anything is read or written.
 template <typename Hyper, typename Kernel>
 void run_step(const Step<Hyper>& step, const Kernel& kernel) {
-  const StepScalarPointers scalars = step.scalars.pointers();
+  const StepScalarPointers scalars = step.scalar_pointers();
   if (scalars.skipped()) {
     return;
   }
@@ -123,7 +123,7 @@ void run_step(const Step<Hyper>& step, const Kernel& kernel) {
   kernel(CpuStep{step.params, step.grads, rows.data(), (*counts.before).data(), lr,
                  scalars.grad_multiplier(), step.weight_store(),
                  step.rounding_seeds.empty() ? nullptr : step.rounding_seeds.data(),
-                 step.write_back_grads});
+                 step.shared->write_back_grads});
   counts.advance();
 }
 

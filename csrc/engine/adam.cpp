@@ -92,7 +92,7 @@ struct AlgorithmOf<AdamOptions> {
   }
 
   static ops::AdamStep args(const detail::Bucket& b, const AdamOptions& o,
-                            const detail::StepInputs& in) {
+                            const ops::StepShared& in) {
     ops::AdamStep a;
     detail::fill_step(a, b, o, in);
     a.exp_avgs = b.state(StateSlot::kExpAvg);

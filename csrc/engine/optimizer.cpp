@@ -40,7 +40,7 @@ void bump_versions(at::TensorList tensors) {
   }
 }
 
-void bump_observable(const detail::Bucket& b, const detail::StepInputs& in) {
+void bump_observable(const detail::Bucket& b, const ops::StepShared& in) {
   bump_versions(b.params);
   if (in.write_back_grads) {
     bump_versions(b.grads);
@@ -132,7 +132,7 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
   for (const auto& b : buckets) {
     const auto& o = param_groups_[b.group].options();
     const auto e = engine_options(o);
-    detail::StepInputs in;
+    ops::StepShared in;
     if (grad_scale.defined()) {
       in.inv_scale = inv_scale[b.device_slot];
     }

@@ -9,7 +9,7 @@
 //     static std::optional<double> option(const MyOptions&, const std::string&);
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
 //     static ops::MyStep args(const Bucket&, const MyOptions&,  // its fused op's arguments
-//                             const StepInputs&);
+//                             const ops::StepShared&);
 //   };
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
@@ -169,14 +169,14 @@ std::unique_ptr<torch::optim::OptimizerOptions> OptimizerOf<Options>::make_optio
 template <typename Options>
 void OptimizerOf<Options>::run_bucket(const detail::Bucket& b,
                                       const torch::optim::OptimizerOptions& o,
-                                      const detail::StepInputs& in) const {
+                                      const ops::StepShared& in) const {
   detail::call_step(AlgorithmOf<Options>::args(b, detail::as<Options>(o), in), b);
 }
 
 template <typename Options>
 StepLists OptimizerOf<Options>::row_lists(const detail::Bucket& b,
                                           const torch::optim::OptimizerOptions& o) const {
-  return step_of(AlgorithmOf<Options>::args(b, detail::as<Options>(o), detail::StepInputs()));
+  return step_of(AlgorithmOf<Options>::args(b, detail::as<Options>(o), ops::StepShared()));
 }
 
 }  // namespace fusedamp::optim

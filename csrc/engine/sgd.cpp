@@ -75,7 +75,7 @@ struct AlgorithmOf<SGDOptions> {
   }
 
   static ops::SgdStep args(const detail::Bucket& b, const SGDOptions& o,
-                           const detail::StepInputs& in) {
+                           const ops::StepShared& in) {
     ops::SgdStep a;
     detail::fill_step(a, b, o, in);
     a.momentum_buffers = b.state(StateSlot::kMomentumBuffer);

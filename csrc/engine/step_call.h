@@ -15,20 +15,11 @@
 
 namespace fusedamp::optim::detail {
 
-struct StepInputs {
-  std::optional<at::Tensor> lr_tensor;    // the group's tensor lr, on the bucket's device
-  std::optional<at::Tensor> inv_scale;    // 1 / loss scale
-  std::optional<at::Tensor> found_inf;    // the step is skipped where it is not 0
-  std::optional<at::Tensor> grad_sum_sq;  // of the statistics pass, for clipping
-  std::optional<double> max_grad_norm;
-  bool adopt_param_edits = true;
-  bool write_back_grads = false;
-};
-
-// b's lists, the options every algorithm has (o: its group's) and `in` into Args
-// (ops::AdamStep or ops::SgdStep); the caller adds its algorithm's own.
+// b's lists, the options every algorithm has (o: its group's) and the arguments both step ops
+// take (`in`: one value, passed on whole) into Args (ops::AdamStep or ops::SgdStep); the caller
+// adds its algorithm's own.
 template <typename Args, typename Options>
-void fill_step(Args& a, const Bucket& b, const Options& o, const StepInputs& in) {
+void fill_step(Args& a, const Bucket& b, const Options& o, const ops::StepShared& in) {
   a.lr = o.lr();
   a.weight_decay = o.weight_decay();
   a.maximize = o.maximize();
@@ -36,13 +27,7 @@ void fill_step(Args& a, const Bucket& b, const Options& o, const StepInputs& in)
   a.master_params = b.state(StateSlot::kMasterParam);
   a.grads = b.grads;
   a.steps = b.steps;
-  a.lr_tensor = in.lr_tensor;
-  a.inv_scale = in.inv_scale;
-  a.found_inf = in.found_inf;
-  a.grad_sum_sq = in.grad_sum_sq;
-  a.max_grad_norm = in.max_grad_norm;
-  a.adopt_param_edits = in.adopt_param_edits;
-  a.write_back_grads = in.write_back_grads;
+  a.shared = in;
   if (!b.rounding_seeds.empty()) {
     a.rounding_seeds = b.rounding_seeds;
   }

@@ -231,9 +231,7 @@ void check_step_lists(const Step<Hyper>& s, RowsChecked rows) {
 }
 
 // The optional device scalars of a fused step, on the params' device.
-template <typename Args>
-void check_step_scalars(const Args& a, const c10::Device& device) {
-  const char* op = a.kName;
+void check_step_scalars(const char* op, const ops::StepShared& a, const c10::Device& device) {
   using Named = std::pair<const char*, const OptTensor*>;
   for (const auto& [name, t] :
        {Named{"lr_tensor", &a.lr_tensor}, Named{"inv_scale", &a.inv_scale},
@@ -257,7 +255,7 @@ bool check_step(const Args& a, const Step<Hyper>& s, RowsChecked rows) {
   if (s.params.empty()) {
     return false;
   }
-  check_step_scalars(a, s.params[0].device());
+  check_step_scalars(a.kName, a.shared, s.params[0].device());
   return true;
 }
 

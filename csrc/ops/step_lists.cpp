@@ -4,10 +4,6 @@
 namespace fusedamp {
 namespace {
 
-const at::Tensor* present(const std::optional<at::Tensor>& t) {
-  return t && t->defined() ? &*t : nullptr;
-}
-
 // What adam_step_ and sgd_step_ share, from either declaration.
 template <typename Hyper, typename Args>
 Step<Hyper> common_step(const Args& a, const Hyper& hyper) {
@@ -18,14 +14,8 @@ Step<Hyper> common_step(const Args& a, const Hyper& hyper) {
   s.grads = a.grads;
   s.steps = a.steps;
   s.hyper = hyper;
-  s.scalars.lr_tensor = present(a.lr_tensor);
-  s.scalars.inv_scale = present(a.inv_scale);
-  s.scalars.found_inf = present(a.found_inf);
-  s.scalars.grad_sum_sq = present(a.grad_sum_sq);
-  s.scalars.lr = static_cast<float>(a.lr);
-  s.scalars.max_grad_norm = static_cast<float>(a.max_grad_norm.value_or(0.0));
-  s.adopt_param_edits = a.adopt_param_edits;
-  s.write_back_grads = a.write_back_grads;
+  s.lr = static_cast<float>(a.lr);
+  s.shared = &a.shared;
   s.with_rounding_seeds = a.rounding_seeds.has_value();
   s.rounding_seeds = a.rounding_seeds.value_or(c10::IntArrayRef());
   return s;
@@ -34,7 +24,7 @@ Step<Hyper> common_step(const Args& a, const Hyper& hyper) {
 }  // namespace
 
 Step<math::AdamHyper> step_of(const ops::AdamStep& a) {
-  auto s = common_step(a, math::make_adam_hyper(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+  auto s = common_step(a, math::make_adam_hyper(a.beta1, a.beta2, a.eps, a.weight_decay,
                                                 a.decoupled_weight_decay, a.maximize));
   s.state.add("exp_avgs", a.exp_avgs);
   s.state.add("exp_avg_sqs", a.exp_avg_sqs);
@@ -47,7 +37,7 @@ Step<math::AdamHyper> step_of(const ops::AdamStep& a) {
 }
 
 Step<math::SgdHyper> step_of(const ops::SgdStep& a) {
-  auto s = common_step(a, math::make_sgd_hyper(a.lr, a.momentum, a.dampening, a.weight_decay,
+  auto s = common_step(a, math::make_sgd_hyper(a.momentum, a.dampening, a.weight_decay,
                                                a.nesterov, a.maximize));
   if (a.momentum != 0.0) {
     s.state.add("momentum_buffers", a.momentum_buffers);

@@ -25,9 +25,10 @@ namespace fusedamp {
 
 // ---- the device scalars ---------------------------------------------------------------------
 
-// A step's optional device scalars as raw data pointers, and how a step reads them: written once
-// for the host, where the CPU backend reads them (its tensors are plain memory), and for the
-// device, where the CUDA kernels read them per block (no value ever reaches the host).
+// A step's optional device scalars (ops.h StepShared) as raw data pointers, and how a step reads
+// them: written once for the host, where the CPU backend reads them (its tensors are plain
+// memory), and for the device, where the CUDA kernels read them per block (no value ever
+// reaches the host).
 struct StepScalarPointers {
   const float* lr = nullptr;           // overrides lr_host
   const float* inv_scale = nullptr;    // 1 if absent
@@ -44,34 +45,6 @@ struct StepScalarPointers {
   C10_HOST_DEVICE float grad_multiplier() const {
     return math::grad_multiplier(inv_scale != nullptr ? *inv_scale : 1.f,
                                  grad_sum_sq != nullptr ? *grad_sum_sq : 0.f, max_grad_norm);
-  }
-};
-
-// The same scalars as the op received them (nullptr where absent; checked: each a one-element
-// FP32 tensor on the params' device), and the host values that go with them.
-struct StepScalars {
-  const at::Tensor* lr_tensor = nullptr;  // overrides lr
-  const at::Tensor* inv_scale = nullptr;
-  const at::Tensor* found_inf = nullptr;
-  const at::Tensor* grad_sum_sq = nullptr;
-  float lr = 0.f;
-  float max_grad_norm = 0.f;  // <= 0: no clipping
-
-  // Their data pointers, for a backend whose tensors hold memory (not Meta).
-  StepScalarPointers pointers() const {
-    StepScalarPointers s;
-    s.lr = data_of(lr_tensor);
-    s.inv_scale = data_of(inv_scale);
-    s.found_inf = data_of(found_inf);
-    s.grad_sum_sq = data_of(grad_sum_sq);
-    s.max_grad_norm = max_grad_norm;
-    s.lr_host = lr;
-    return s;
-  }
-
- private:
-  static const float* data_of(const at::Tensor* t) {
-    return t != nullptr ? t->const_data_ptr<float>() : nullptr;
   }
 };
 
@@ -197,11 +170,26 @@ struct StepLists {
 template <typename Hyper>
 struct Step : StepLists {
   Hyper hyper;
-  StepScalars scalars;
-  bool adopt_param_edits;  // master := param where param != rounding of master (masters only)
-  bool write_back_grads;   // grads := the multiplied gradient the update used
+  float lr = 0.f;  // the numeric learning rate; shared->lr_tensor overrides it
+  // The operator's arguments both step ops take (ops.h StepShared), as given: its device
+  // scalars (checked: one-element FP32 tensors on the params' device), clipping,
+  // adopt_param_edits (master := param where param != rounding of master) and
+  // write_back_grads (grads := the multiplied gradient the update used).
+  const ops::StepShared* shared = nullptr;
   // Where the backend walks host memory: the rows the checks fill; nullptr otherwise.
   StepRows* rows = nullptr;
+
+  // The device scalars' data pointers, for a backend whose tensors hold memory (not Meta).
+  StepScalarPointers scalar_pointers() const {
+    StepScalarPointers s;
+    s.lr = data_of(shared->lr_tensor);
+    s.inv_scale = data_of(shared->inv_scale);
+    s.found_inf = data_of(shared->found_inf);
+    s.grad_sum_sq = data_of(shared->grad_sum_sq);
+    s.max_grad_norm = static_cast<float>(shared->max_grad_norm.value_or(0.0));
+    s.lr_host = lr;
+    return s;
+  }
 
   // The mode its arguments ask for (checked: step_checks.cpp).
   WeightStore weight_store() const {
@@ -209,7 +197,12 @@ struct Step : StepLists {
     return master_mode_of_step(
         masters, masters ? master_params[0].scalar_type() : c10::ScalarType::Undefined,
         params.empty() ? c10::ScalarType::Undefined : params[0].scalar_type(),
-        !rounding_seeds.empty(), adopt_param_edits);
+        !rounding_seeds.empty(), shared->adopt_param_edits);
+  }
+
+ private:
+  static const float* data_of(const std::optional<at::Tensor>& t) {
+    return t && t->defined() ? t->const_data_ptr<float>() : nullptr;
   }
 };
 

@@ -5,6 +5,8 @@
 #include <fusedamp/fusedamp.h>
 
 #include <cmath>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,37 @@ TEST_CASE("each operator's declaration lists its schema's arguments in order", "
   check_declarations(fusedamp::ops::AllOps{});
 }
 
+TEST_CASE("the step ops' shared arguments have one set of schema defaults", "[ops]") {
+  // StepShared's fields start at the defaults of StepShared::kName's schema: every step op
+  // must give the same ones.
+  const auto defaults = [](const char* op) {
+    std::map<std::string, std::string> out;
+    const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(op, "").schema();
+    for (const auto& arg : schema.arguments()) {
+      std::ostringstream value;
+      if (arg.default_value()) {
+        value << *arg.default_value();
+      }
+      out[arg.name()] = value.str();
+    }
+    return out;
+  };
+  const auto group = defaults(fusedamp::ops::StepShared::kName);
+  for (const char* op : {fusedamp::ops::AdamStep::kName, fusedamp::ops::SgdStep::kName}) {
+    const auto own = defaults(op);
+    fusedamp::ops::StepShared shared;
+    size_t count = 0;
+    shared.for_each_field(
+        [&](const auto&, size_t, const char* name) {
+          INFO(op << " " << name);
+          REQUIRE(own.count(name) == 1);
+          CHECK(own.at(name) == group.at(name));
+        },
+        count);
+    CHECK(count == fusedamp::ops::StepShared::kArgCount);
+  }
+}
+
 TEST_CASE("a declaration starts from its schema's defaults", "[ops]") {
   const fusedamp::ops::UpdateScale u;
   CHECK(u.hysteresis == 1);
@@ -75,8 +108,8 @@ TEST_CASE("a declaration starts from its schema's defaults", "[ops]") {
   CHECK(!acc.grad_norm.has_value());
   CHECK(std::isnan(u.growth_factor));  // no default: NaN, which the checks refuse
   const fusedamp::ops::AdamStep a;
-  CHECK(a.adopt_param_edits);
-  CHECK(!a.write_back_grads);
+  CHECK(a.shared.adopt_param_edits);
+  CHECK(!a.shared.write_back_grads);
   CHECK(!a.maximize);
   CHECK(!a.rounding_seeds.has_value());
   CHECK(std::isnan(a.lr));
@@ -163,12 +196,11 @@ TEST_CASE("a step with found_inf set changes nothing", "[ops]") {
   REQUIRE(found.item<float>() == 1.f);
   auto before = clones({params[0], master[0], m[0], v[0], steps[0]});
   auto adam = adam_args(params, master, grads, m, v, steps);
-  adam.found_inf = found;
-  adam.inv_scale = scalar(0.5f);
+  adam.shared.found_inf = found;
+  adam.shared.inv_scale = scalar(0.5f);
   fusedamp::ops::adam_step_(adam);
   fusedamp::ops::SgdStep sgd{params, master, grads, m, steps, 1e-2, 0.9, 0.0, 0.0, false};
-  sgd.found_inf = adam.found_inf;
-  sgd.inv_scale = adam.inv_scale;
+  sgd.shared = adam.shared;
   fusedamp::ops::sgd_step_(sgd);
   CHECK(bit_equal(before, {params[0], master[0], m[0], v[0], steps[0]}));
 }

@@ -10,8 +10,13 @@
 //     (read from the schema once); a float argument without a default starts as NaN, which
 //     the checks refuse, so that a forgotten learning rate is an error, not a zero;
 //   - Signature, the C++ function type the dispatcher knows the operator by;
-//   - apply(f), the fields as f's arguments in schema order, and for_each_field(f), each field
+//   - apply(f), the arguments as f's in schema order, and for_each_field(f), each argument
 //     with its position.
+// Arguments that several operators take at the same place in their schemas are declared once
+// as a group (FUSEDAMP_DECLARE_ARG_GROUP): a struct of their fields, listed as one argument of
+// its own kind. Each operator then holds the group as one field, which a caller fills once and
+// every consumer takes whole; to the dispatcher (Signature, apply, for_each_field, aggregate
+// initialisation in schema order) its fields are the operator's, in their places.
 // The kernels' registration checks the field types against the schema (torch infers a
 // schema from each kernel's signature); tests/cpp checks the names and order.
 #include <ATen/core/Tensor.h>
@@ -22,6 +27,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <type_traits>
 
 namespace fusedamp::ops {
 
@@ -84,12 +91,89 @@ struct Param<std::optional<at::Tensor>> {
 
 // Opens the comma-led lists the declaration macro writes; dropped again below.
 struct Lead {};
+
+template <typename... T>
+struct TypeList {};
+template <typename F>
+struct ListOf;
+template <typename... A>
+struct ListOf<void(Lead, A...)> {
+  using type = TypeList<A...>;
+};
+
+// Whether T is an argument group (FUSEDAMP_DECLARE_ARG_GROUP), and what it stands for: its
+// fields' dispatcher types, their number, the fields themselves.
+template <typename T, typename = void>
+struct IsGroup : std::false_type {};
+template <typename T>
+struct IsGroup<T, std::void_t<typename T::Params>> : std::true_type {};
+
+template <typename T>
+constexpr size_t field_count() {
+  if constexpr (IsGroup<T>::value) {
+    return T::kArgCount;
+  } else {
+    return 1;
+  }
+}
+
+template <typename T>
+auto params_of() {
+  if constexpr (IsGroup<T>::value) {
+    return typename T::Params{};
+  } else {
+    return TypeList<T>{};
+  }
+}
+
+template <typename... A, typename... B>
+TypeList<A..., B...> operator+(TypeList<A...>, TypeList<B...>);
+
+template <typename L>
+struct FunctionOf;
+template <typename... A>
+struct FunctionOf<TypeList<A...>> {
+  using type = void(A...);
+};
+
+// The dispatcher's function type of a comma-led parameter list: groups spread into their
+// fields' types.
 template <typename F>
 struct DropLead;
 template <typename... A>
 struct DropLead<void(Lead, A...)> {
-  using type = void(A...);
+  using type = typename FunctionOf<decltype((TypeList<>{} + ... + params_of<A>()))>::type;
 };
+
+template <typename... A>
+std::tuple<const A&...> tie_fields(Lead, const A&... a) {
+  return std::tuple<const A&...>(a...);
+}
+
+template <typename T>
+auto spread(const T& value) {
+  if constexpr (IsGroup<T>::value) {
+    return value.fields();
+  } else {
+    return std::tuple<const T&>(value);
+  }
+}
+
+// f(Lead, argument...): the fields given, each group's in its place.
+template <typename F, typename... A>
+decltype(auto) apply_spread(F&& f, Lead, const A&... a) {
+  return std::apply(std::forward<F>(f), std::tuple_cat(std::tuple<Lead>(), spread(a)...));
+}
+
+// f(field, position, name) for a field, or for each of a group's.
+template <typename F, typename T>
+void visit_field(F& f, T& field, size_t& i, const char* name) {
+  if constexpr (IsGroup<std::remove_const_t<T>>::value) {
+    field.for_each_field(f, i);
+  } else {
+    f(field, i++, name);
+  }
+}
 
 }  // namespace detail
 }  // namespace fusedamp::ops
@@ -104,8 +188,9 @@ struct DropLead<void(Lead, A...)> {
 #define FUSEDAMP_OP_PARAM(K, name) \
   , typename ::fusedamp::ops::detail::Param<::fusedamp::ops::kind::K>::type
 #define FUSEDAMP_OP_VALUE(K, name) , name
-#define FUSEDAMP_OP_VISIT(K, name) f(name, i++, #name);
-#define FUSEDAMP_OP_COUNT(K, name) +1
+#define FUSEDAMP_OP_VISIT(K, name) ::fusedamp::ops::detail::visit_field(f, name, i, #name);
+#define FUSEDAMP_OP_COUNT(K, name) \
+  +::fusedamp::ops::detail::field_count<::fusedamp::ops::kind::K>()
 
 // struct Op for the operator fusedamp::<op> with the arguments ARGS(X) lists as X(kind, name).
 #define FUSEDAMP_DECLARE_OP(Op, op, ARGS)                                                    \
@@ -118,7 +203,8 @@ struct DropLead<void(Lead, A...)> {
     ARGS(FUSEDAMP_OP_FIELD)                                                                  \
     template <typename F>                                                                    \
     decltype(auto) apply(F&& f) const {                                                      \
-      return f(::fusedamp::ops::detail::Lead{} ARGS(FUSEDAMP_OP_VALUE));                     \
+      return ::fusedamp::ops::detail::apply_spread(                                          \
+          f, ::fusedamp::ops::detail::Lead{} ARGS(FUSEDAMP_OP_VALUE));                       \
     }                                                                                        \
     template <typename F>                                                                    \
     void for_each_field(F&& f) const {                                                       \
@@ -130,4 +216,31 @@ struct DropLead<void(Lead, A...)> {
       size_t i = 0;                                                                          \
       ARGS(FUSEDAMP_OP_VISIT)                                                                \
     }                                                                                        \
+  }
+
+// The argument group Group, ARGS(X) listing its arguments as X(kind, name), placed in an
+// operator's list as X(Group, member). Its fields start at the schema defaults of operator `op`
+// (each operator taking the group must give its arguments the same ones: tests/cpp checks).
+#define FUSEDAMP_DECLARE_ARG_GROUP(Group, op, ARGS)                                           \
+  struct Group {                                                                             \
+    static constexpr const char* kName = "fusedamp::" #op;                                   \
+    static constexpr size_t kArgCount = 0 ARGS(FUSEDAMP_OP_COUNT);                            \
+    using Params = typename ::fusedamp::ops::detail::ListOf<void(                           \
+        ::fusedamp::ops::detail::Lead ARGS(FUSEDAMP_OP_PARAM))>::type;                       \
+    ARGS(FUSEDAMP_OP_FIELD)                                                                  \
+    auto fields() const {                                                                    \
+      return ::fusedamp::ops::detail::tie_fields(                                            \
+          ::fusedamp::ops::detail::Lead{} ARGS(FUSEDAMP_OP_VALUE));                          \
+    }                                                                                        \
+    template <typename F>                                                                    \
+    void for_each_field(F&& f, size_t& i) const {                                            \
+      ARGS(FUSEDAMP_OP_VISIT)                                                                \
+    }                                                                                        \
+    template <typename F>                                                                    \
+    void for_each_field(F&& f, size_t& i) {                                                  \
+      ARGS(FUSEDAMP_OP_VISIT)                                                                \
+    }                                                                                        \
+  };                                                                                         \
+  namespace kind {                                                                           \
+  using Group = ::fusedamp::ops::Group;                                                      \
   }

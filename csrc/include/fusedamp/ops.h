@@ -9,6 +9,7 @@
 //   a.exp_avgs = m; a.exp_avg_sqs = v; a.steps = steps;
 //   a.lr = 1e-3; a.beta1 = 0.9; a.beta2 = 0.999; a.eps = 1e-8; a.weight_decay = 0.01;
 //   a.decoupled_weight_decay = true;
+//   a.shared.inv_scale = inv_scale;     // the arguments both step ops take (StepShared)
 //   fusedamp::ops::adam_step_(a);
 //
 // or, with the arguments in schema order: fusedamp::ops::unscale_and_check_({grads, found_inf,
@@ -69,7 +70,7 @@ FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
 
 // The arguments both step ops take, at the same place in their schemas (after the
 // algorithm's hyper-parameters): the device lr, the loss scaler's inputs, clipping, and how
-// the weights and the gradients are written.
+// the weights and the gradients are written. One value, StepShared: each step op's `shared`.
 #define FUSEDAMP_STEP_SHARED_ARGS(X) \
   X(OptTensor, lr_tensor)            \
   X(OptTensor, inv_scale)            \
@@ -78,6 +79,7 @@ FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
   X(OptFloat, max_grad_norm)         \
   X(Bool, adopt_param_edits)         \
   X(Bool, write_back_grads)
+FUSEDAMP_DECLARE_ARG_GROUP(StepShared, adam_step_, FUSEDAMP_STEP_SHARED_ARGS)
 
 #define FUSEDAMP_ADAM_STEP_ARGS(X) \
   X(Tensors, params)               \
@@ -93,7 +95,7 @@ FUSEDAMP_DECLARE_OP(AccountStep, account_step_, FUSEDAMP_ACCOUNT_STEP_ARGS);
   X(Float, weight_decay)           \
   X(Bool, decoupled_weight_decay)  \
   X(Bool, maximize)                \
-  FUSEDAMP_STEP_SHARED_ARGS(X)     \
+  X(StepShared, shared)            \
   X(OptTensors, max_exp_avg_sqs)   \
   X(OptInts, rounding_seeds)       \
   X(OptTensors, moment_scales)
@@ -111,7 +113,7 @@ FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
   X(Float, weight_decay)          \
   X(Bool, nesterov)               \
   X(Bool, maximize)               \
-  FUSEDAMP_STEP_SHARED_ARGS(X)    \
+  X(StepShared, shared)           \
   X(OptInts, rounding_seeds)      \
   X(OptTensors, momentum_scales)
 FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);

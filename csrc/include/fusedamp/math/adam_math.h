@@ -13,8 +13,9 @@
 
 namespace fusedamp::math {
 
+// The learning rate is not here: a step reads it per tensor (a device tensor may override the
+// number), and adam_coeffs takes it.
 struct AdamHyper {
-  float lr;
   float beta1;
   float beta2;
   float eps;
@@ -31,10 +32,9 @@ struct AdamHyper {
 };
 
 // Host-side constructor: the derived constants are computed in double.
-inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps,
-                                 double weight_decay, bool decoupled, bool maximize) {
+inline AdamHyper make_adam_hyper(double beta1, double beta2, double eps, double weight_decay,
+                                 bool decoupled, bool maximize) {
   AdamHyper h;
-  h.lr = static_cast<float>(lr);
   h.beta1 = static_cast<float>(beta1);
   h.beta2 = static_cast<float>(beta2);
   h.eps = static_cast<float>(eps);
@@ -52,7 +52,6 @@ inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double e
 // count *before* it is incremented. acc_t is double on the CPU (as torch computes them in
 // Python floats) and may be float or double on the GPU.
 struct AdamCoeffs {
-  float lr;
   float step_size;
   float bc2_sqrt;
   float decay_factor;  // 1 - lr * wd for AdamW, 1 otherwise
@@ -71,7 +70,6 @@ C10_HOST_DEVICE inline AdamCoeffs adam_coeffs(const AdamHyper& h, float lr, floa
   const acc_t bc2_sqrt = std::sqrt(bc2);
 #endif
   AdamCoeffs c;
-  c.lr = lr;
   c.step_size = static_cast<float>(static_cast<acc_t>(lr) / bc1);
   c.bc2_sqrt = static_cast<float>(bc2_sqrt);
   c.decay_factor = h.decoupled ? static_cast<float>(acc_t(1) - static_cast<acc_t>(lr) *

@@ -11,8 +11,9 @@
 
 namespace fusedamp::math {
 
+// The learning rate is not here: a step reads it per tensor (a device tensor may override the
+// number) and passes it to the updates.
 struct SgdHyper {
-  float lr;
   float momentum;
   float dampening;
   float weight_decay;
@@ -21,10 +22,9 @@ struct SgdHyper {
   bool maximize;
 };
 
-inline SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay,
+inline SgdHyper make_sgd_hyper(double momentum, double dampening, double weight_decay,
                                bool nesterov, bool maximize) {
   SgdHyper h;
-  h.lr = static_cast<float>(lr);
   h.momentum = static_cast<float>(momentum);
   h.dampening = static_cast<float>(dampening);
   h.weight_decay = static_cast<float>(weight_decay);

@@ -38,12 +38,14 @@ class BucketPlan;
 class DeviceStats;
 class ParamStateStore;
 struct Bucket;
-struct StepInputs;
 }  // namespace detail
 }  // namespace fusedamp::optim
 
 namespace fusedamp {
 struct StepLists;  // the lists a step op walks (csrc/ops/step_lists.h)
+namespace ops {
+struct StepShared;  // the arguments both step ops take (fusedamp/ops.h)
+}  // namespace ops
 }  // namespace fusedamp
 
 namespace fusedamp::optim {
@@ -188,7 +190,7 @@ class Optimizer : public torch::optim::Optimizer {
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
   // The fused op of this kind over one bucket, and the lists it walks there.
   virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                          const detail::StepInputs& in) const = 0;
+                          const ops::StepShared& in) const = 0;
   virtual StepLists row_lists(const detail::Bucket& b,
                               const torch::optim::OptimizerOptions& o) const = 0;
 

@@ -36,7 +36,7 @@ class OptimizerOf : public Optimizer {
                          std::optional<double> max_norm) const final;
   std::unique_ptr<torch::optim::OptimizerOptions> make_options() const final;
   void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
-                  const detail::StepInputs& in) const final;
+                  const ops::StepShared& in) const final;
   StepLists row_lists(const detail::Bucket& b,
                       const torch::optim::OptimizerOptions& o) const final;
 };
