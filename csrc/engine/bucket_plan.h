@@ -5,7 +5,8 @@
 // parameters with gradients, their dtypes and devices, or the state a group needs — so a
 // steady training loop only collects this step's gradient handles.
 #include <c10/util/FunctionRef.h>
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
+#include <fusedamp/optim/param_state.h>
 
 #include <array>
 #include <vector>

@@ -2,7 +2,7 @@
 // The optimizers' validation of their hyper-parameters: the ranges of ../ops/hyper_params.h with
 // torch.optim's wording (its users read these), raised as c10::ValueError (ValueError in
 // Python, as torch.optim raises) and naming the optimizer and the param group.
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
 
 #include <cstddef>
 #include <string>

@@ -2,7 +2,8 @@
 // The optimizer's per-parameter state (param_state.h), keyed by the parameter: creation at a
 // parameter's first step, the state-dict view of it, and building it from a state dict with
 // every check done before anything is committed.
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
+#include <fusedamp/optim/param_state.h>
 
 #include <unordered_map>
 
@@ -10,8 +11,6 @@ namespace fusedamp::optim::detail {
 
 class ParamStateStore {
  public:
-  using StateDict = Optimizer::StateDict;
-
   ParamState* find(const at::Tensor& param);
   const ParamState* find(const at::Tensor& param) const;
 

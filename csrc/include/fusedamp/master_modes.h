@@ -4,7 +4,7 @@
 // naming modes: the option's names, codes and messages (optim/options.h MasterWeights), the
 // operators' checks of master_params and the kernels' compile-time switch
 // (ops/static_switch.h), the conversions of a parameter's state between modes
-// (engine/param_state_store.cpp). A new mode is a row here plus its loads and stores in the
+// (engine/state_conversion.cpp). A new mode is a row here plus its loads and stores in the
 // kernels (cpu/vec_io.h, cuda/step_weights.cuh) and its element math (math/).
 #include <c10/core/ScalarType.h>
 

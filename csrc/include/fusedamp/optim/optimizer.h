@@ -50,21 +50,9 @@ struct StepShared;  // the arguments both step ops take (fusedamp/ops.h)
 
 namespace fusedamp::optim {
 
-// The engine settings every options struct carries (read per group).
-struct EngineGroupOptions {
-  MasterWeights master_weights = true;
-  at::ScalarType state_dtype = at::kFloat;
-  int64_t rounding_seed = 0;
-  std::optional<double> max_grad_norm;
-  bool skip_nonfinite = true;
-  at::Tensor lr_tensor;  // undefined: use the numeric lr
-  bool adopt_param_edits = true;
-  bool write_back_grads = true;
-};
-
 class Optimizer : public torch::optim::Optimizer {
  public:
-  using StateDict = std::unordered_map<std::string, at::Tensor>;
+  using StateDict = optim::StateDict;
 
   // A step without loss scaling. With clipping or non-finite protection it runs the statistics
   // pass first; a gradient holding inf/NaN then skips the whole step (nothing changes).

@@ -62,6 +62,18 @@ class MasterWeights : public MasterModes {
   Kind kind_;
 };
 
+// The engine settings every options struct carries (read per group).
+struct EngineGroupOptions {
+  MasterWeights master_weights = true;
+  at::ScalarType state_dtype = at::kFloat;
+  int64_t rounding_seed = 0;
+  std::optional<double> max_grad_norm;
+  bool skip_nonfinite = true;
+  at::Tensor lr_tensor;  // undefined: use the numeric lr
+  bool adopt_param_edits = true;
+  bool write_back_grads = true;
+};
+
 }  // namespace fusedamp::optim
 
 #define FUSEDAMP_ENGINE_OPTION_FIELDS                            \

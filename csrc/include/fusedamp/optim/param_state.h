@@ -14,8 +14,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <string>
+#include <unordered_map>
 
 namespace fusedamp::optim {
+
+// One parameter's state by name, as state dicts hold it (the tensors themselves).
+using StateDict = std::unordered_map<std::string, at::Tensor>;
 
 inline constexpr const char* kStep = "step";
 inline constexpr const char* kMasterParam = "master_param";

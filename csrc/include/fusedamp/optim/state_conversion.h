@@ -3,7 +3,8 @@
 // outside an optimizer: for front ends that lay the state out themselves (the ZeRO-1 shards
 // of fusedamp.distributed) and for exporting the FP32 model from a checkpoint. An optimizer
 // does the same conversion itself at the first step after a load (param_state.h).
-#include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
+#include <fusedamp/optim/param_state.h>
 
 #include <vector>
 
@@ -16,7 +17,7 @@ struct ConvertedParamState {
   // nearest even beside a value rebuilt from a pair): the weight moves by one ulp, so that the
   // new store holds the value exactly.
   at::Tensor weight;
-  Optimizer::StateDict state;
+  StateDict state;
 };
 
 // `state` (a state-dict entry of any mode: master_param, param_remainder, kahan_compensation
@@ -27,7 +28,7 @@ struct ConvertedParamState {
 // given is changed. Throws (naming `index`, the parameter's index) for a state that does not
 // belong beside `weight`.
 ConvertedParamState convert_param_state(const at::Tensor& weight,
-                                        const Optimizer::StateDict& state, MasterWeights mode,
+                                        const StateDict& state, MasterWeights mode,
                                         at::ScalarType state_dtype, size_t index = 0);
 
 // The shape of param's 'moment_scales' under state_dtype int8: [size(0), R / 32, 2] for a
