@@ -26,24 +26,16 @@ namespace {
 
 constexpr int kAdamElemsPerThread = 8;
 
-// List positions; the optional lists come last and exist only when used.
-template <bool kStoreList, bool kAmsgrad>
-struct AdamLists {
-  static constexpr int kP = 0;
-  static constexpr int kG = 1;
-  static constexpr int kM = 2;
-  static constexpr int kV = 3;
-  static constexpr int kStore = 4;                      // valid if kStoreList
-  static constexpr int kVMax = kStoreList ? 5 : 4;      // valid if kAmsgrad
-  static constexpr int kCount = 4 + (kStoreList ? 1 : 0) + (kAmsgrad ? 1 : 0);
+// List positions: the moments, then AMSGrad's running maximum after the store's list.
+template <WeightStore kStore, bool kAmsgrad>
+struct AdamPositions : StepPositions<kStore, 2, kAmsgrad ? 1 : 0> {
+  static constexpr int kM = AdamPositions::kState;
+  static constexpr int kV = AdamPositions::kState + 1;
+  static constexpr int kVMax = AdamPositions::kLate;  // valid if kAmsgrad
 };
 
 template <WeightStore kStore, bool kAmsgrad>
-using AdamPositions = AdamLists<has_store_list(kStore), kAmsgrad>;
-
-// extra: the step count (and the rounding seed, see extra_slots_of)
-template <WeightStore kStore, bool kAmsgrad>
-using AdamBatch = TensorBatch<AdamPositions<kStore, kAmsgrad>::kCount, extra_slots_of(kStore)>;
+using AdamBatch = StepBatch<AdamPositions<kStore, kAmsgrad>>;
 
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 struct AdamOp {
@@ -137,24 +129,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
 void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   using Pos = AdamPositions<kStore, kAmsgrad>;
-  auto lists = step_lists_of<Pos, kStore>(step);
-  lists[Pos::kM] = step.state.lists[0];
-  lists[Pos::kV] = step.state.lists[1];
-  if constexpr (kAmsgrad) {
-    lists[Pos::kVMax] = step.state.lists[2];
+  // Only the kernel launched is instantiated (the other would be compiled for nothing).
+  if constexpr (kStore == WeightStore::kSplit8 || kAmsgrad) {
+    launch_step<Pos, TP, TG, TS>(step, s, &adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>);
+  } else {
+    launch_step<Pos, TP, TG, TS>(step, s, &adam_kernel<TP, TG, kStore, kAmsgrad, TS>);
   }
-  const bool write_back = step.shared->write_back_grads;
-  apply_step<Pos, kStore>(
-      lists, vec_width_of<TP, TG, TS>(), step, write_back,
-      [&](const AdamBatch<kStore, kAmsgrad>& b, unsigned blocks, auto stream) {
-        if constexpr (kStore == WeightStore::kSplit8 || kAmsgrad) {
-          adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>
-              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
-        } else {
-          adam_kernel<TP, TG, kStore, kAmsgrad, TS>
-              <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
-        }
-      });
 }
 
 }  // namespace

@@ -50,20 +50,12 @@ constexpr int kBlocksInFlight = 4;
 static_assert(kBlock == kWarpSize, "one lane per element of a moment block");
 static_assert(kChunk % kBlock == 0, "a chunk is whole moment blocks");
 
-// List positions: the quantized lists after params and grads; master_params comes last and
-// exists only when the store keeps a list.
-template <int kLists, bool kStoreList>
-struct QuantizedLists {
-  static constexpr int kP = 0;
-  static constexpr int kG = 1;
-  static constexpr int kX0 = 2;            // int8 codes in exp_avg's format
-  static constexpr int kX1 = 3;            // uint8 exp_avg_sq codes, valid if kLists == 2
-  static constexpr int kStore = 2 + kLists;  // valid if kStoreList
-  static constexpr int kCount = 2 + kLists + (kStoreList ? 1 : 0);
-};
-
+// List positions: the quantized lists after params and grads.
 template <int kLists, WeightStore kStore>
-using QuantizedPositions = QuantizedLists<kLists, has_store_list(kStore)>;
+struct QuantizedPositions : StepPositions<kStore, kLists> {
+  static constexpr int kX0 = QuantizedPositions::kState;      // int8 codes in exp_avg's format
+  static constexpr int kX1 = QuantizedPositions::kState + 1;  // uint8 codes (kLists == 2)
+};
 
 // The per-tensor slots: those of every step kernel (extra_slots_of: the step count and, under
 // stochastic rounding, the seed), then the tensor's block scales, whose length is not numel.
@@ -231,11 +223,7 @@ template <typename Algo, typename TP, typename TG, WeightStore kStore, typename 
 void launch(const Step<Hyper>& step, const StepScalarPointers& s) {
   constexpr int kLists = Algo::kLists;
   using Pos = QuantizedPositions<kLists, kStore>;
-  auto lists = step_lists_of<Pos, kStore>(step);
-  lists[Pos::kX0] = step.state.lists[0];
-  if constexpr (kLists == 2) {
-    lists[Pos::kX1] = step.state.lists[1];
-  }
+  const auto lists = step_lists_of<Pos>(step);
   const auto stream = at::cuda::getCurrentCUDAStream();
   // Every list is written but the grads, which are written only when written back.
   const uint32_t all = (1u << Pos::kCount) - 1u;

@@ -22,22 +22,14 @@
 namespace fusedamp::cuda {
 namespace {
 
-// List positions; the optional lists come last and exist only when used.
-template <bool kStoreList, bool kMomentum>
-struct SgdLists {
-  static constexpr int kP = 0;
-  static constexpr int kG = 1;
-  static constexpr int kBuf = 2;                     // valid if kMomentum
-  static constexpr int kStore = kMomentum ? 3 : 2;   // valid if kStoreList
-  static constexpr int kCount = 2 + (kMomentum ? 1 : 0) + (kStoreList ? 1 : 0);
+// List positions: the momentum buffers where there is momentum.
+template <WeightStore kStore, bool kMomentum>
+struct SgdPositions : StepPositions<kStore, kMomentum ? 1 : 0> {
+  static constexpr int kBuf = SgdPositions::kState;  // valid if kMomentum
 };
 
 template <WeightStore kStore, bool kMomentum>
-using SgdPositions = SgdLists<has_store_list(kStore), kMomentum>;
-
-// extra: the step count (and the rounding seed, see extra_slots_of)
-template <WeightStore kStore, bool kMomentum>
-using SgdBatch = TensorBatch<SgdPositions<kStore, kMomentum>::kCount, extra_slots_of(kStore)>;
+using SgdBatch = StepBatch<SgdPositions<kStore, kMomentum>>;
 
 template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 struct SgdOp {
@@ -110,18 +102,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
 void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
-  using Pos = SgdPositions<kStore, kMomentum>;
-  auto lists = step_lists_of<Pos, kStore>(step);
-  if constexpr (kMomentum) {
-    lists[Pos::kBuf] = step.state.lists[0];
-  }
-  const bool write_back = step.shared->write_back_grads;
-  apply_step<Pos, kStore>(
-      lists, vec_width_of<TP, TG, TS>(), step, write_back,
-      [&](const SgdBatch<kStore, kMomentum>& b, unsigned blocks, auto stream) {
-        sgd_kernel<TP, TG, kStore, kMomentum, TS>
-            <<<blocks, kThreads, 0, stream>>>(b, step.hyper, s, write_back);
-      });
+  launch_step<SgdPositions<kStore, kMomentum>, TP, TG, TS>(
+      step, s, &sgd_kernel<TP, TG, kStore, kMomentum, TS>);
 }
 
 }  // namespace

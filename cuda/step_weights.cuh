@@ -227,6 +227,30 @@ struct StepGrads {
   }
 };
 
+// The list positions of a step kernel over weights kept as kKept: params, grads, the
+// algorithm's first kStateLists state lists, master_params where the store keeps a list, then
+// its kLateLists further state lists (each present only when used). A kernel's batch is
+// StepBatch<Pos>.
+template <WeightStore kKept, int kStateLists, int kLateLists = 0>
+struct StepPositions {
+  static constexpr WeightStore kWeights = kKept;
+  static constexpr int kP = 0;
+  static constexpr int kG = 1;
+  static constexpr int kState = 2;                    // the first state list
+  static constexpr int kStore = kState + kStateLists;  // valid if has_store_list(kKept)
+  static constexpr int kLate = kStore + (has_store_list(kKept) ? 1 : 0);
+  static constexpr int kCount = kLate + kLateLists;
+  // The position of the step's state list k (StepLists::state).
+  static constexpr int state_at(size_t k) {
+    const int i = static_cast<int>(k);
+    return i < kStateLists ? kState + i : kLate + (i - kStateLists);
+  }
+};
+
+// extra: the step count (and the rounding seed, see extra_slots_of)
+template <typename Pos>
+using StepBatch = TensorBatch<Pos::kCount, extra_slots_of(Pos::kWeights)>;
+
 // A list of a batch at this block's chunk, as T*; nullptr where the list is absent.
 template <typename T, typename Batch>
 __device__ __forceinline__ T* list_at(const Batch& b, const ChunkRef& ch, bool present,
@@ -236,39 +260,43 @@ __device__ __forceinline__ T* list_at(const Batch& b, const ChunkRef& ch, bool p
 
 // ---- host side -------------------------------------------------------------------------------
 
-// The lists a step kernel walks, at the positions Pos names (kP, kG and, where the store keeps
-// one, kStore): params, grads and master_params. The algorithm adds its state lists.
-template <typename Pos, WeightStore kStore>
+// The lists a step kernel walks, at the positions Pos names: params, grads, master_params where
+// the store keeps one, and the step's state lists (Pos::state_at).
+template <typename Pos>
 std::array<at::TensorList, Pos::kCount> step_lists_of(const StepLists& step) {
   std::array<at::TensorList, Pos::kCount> lists;
   lists[Pos::kP] = step.params;
   lists[Pos::kG] = step.grads;
-  if constexpr (has_store_list(kStore)) {
+  if constexpr (has_store_list(Pos::kWeights)) {
     lists[Pos::kStore] = step.master_params;
+  }
+  for (size_t k = 0; k < step.state.count; ++k) {
+    lists[Pos::state_at(k)] = step.state.lists[k];
   }
   return lists;
 }
 
-// multi_tensor_apply over a step's lists (positions Pos) with the per-tensor slots every step
-// kernel reads (the step count; under stochastic rounding the tensor's seed); kernel(batch,
-// blocks, stream) enqueues one launch. Every list is written but the grads, which are written
-// only when written back.
-template <typename Pos, WeightStore kStore, typename Kernel>
-void apply_step(const std::array<at::TensorList, Pos::kCount>& lists, int vec_width,
-                const StepLists& step, bool write_back_grads, const Kernel& kernel) {
+// kernel(batch, hyper, scalars, write_back_grads) over the step's lists (positions Pos), one
+// launch per batch, with the per-tensor slots every step kernel reads (the step count; under
+// stochastic rounding the tensor's seed). Every list is written but the grads, which are
+// written only when written back.
+template <typename Pos, typename TP, typename TG, typename TS, typename Hyper, typename Kernel>
+void launch_step(const Step<Hyper>& step, const StepScalarPointers& s, Kernel* kernel) {
+  const bool write_back = step.shared->write_back_grads;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const uint32_t all = (1u << Pos::kCount) - 1u;
-  const uint32_t written = write_back_grads ? all : all & ~(1u << Pos::kG);
-  multi_tensor_apply<Pos::kCount, extra_slots_of(kStore)>(
-      lists, written, vec_width,
+  const uint32_t written = write_back ? all : all & ~(1u << Pos::kG);
+  multi_tensor_apply<Pos::kCount, extra_slots_of(Pos::kWeights)>(
+      step_lists_of<Pos>(step), written, vec_width_of<TP, TG, TS>(),
       [&](size_t i, void** slots) {
         slots[0] = const_cast<void*>(step.steps[i].const_data_ptr());
-        if constexpr (master_mode_info(kStore).seeded) {
+        if constexpr (master_mode_info(Pos::kWeights).seeded) {
           slots[1] = reinterpret_cast<void*>(static_cast<uintptr_t>(step.rounding_seeds[i]));
         }
       },
-      [&](const auto& batch, int64_t blocks) {
-        kernel(batch, static_cast<unsigned>(blocks), stream);
+      [&](const StepBatch<Pos>& batch, int64_t blocks) {
+        kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch, step.hyper, s,
+                                                                       write_back);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
 }

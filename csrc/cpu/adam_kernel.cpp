@@ -65,53 +65,48 @@ void adam_range(const StepWeights<TP, kStore>& w, TG* g, TS* m, TS* v, TS* v_max
   });
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-void adam_lists(const CpuStep& step, const math::AdamHyper& h) {
-  ScratchVector<math::AdamCoeffs> coeffs(step.params.size());
-  fill_tensor_coeffs(step, h, coeffs);
-  for_each_step_chunk(step, [&](int64_t i, const StepRow& row, int64_t b, int64_t e) {
-    adam_range<TP, TG, kStore, kAmsgrad>(
-        step_weights<TP, kStore>(step, i, b), static_cast<TG*>(row.grad) + b,
-        static_cast<TS*>(row.state[0]) + b, static_cast<TS*>(row.state[1]) + b,
-        kAmsgrad ? static_cast<TS*>(row.state[2]) + b : nullptr, e - b, h, coeffs[i],
-        step.grad_mult, step.write_back_grads);
-  });
-}
+// Adam's lists, both formats (step_lists_by_format).
+struct AdamLists {
+  template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
+  static void dense(const CpuStep& step, const math::AdamHyper& h) {
+    ScratchVector<math::AdamCoeffs> coeffs(step.params.size());
+    fill_tensor_coeffs(step, h, coeffs);
+    for_each_step_chunk(step, [&](int64_t i, const StepRow& row, int64_t b, int64_t e) {
+      adam_range<TP, TG, kStore, kAmsgrad>(
+          step_weights<TP, kStore>(step, i, b), static_cast<TG*>(row.grad) + b,
+          static_cast<TS*>(row.state[0]) + b, static_cast<TS*>(row.state[1]) + b,
+          kAmsgrad ? static_cast<TS*>(row.state[2]) + b : nullptr, e - b, h, coeffs[i],
+          step.grad_mult, step.write_back_grads);
+    });
+  }
 
-// Quantized moments (math/quantized_moments_math.h): the walk of quantized_blocks.h, with
-// adam_update over each pair's stored moments.
-template <typename TP, typename TG, WeightStore kStore>
-void adam_quantized_lists(const CpuStep& step, const math::AdamHyper& h) {
-  ScratchVector<math::AdamCoeffs> coeffs(step.params.size());
-  fill_tensor_coeffs(step, h, coeffs);
-  quantized_lists<2, TP, TG, kStore>(step, [&](int64_t i) {
-    return [h, c = coeffs[i]](int64_t k, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* m, Vec* v) {
-      Vec r0(0.f), r1(0.f);  // sqrt(v), whose square root is what v's code is formed from
-      math::adam_update(p0, m[0], v[0], g0, h, c, static_cast<Vec*>(nullptr), &r0);
-      // A tail of at most one vector leaves the second all padding (see adam_range).
-      if (k > Vec::size()) {
-        math::adam_update(p1, m[1], v[1], g1, h, c, static_cast<Vec*>(nullptr), &r1);
-      }
-      v[0] = math::exp_avg_sq_root_of_sqrt(r0);
-      v[1] = math::exp_avg_sq_root_of_sqrt(r1);
-    };
-  });
-}
+  // Quantized moments (math/quantized_moments_math.h): the walk of quantized_blocks.h, with
+  // adam_update over each pair's stored moments.
+  template <typename TP, typename TG, WeightStore kStore>
+  static void quantized(const CpuStep& step, const math::AdamHyper& h) {
+    ScratchVector<math::AdamCoeffs> coeffs(step.params.size());
+    fill_tensor_coeffs(step, h, coeffs);
+    quantized_lists<2, TP, TG, kStore>(step, [&](int64_t i) {
+      return [h, c = coeffs[i]](int64_t k, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* m, Vec* v) {
+        Vec r0(0.f), r1(0.f);  // sqrt(v), whose square root is what v's code is formed from
+        math::adam_update(p0, m[0], v[0], g0, h, c, static_cast<Vec*>(nullptr), &r0);
+        // A tail of at most one vector leaves the second all padding (see adam_range).
+        if (k > Vec::size()) {
+          math::adam_update(p1, m[1], v[1], g1, h, c, static_cast<Vec*>(nullptr), &r1);
+        }
+        v[0] = math::exp_avg_sq_root_of_sqrt(r0);
+        v[1] = math::exp_avg_sq_root_of_sqrt(r1);
+      };
+    });
+  }
+};
 
 }  // namespace
 
+// Quantized moments take no AMSGrad (the checks refuse it).
 void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
           const math::AdamHyper& h) {
-  if (state_dtype == at::kChar) {  // quantized moments (no AMSGrad: the checks refuse it)
-    step_switch(step, [&](auto param, auto grad, auto store) {
-      adam_quantized_lists<decltype(param), decltype(grad), store>(step, h);
-    });
-    return;
-  }
-  // The moments are FP32 or BF16 (state_dtype), all lists alike.
-  step_switch(step, [&](auto param, auto grad, auto store, auto with_amsgrad, auto state) {
-    adam_lists<decltype(param), decltype(grad), store, with_amsgrad, decltype(state)>(step, h);
-  }, BoolSwitch{amsgrad}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+  step_lists_by_format<AdamLists>(step, state_dtype, amsgrad, h);
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

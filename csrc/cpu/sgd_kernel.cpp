@@ -36,46 +36,41 @@ void sgd_range(const StepWeights<TP, kStore>& w, TG* g, TS* buf, int64_t n,
   });
 }
 
-template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
-void sgd_lists(const CpuStep& step, const math::SgdHyper& h) {
-  for_each_step_chunk(step, [&](int64_t i, const StepRow& row, int64_t b, int64_t e) {
-    TS* buf = kMomentum ? static_cast<TS*>(row.state[0]) + b : nullptr;
-    sgd_range<TP, TG, kStore, kMomentum>(
-        step_weights<TP, kStore>(step, i, b), static_cast<TG*>(row.grad) + b, buf, e - b, h,
-        step.lr, step.steps_before[i] == 0.f, step.grad_mult, step.write_back_grads);
-  });
-}
+// SGD's lists, both formats (step_lists_by_format).
+struct SgdLists {
+  template <typename TP, typename TG, WeightStore kStore, bool kMomentum, typename TS>
+  static void dense(const CpuStep& step, const math::SgdHyper& h) {
+    for_each_step_chunk(step, [&](int64_t i, const StepRow& row, int64_t b, int64_t e) {
+      TS* buf = kMomentum ? static_cast<TS*>(row.state[0]) + b : nullptr;
+      sgd_range<TP, TG, kStore, kMomentum>(
+          step_weights<TP, kStore>(step, i, b), static_cast<TG*>(row.grad) + b, buf, e - b, h,
+          step.lr, step.steps_before[i] == 0.f, step.grad_mult, step.write_back_grads);
+    });
+  }
 
-// int8 momentum buffers (math/quantized_moments_math.h, exp_avg's format): the walk of
-// quantized_blocks.h, with sgd_update over each pair's stored buffer.
-template <typename TP, typename TG, WeightStore kStore>
-void sgd_quantized_lists(const CpuStep& step, const math::SgdHyper& h) {
-  quantized_lists<1, TP, TG, kStore>(step, [&](int64_t i) {
-    const bool first_step = step.steps_before[i] == 0.f;
-    return [h, lr = step.lr, first_step](int64_t, Vec& p0, Vec& p1, Vec& g0, Vec& g1, Vec* buf,
-                                        Vec*) {
-      math::sgd_update(p0, buf[0], g0, h, lr, first_step);
-      math::sgd_update(p1, buf[1], g1, h, lr, first_step);
-    };
-  });
-}
+  // int8 momentum buffers (math/quantized_moments_math.h, exp_avg's format): the walk of
+  // quantized_blocks.h, with sgd_update over each pair's stored buffer.
+  template <typename TP, typename TG, WeightStore kStore>
+  static void quantized(const CpuStep& step, const math::SgdHyper& h) {
+    quantized_lists<1, TP, TG, kStore>(step, [&](int64_t i) {
+      const bool first_step = step.steps_before[i] == 0.f;
+      return [h, lr = step.lr, first_step](int64_t, Vec& p0, Vec& p1, Vec& g0, Vec& g1,
+                                          Vec* buf, Vec*) {
+        math::sgd_update(p0, buf[0], g0, h, lr, first_step);
+        math::sgd_update(p1, buf[1], g1, h, lr, first_step);
+      };
+    });
+  }
+};
 
 }  // namespace
 
+// Quantized momentum buffers come with momentum != 0 (the checks). Without momentum there are
+// no buffers and the caller passes FP32. Whether there are is the state list's say (momentum
+// != 0 in double), not the FP32 hyper-parameter's, which a momentum below 2^-150 rounds to 0.
 void sgd(const CpuStep& step, bool momentum, at::ScalarType state_dtype,
          const math::SgdHyper& h) {
-  if (state_dtype == at::kChar) {  // quantized momentum buffers (momentum != 0: the checks)
-    step_switch(step, [&](auto param, auto grad, auto store) {
-      sgd_quantized_lists<decltype(param), decltype(grad), store>(step, h);
-    });
-    return;
-  }
-  // The momentum buffers are FP32 or BF16 (state_dtype); without momentum there are none and
-  // the caller passes FP32. Whether there are is the state list's say (momentum != 0 in
-  // double), not the FP32 hyper-parameter's, which a momentum below 2^-150 rounds to 0.
-  step_switch(step, [&](auto param, auto grad, auto store, auto with_momentum, auto state) {
-    sgd_lists<decltype(param), decltype(grad), store, with_momentum, decltype(state)>(step, h);
-  }, BoolSwitch{momentum}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+  step_lists_by_format<SgdLists>(step, state_dtype, momentum, h);
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -61,4 +61,23 @@ C10_ALWAYS_INLINE void step_pairs(const Weights& w, TG* g, int64_t n, float grad
   }
 }
 
+// A step over its state format: 8-bit codes with block scales (state_dtype int8) to
+// Lists::quantized<TP, TG, kStore>(step, h), FP32 or BF16 lists (state_dtype, all alike) with
+// the algorithm's flag (AMSGrad, momentum) as a compile-time value to
+// Lists::dense<TP, TG, kStore, kFlag, TS>(step, h).
+template <typename Lists, typename Hyper>
+void step_lists_by_format(const CpuStep& step, at::ScalarType state_dtype, bool flag,
+                          const Hyper& h) {
+  if (state_dtype == at::kChar) {
+    step_switch(step, [&](auto param, auto grad, auto store) {
+      Lists::template quantized<decltype(param), decltype(grad), store>(step, h);
+    });
+    return;
+  }
+  step_switch(step, [&](auto param, auto grad, auto store, auto with_flag, auto state) {
+    Lists::template dense<decltype(param), decltype(grad), store, with_flag, decltype(state)>(
+        step, h);
+  }, BoolSwitch{flag}, DtypeSwitch<float, c10::BFloat16>{state_dtype});
+}
+
 }  // namespace fusedamp::cpu::CPU_CAPABILITY
