@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kThreads)
         const float new_p[1] = {p};
         weights.template store<1>(i, new_p);
       }
-      const float scale0 = warp_max(math::exp_avg_magnitude(x0));
-      const float scale1 = kLists == 2 ? warp_max(x1) : 0.f;
+      const float scale0 = warp_max(math::block_scale_magnitude(x0));
+      const float scale1 = kLists == 2 ? warp_max(math::block_scale_magnitude(x1)) : 0.f;
       const math::QuantizingBlock next = math::quantizing_block(scale0, scale1);
       if (active) {
         codes0[i] = static_cast<int8_t>(math::exp_avg_code(x0, next));

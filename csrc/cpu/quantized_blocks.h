@@ -138,7 +138,21 @@ FUSEDAMP_FLATTEN void quantized_blocks(const StepWeights<TP, kStore>& w, TG* g,
       }
     }
   }
+  // The maxima above let inf and NaN through (one integer maximum per vector), so a scale is
+  // not finite only where one of its block's values is not: that block's scale is taken again
+  // from its finite values alone (math::block_scale_magnitude, as CUDA takes every scale), off
+  // the common path, which pays one compare per scale.
   for (int64_t b = 0; b < kBlocks; ++b) {
+    for (int list = 0; list < kLists; ++list) {
+      float& s = scales[kLists * b + list];
+      if (!(s <= math::kFloatLargest)) {
+        const float* x = (list == 0 ? x0 : x1) + b * B;
+        s = 0.f;
+        for (int64_t l = 0; l < std::min(n - b * B, B); ++l) {
+          s = math::LaneOps<float>::max(s, math::block_scale_magnitude(x[l]));
+        }
+      }
+    }
     next[b] = math::quantizing_block(scale(b, 0), scale(b, 1));
   }
   for (int64_t b = 0; b < kBlocks; ++b) {

@@ -223,10 +223,11 @@ inline void load_codes(const R* p, int64_t n, Vec& a, Vec& b) {
 #endif
 }
 
-// The codes of unrounded codes a, b (math::nearest_code: in R's range, or NaN). The vector
-// instruction sets convert to the nearest integer (ties to even, whatever MXCSR says) and
-// narrow in registers: a NaN converts to 0x80000000, whose low 8 bits, all the narrowing keeps,
-// are code 0, as nearest_code has it. DEFAULT rounds as floats and goes through an array.
+// The codes of unrounded codes a, b (math::nearest_code: in R's range, or NaN or +-inf). The
+// vector instruction sets convert to the nearest integer (ties to even, whatever MXCSR says)
+// and narrow in registers: a NaN or an infinity converts to 0x80000000, whose low 8 bits, all
+// the narrowing keeps, are code 0, as nearest_code has it. DEFAULT rounds as floats and goes
+// through an array.
 template <typename R>
 inline void store_nearest_codes(R* p, int64_t n, const Vec& a, const Vec& b) {
   static_assert(sizeof(R) == 1, "8-bit codes");

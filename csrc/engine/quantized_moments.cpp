@@ -75,9 +75,9 @@ QuantizedMoments quantize_moments(const at::Tensor& param, const at::Tensor& exp
     const int64_t end = std::min(start + kMomentBlock, n);
     float m_scale = 0.f, v_scale = 0.f;
     for (int64_t i = start; i < end; ++i) {
-      m_scale = Lane::max(m_scale, math::exp_avg_magnitude(mp[i]));
+      m_scale = Lane::max(m_scale, math::block_scale_magnitude(mp[i]));
       if (with_v) {
-        v_scale = Lane::max(v_scale, math::exp_avg_sq_root(vp[i]));
+        v_scale = Lane::max(v_scale, math::block_scale_magnitude(math::exp_avg_sq_root(vp[i])));
       }
     }
     const math::QuantizingBlock b = math::quantizing_block(m_scale, v_scale);

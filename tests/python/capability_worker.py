@@ -17,7 +17,9 @@ import fusedamp  # noqa: E402
 SHAPES = [(7,), (33, 3), (257, 129), (3000,)]
 LR = 1e-2
 
-# (name, optimizer, parameter dtype, constructor arguments)
+# (name, optimizer, parameter dtype, constructor arguments). A case that steps without the
+# non-finite skip gets an inf, a -inf and a NaN gradient element on its second step (8-bit
+# states keep them to their elements: math/quantized_moments_math.h).
 CASES = [
     ("adamw_fp32", "AdamW", torch.float32, dict(weight_decay=0.1)),
     ("adam_amsgrad_bf16_state", "Adam", torch.float32,
@@ -36,6 +38,10 @@ CASES = [
      dict(momentum=0.9, dampening=0.1, master_weights="split")),
     ("sgd_bf16_split_int8", "SGD", torch.bfloat16,
      dict(momentum=0.9, master_weights="split", state_dtype=torch.int8)),
+    ("adamw_bf16_master_int8_nonfinite", "AdamW", torch.bfloat16,
+     dict(master_weights=True, state_dtype=torch.int8, skip_nonfinite=False)),
+    ("sgd_fp32_int8_nonfinite", "SGD", torch.float32,
+     dict(momentum=0.9, weight_decay=0.01, state_dtype=torch.int8, skip_nonfinite=False)),
 ]
 
 
@@ -55,6 +61,9 @@ def run_case(name, cls, dtype, kwargs):
     for step in range(3):
         for p in params:
             g = randn(p.shape) * 10 ** -(step + 1)
+            if step == 1 and not kwargs.get("skip_nonfinite", True) and p.numel() > 1000:
+                g.view(-1)[[40, 45, 1000]] = torch.tensor([float("inf"), float("-inf"),
+                                                           float("nan")])
             p.grad = (g * (1024.0 if scaler else 1.0)).to(dtype)
         if scaler is not None:
             if step == 1:  # an overflow: the step is skipped, the scale backs off
@@ -71,6 +80,11 @@ def run_case(name, cls, dtype, kwargs):
         for key, value in opt.state[p].items():
             if torch.is_tensor(value):
                 out[f"param{i}.{key}"] = value.clone()
+    if not kwargs.get("skip_nonfinite", True):
+        # A NaN's bits are its conversion's, not the step's: torch's vectorised FP32-to-BF16
+        # conversion writes 0xFFFF, its scalar one (DEFAULT's) 0x7FC0. One NaN for both.
+        out = {k: torch.where(v.isnan(), float("nan"), v) if v.is_floating_point() else v
+               for k, v in out.items()}
     return out
 
 

@@ -22,6 +22,15 @@
 // A step reads a block's codes and scales, updates the moments in FP32 (adam_math.h), then
 // quantizes the new moments with the block's new scales: the update of this step uses the
 // exact new moments, the next step their stored values.
+//
+// A moment that is not finite (a non-finite gradient stepped without a skip, or a v whose
+// g * g overflows) is left out of its block's scale and stored as code 0: its weight takes
+// this step's update from the exact moments as torch's does (NaN or inf after a non-finite
+// gradient), and its moments start again from 0 at the next step. The block's other elements
+// are coded against the largest of their own values, so their codes, and their weights, are
+// what they would have been had that element's moment been any finite one no larger. A scale
+// made of the non-finite value would instead make every code of the block 0 and decode, at
+// the next step, as 0 x inf = NaN: one bad element would spoil all 32.
 #include <fusedamp/math/float_bits.h>
 #include <fusedamp/math/lane_ops.h>
 
@@ -56,12 +65,12 @@ C10_HOST_DEVICE inline QuantizedBlock quantized_block(float exp_avg_scale,
 }
 
 // What the codes of a block with these scales are formed with: u = |m| * exp_avg_prescale *
-// exp_avg_inverse, q = v^(1/4) * exp_avg_sq_factor. An all-zero block has inverse and factor 0
-// (its codes are then 0), and so has a scale that is not finite (inf or NaN: the elements that
-// made it give NaN, the others 0, and every code is 0). Below 2^-126 (a subnormal largest |m|,
-// whose reciprocal may overflow FP32) the values are first scaled by 2^64, exactly: the codes
-// are then those of the same block 2^64 times larger. (v^(1/4) of an FP32 v is at least
-// 2^-37.25: its factor never overflows.)
+// exp_avg_inverse, q = v^(1/4) * exp_avg_sq_factor. A block with no nonzero finite value has
+// scale 0, and inverse and factor 0: its codes are 0 (a non-finite value's unrounded code is
+// then NaN, and its code 0 too). Below 2^-126 (a subnormal largest |m|, whose reciprocal may
+// overflow FP32) the values are first scaled by 2^64, exactly: the codes are then those of the
+// same block 2^64 times larger. (v^(1/4) of an FP32 v is at least 2^-37.25: its factor never
+// overflows.)
 struct QuantizingBlock {
   float exp_avg_prescale;
   float exp_avg_inverse;
@@ -93,10 +102,11 @@ C10_HOST_DEVICE inline V exp_avg_sq_value(V q, float step) {
   return t2 * t2;
 }
 
-// What a block's exp_avg scale is the largest of.
+// What a block's scales are the largest of: |m| (exp_avg) and v^(1/4) (exp_avg_sq) where
+// finite, 0 where not (see the top of this file).
 template <typename V>
-C10_HOST_DEVICE inline V exp_avg_magnitude(V m) {
-  return LaneOps<V>::abs(m);
+C10_HOST_DEVICE inline V block_scale_magnitude(V x) {
+  return LaneOps<V>::max_finite_magnitude(V(0.f), LaneOps<V>::abs(x));
 }
 
 // What a block's exp_avg_sq scale is the largest of, and its code is formed from: v^(1/4),
@@ -114,8 +124,8 @@ C10_HOST_DEVICE inline V exp_avg_sq_root(V v) {
 // The codes before rounding: sign(m) 127 sqrt(|m| / s_m), and 255 v^(1/4) / s_v. Every element
 // of a block is at most its scale, and the reciprocal and the product are each rounded once
 // (u <= 1 + 2^-23, whose square root rounds to at most 1), so no unrounded code exceeds 127
-// (255) by 2^-15: the nearest integer is never beyond the last level, and no clamp is needed. NaN where the code is 0 (see
-// QuantizingBlock).
+// (255) by 2^-15: the nearest integer is never beyond the last level, and no clamp is needed.
+// A non-finite moment's is inf or NaN, and its code 0 (nearest_code).
 template <typename V>
 C10_HOST_DEVICE inline V exp_avg_code_unrounded(V m, const QuantizingBlock& b) {
   const V u = LaneOps<V>::abs(m) * V(b.exp_avg_prescale) * V(b.exp_avg_inverse);
@@ -127,11 +137,12 @@ C10_HOST_DEVICE inline V exp_avg_sq_code_unrounded(V root, const QuantizingBlock
   return root * V(b.exp_avg_sq_factor);
 }
 
-// The stored code of an unrounded one: the nearest integer, ties to even; NaN stores 0. (The
-// CPU's vector stores convert and narrow in one go, cpu/vec_io.h store_nearest_codes.)
+// The stored code of an unrounded one: the nearest integer, ties to even; NaN and +-inf store
+// 0 (x - x is 0 only where x is finite). (The CPU's vector stores convert and narrow in one go,
+// cpu/vec_io.h store_nearest_codes, to the same codes.)
 template <typename V>
 C10_HOST_DEVICE inline V nearest_code(V x) {
-  return LaneOps<V>::where_equal(x, x, LaneOps<V>::rint(x), V(0.f));
+  return LaneOps<V>::where_equal(x - x, V(0.f), LaneOps<V>::rint(x), V(0.f));
 }
 
 // The int8 code of m (a float lane holding an integer in [-127, 127]).
