@@ -2,7 +2,8 @@
 # The GPU check, in two stages that each fit one call of a lent GPU machine (torch, pytest,
 # cmake, ninja preinstalled; no network):
 #
-#   scripts/gpu_check.sh quick   build for the local GPU, every CUDA test, compute-sanitizer
+#   scripts/gpu_check.sh quick   build for the local GPU, every CUDA test (the CPU-vs-CUDA bit
+#                                comparison on a row of its own), compute-sanitizer
 #                                memcheck + racecheck + synccheck + initcheck on small cases
 #                                (<= 5 minutes on an H200 machine with 16 cores)
 #   scripts/gpu_check.sh bench   the step benchmark, the host-overhead table and the fused AdamW
@@ -143,7 +144,8 @@ cuda_tests() {
   if (( ! BUILD_OK )); then row "pytest (CUDA tests)" "skipped (no build)"; return; fi
   local files=(tests/python) sel="cuda" name="pytest (CUDA tests)"
   if (( ! GPU )); then  # the script's own check: collection, and the bad-input cases on the CPU
-    files=(tests/python/test_cuda.py tests/python/test_bad_input.py); sel="cpu or cuda"
+    files=(tests/python/test_cuda.py tests/python/test_cuda_same_bits.py
+           tests/python/test_bad_input.py); sel="cpu or cuda"
     name="pytest (no GPU: bad input, CPU)"
   fi
   log "$name"
@@ -160,6 +162,17 @@ cuda_tests() {
     (( F > 0 )) && FAILED=1
     (( GPU )) && (( P == 0 )) && FAILED=1
   fi
+}
+
+# The bit comparison of CPU and CUDA (docs/engine.md, "Same bits everywhere"): its tests ran in
+# cuda_tests; their count on a row of its own, so that the summary says whether it held.
+same_bits() {
+  local name="CPU vs CUDA bits" P F S
+  if (( ! BUILD_OK )); then row "$name" "skipped (no build)"; return; fi
+  read -r P F S <<<"$(junit_counts "$LOGS/pytest.xml" test_cuda_same_bits)"
+  if (( ! GPU )); then row "$name" "skipped (no GPU; $S tests collected)"; return; fi
+  row "$name" "$P passed, $F failed, $S skipped (test_cuda_same_bits.py)"
+  (( F > 0 || P == 0 )) && FAILED=1
 }
 
 # ---- quick: compute-sanitizer -----------------------------------------------------------------
@@ -235,6 +248,7 @@ build
 if [ "$STAGE" = quick ]; then
   spill_check
   cuda_tests
+  same_bits
   sanitizer memcheck "$SMALL" "PYTORCH_NO_CUDA_MEMORY_CACHING=1"
   sanitizer racecheck "$SMALL or $GRAPHS" ""
   sanitizer synccheck "$SMALL or $GRAPHS" ""

@@ -1,6 +1,7 @@
 """Runs a fixed set of fused steps on the CPU and saves every result, for
 test_cpu_capabilities.py: run once per instruction set (ATEN_CPU_CAPABILITY=default / avx2 /
-the machine's best), the files must hold the same bits.
+the machine's best), the files must hold the same bits. test_cuda_same_bits.py runs the same
+steps on CUDA (run_case's and split_edges' device).
 
     python capability_worker.py OUT.pt
 """
@@ -45,7 +46,7 @@ CASES = [
 ]
 
 
-def run_case(name, cls, dtype, kwargs):
+def run_case(name, cls, dtype, kwargs, device="cpu"):
     # numpy's generator, not torch's: torch.randn's vectorised path is itself compiled per
     # instruction set and draws other low bits under ATEN_CPU_CAPABILITY=default.
     rng = np.random.default_rng(sum(map(ord, name)))
@@ -53,33 +54,34 @@ def run_case(name, cls, dtype, kwargs):
     def randn(shape):
         return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
 
-    params = [torch.nn.Parameter((randn(s) * 0.1).to(dtype)) for s in SHAPES]
+    params = [torch.nn.Parameter((randn(s) * 0.1).to(dtype).to(device)) for s in SHAPES]
     # No clipping: the global norm's sum is taken in vector-width partial sums, whose order
     # (and so its last bits) is the instruction set's.
     opt = getattr(fusedamp.optim, cls)(params, lr=LR, **kwargs)
-    scaler = fusedamp.GradScaler("cpu", init_scale=1024.0) if dtype == torch.float16 else None
+    scaler = fusedamp.GradScaler(device, init_scale=1024.0) if dtype == torch.float16 else None
     for step in range(3):
         for p in params:
             g = randn(p.shape) * 10 ** -(step + 1)
             if step == 1 and not kwargs.get("skip_nonfinite", True) and p.numel() > 1000:
                 g.view(-1)[[40, 45, 1000]] = torch.tensor([float("inf"), float("-inf"),
                                                            float("nan")])
-            p.grad = (g * (1024.0 if scaler else 1.0)).to(dtype)
+            p.grad = (g * (1024.0 if scaler else 1.0)).to(dtype).to(device)
         if scaler is not None:
             if step == 1:  # an overflow: the step is skipped, the scale backs off
                 params[1].grad.view(-1)[5] = float("inf")
-            scaler.scale(torch.ones(()))  # as a loss would be: the scale is made on first use
+            # As a loss would be: the scale is made on first use.
+            scaler.scale(torch.ones((), device=device))
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-    out = {f"param{i}": p.detach().clone() for i, p in enumerate(params)}
+    out = {f"param{i}": p.detach().cpu().clone() for i, p in enumerate(params)}
     if scaler is not None:
         out["scale"] = torch.tensor(scaler.get_scale())
     for i, p in enumerate(params):
         for key, value in opt.state[p].items():
             if torch.is_tensor(value):
-                out[f"param{i}.{key}"] = value.clone()
+                out[f"param{i}.{key}"] = value.cpu().clone()
     if not kwargs.get("skip_nonfinite", True):
         # A NaN's bits are its conversion's, not the step's: torch's vectorised FP32-to-BF16
         # conversion writes 0xFFFF, its scalar one (DEFAULT's) 0x7FC0. One NaN for both.
@@ -88,7 +90,7 @@ def run_case(name, cls, dtype, kwargs):
     return out
 
 
-def split_edges():
+def split_edges(device="cpu"):
     """The split weight stores' load and store alone (lr 0: the update adds nothing exactly):
     random BF16 patterns with random remainders, zeros with negative remainders, infinities,
     NaNs, over sizes with partial vectors. No FP32 arithmetic is involved, so every
@@ -106,7 +108,7 @@ def split_edges():
             rest = torch.from_numpy(rng.integers(info.min, info.max + 1, n).astype(rdtype))
             if n > 1:
                 rest[0] = rest[1] = info.min  # below both zeros
-            p = torch.nn.Parameter(weights.clone())
+            p = torch.nn.Parameter(weights.clone().to(device))
             opt = fusedamp.optim.AdamW([p], lr=0.0, master_weights=mode)
             p.grad = torch.ones_like(p)
             opt.step()  # makes the state (remainders 0)
@@ -114,11 +116,11 @@ def split_edges():
             key = "param_remainder"
             with torch.no_grad():
                 p.copy_(weights)
-                state[key].copy_(rest)
+                state[key].copy_(rest.to(device))
             for _ in range(2):
                 opt.step()
-            out[f"{mode}.{n}.param"] = p.detach().clone()
-            out[f"{mode}.{n}.remainder"] = state[key].clone()
+            out[f"{mode}.{n}.param"] = p.detach().cpu().clone()
+            out[f"{mode}.{n}.remainder"] = state[key].cpu().clone()
     return out
 
 

@@ -6,12 +6,13 @@ chunk (32768), tensors starting at odd element offsets, device scalars, a skippe
 more tensors than one launch's metadata holds.
 
 The kernels compute the same formulas in FP32 with the same roundings (docs/engine.md, "Same
-bits everywhere"), but the per-tensor coefficients come from each side's FP64 pow: a moment one
-FP32 rounding apart may sit on the other side of a code's rounding boundary, and the next step
-starts from stored moments a code apart. So few codes differ at all; the stored values, scales
-and weights agree to FP32 rounding plus how far such codes can carry them (quantized_spread.py:
-a median 1-2 % of a weight's change over these steps, which a block scale 5 % off exceeds:
-test_quantized_spread.py); the step counts exactly."""
+bits everywhere"; test_cuda_same_bits.py compares the bits), but the per-tensor coefficients
+come from each side's FP64 pow: a moment one FP32 rounding apart may sit on the other side of a
+code's rounding boundary, and the next step starts from stored moments a code apart. So few
+codes differ at all; the stored values, scales and weights agree to FP32 rounding plus how far
+such codes can carry them (quantized_spread.py: a median 1-2 % of a weight's change over these
+steps, which a block scale 5 % off exceeds: test_quantized_spread.py); the step counts
+exactly."""
 import pytest
 import torch
 
