@@ -206,16 +206,24 @@ def run_resume(mesh, rank, world, via):
             "applied": first["applied"] + rest["applied"]}
 
 
-def main():
+def join(argv):
+    """Joins the process group named by argv (RANK WORLD INIT_FILE BACKEND OUT_DIR), one torch
+    thread per rank; returns rank, world, out_dir and a 1-D CPU mesh over the ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world, init_file, backend, out_dir = sys.argv[1:6]
+    rank, world, init_file, backend, out_dir = argv[:5]
     rank, world = int(rank), int(world)
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world,))
+    return rank, world, out_dir, init_device_mesh("cpu", (world,))
+
+
+def main():
+    import torch.distributed as dist
+
+    rank, world, out_dir, mesh = join(sys.argv[1:])
     out = {name: run_scenario(name, mesh, rank, world) for name in SCENARIOS}
     for via in ("optim", "dcp"):
         try:

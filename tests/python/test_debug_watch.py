@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 import fusedamp  # noqa: E402
-from debug_models import MODELS, fault_of, tiny_gpt2  # noqa: E402
+from debug_models import MODELS, Fault, fault_of, tiny_gpt2  # noqa: E402
 
 INF = float("inf")
 AT = 3   # the iteration a fault is injected at
@@ -245,7 +245,6 @@ def test_first_layer_and_parameter_gradients(parameters):
     """The input needs no gradient: the fault's own code (a custom autograd function applied in
     its forward) made the inf its child received; with parameters=True the child's weight
     gradients count as produced too."""
-    from debug_models import Fault
     torch.manual_seed(0)
     model = nn.Sequential(Fault(8), nn.ReLU(), nn.Linear(8, 2))
     with fusedamp.debug.watch(model, parameters=parameters) as w:
@@ -307,3 +306,76 @@ def test_with_initialize_fp16_master_weights():
         assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": name}
         report = {r["module"]: r for r in w.report()}
         assert report[name]["headroom_bits"] < 16   # against FP16's 65504
+
+
+class _LearnedQueries(nn.Module):
+    """A parameter handed to a submodule as its input (learned queries, latents): a leaf
+    tensor that every iteration's forward uses again."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(3, 8))
+        self.proj = Fault(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.proj(self.query) + x)
+
+
+def test_leaf_input_gradient_is_recorded_in_its_own_iteration():
+    torch.manual_seed(0)
+    model = _LearnedQueries()
+    with fusedamp.debug.watch(model) as w:
+        train(model, lambda: torch.randn(3, 8), 6,
+              lambda i: model.proj.inject(**(dict(backward=INF) if i == AT else {})), step=False)
+        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": "proj"}
+        assert w.report()[1]["nonfinite_iterations"] == [AT]
+        assert model.query._backward_hooks   # the current iteration's hook, until remove()
+    assert model.query._backward_hooks is None
+
+
+def test_wrappers_are_seen_through():
+    """Activation checkpointing's wrapper (whose module runs again in backward) and
+    DataParallel's: the names are the user's, and the fault inside a wrapper is named."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    name, build, make_input = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    names = [n for n, _ in model.named_modules()]
+    model[2], model[3] = checkpoint_wrapper(model[2]), checkpoint_wrapper(model[3])
+    wrapped = nn.DataParallel(model)
+    with fusedamp.debug.watch(wrapped) as w:
+        train(wrapped, make_input, 5, lambda i: model[3]._checkpoint_wrapped_module.inject(
+            **(dict(backward=INF) if i == AT else {})), step=False)
+        assert w.names == names
+        assert w.first_nonfinite() == {"iteration": AT, "phase": "backward", "module": name}
+
+
+def test_compiled_autograd():
+    """A compiled step whose backward compiled autograd captures (one graph for every
+    iteration): the watch's gradient hooks run between its pieces and still name the module
+    of a backward underflow (iteration 2) and of a backward inf (iteration 4)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    name, build, make_input = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    faults = {2: dict(backward=1e-30), 4: dict(backward=INF)}
+    counters.clear()
+    with torch._dynamo.config.patch(compiled_autograd=True):   # read when compiling
+
+        @torch.compile(backend="aot_eager")
+        def step(x):
+            loss = model(x).float().square().mean()
+            loss.backward()
+            return loss
+
+    with fusedamp.debug.watch(model) as w:
+        for i in range(6):
+            fault_of(model, "mlp").inject(**faults.get(i, {}))
+            step(make_input())
+            model.zero_grad()
+        assert counters["compiled_autograd"]["captures"] == 1
+        assert w.first_underflow(dtype=torch.float16) == {
+            "iteration": 2, "phase": "backward", "module": name}
+        assert w.first_nonfinite() == {"iteration": 4, "phase": "backward", "module": name}

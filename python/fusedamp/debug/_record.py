@@ -41,8 +41,12 @@ class Iteration:
         self._received = set()
 
     def measured(self, slot, tensors):
-        self.numel[slot] = self.numel.get(slot, 0) + sum(t.numel() for t in tensors)
-        self.dtype.setdefault(slot, tensors[0].dtype)
+        n = tensors[0].numel() if len(tensors) == 1 else sum(t.numel() for t in tensors)
+        if slot in self.numel:
+            self.numel[slot] += n
+        else:
+            self.numel[slot] = n
+            self.dtype[slot] = tensors[0].dtype
 
     def alias(self, slot, source):
         if slot != source:
