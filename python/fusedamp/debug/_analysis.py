@@ -3,12 +3,14 @@ Everything here runs after the fact and may synchronise (one copy of the ring to
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from ._record import KINDS, OUT, PROD, RECV, Stats, headroom_bits, producer
 
-__all__ = ["first_nonfinite", "first_underflow", "report", "history", "plot"]
+__all__ = ["first_nonfinite", "first_underflow", "report", "history", "plot",
+           "write_tensorboard"]
 
 
 def first_nonfinite(watch, source=False):
@@ -118,12 +120,20 @@ def history(watch, dtype=None):
 def plot(watch, path, dtype=None):
     """A PNG heat map, module x iteration: forward and backward headroom (bits; black where
     non-finite), underflow fraction of the produced gradient; the first non-finite circled."""
+    import matplotlib.pyplot as plt
+
+    fig = _figure(history(watch, dtype))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _figure(h):
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     import numpy as np
 
-    h = history(watch, dtype)
     names = [n or "(root)" for n in h["modules"]]
     cols = len(h["iterations"])
     fig, axes = plt.subplots(1, 3, figsize=(4 + 1.2 * max(cols, 4), 1.5 + 0.22 * len(names)),
@@ -161,6 +171,64 @@ def plot(watch, path, dtype=None):
         fig.suptitle(f"first non-finite: {first['phase']} of {first['module'] or '(root)'} "
                      f"at iteration {first['iteration']}", fontsize=10, color="red")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _describe(first):
+    if first is None:
+        return "no non-finite value in the retained iterations"
+    return (f"iteration {first['iteration']}: {first['phase']} of "
+            f"`{first['module'] or '(root)'}` made the first non-finite value")
+
+
+def write_tensorboard(watch, writer_or_logdir, dtype=None, tag="fusedamp.debug"):
+    """Per module, one scalar per retained iteration (global step = iteration):
+    {tag}/forward_amax/<module>, backward_amax, forward_headroom_bits, backward_headroom_bits
+    (non-finite cells left out) and underflow_fraction; {tag}/first_nonfinite as text; with
+    matplotlib and a writer that has add_figure, plot()'s heat map as {tag}/heat_map.
+    writer_or_logdir: a torch.utils.tensorboard.SummaryWriter (or any object with its
+    add_scalar and add_text), or a log directory to open one in (flushed and closed here)."""
+    owned = isinstance(writer_or_logdir, (str, os.PathLike))
+    if owned:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("fusedamp.debug write_tensorboard: writing to a log directory "
+                              "needs the tensorboard package (pip install tensorboard)") from e
+        writer = SummaryWriter(os.fspath(writer_or_logdir))
+    else:
+        writer = writer_or_logdir
+        missing = [m for m in ("add_scalar", "add_text") if not callable(getattr(writer, m, None))]
+        if missing:
+            raise TypeError(f"fusedamp.debug write_tensorboard: expected a SummaryWriter or a "
+                            f"log directory, got {type(writer).__name__} (no {', '.join(missing)})")
+    try:
+        rows = _per_iteration(watch, dtype)
+        h = history(watch, dtype)
+        for m, name in enumerate(h["modules"]):
+            name = name or "(root)"
+            for col, (it, stats) in enumerate(rows):
+                out, made = stats[m]
+                values = {"forward_amax": out.amax if out.measured else None,
+                          "backward_amax": made.amax if made.measured else None,
+                          "forward_headroom_bits": h["forward_headroom"][m][col],
+                          "backward_headroom_bits": h["backward_headroom"][m][col],
+                          "underflow_fraction": h["underflow_fraction"][m][col]}
+                for key, value in values.items():
+                    if value is not None and math.isfinite(value):
+                        writer.add_scalar(f"{tag}/{key}/{name}", value, it.index)
+        last = h["iterations"][-1] if h["iterations"] else 0
+        first = h["first_nonfinite"]
+        writer.add_text(f"{tag}/first_nonfinite", _describe(first),
+                        first["iteration"] if first is not None else last)
+        if callable(getattr(writer, "add_figure", None)) and h["iterations"]:
+            try:
+                fig = _figure(h)
+            except ImportError:   # no matplotlib: the scalars and the text suffice
+                fig = None
+            if fig is not None:
+                writer.add_figure(f"{tag}/heat_map", fig, last)   # closes the figure
+    finally:
+        if owned:
+            writer.close()
+    return writer_or_logdir

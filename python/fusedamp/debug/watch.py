@@ -371,3 +371,9 @@ class Watch:
     def plot(self, path, dtype=None):
         from ._analysis import plot
         return plot(self, path, dtype)
+
+    def write_tensorboard(self, writer_or_logdir, dtype=None, tag="fusedamp.debug"):
+        """report()'s values per iteration as TensorBoard scalars, the first non-finite as
+        text, the heat map as a figure; see _analysis.write_tensorboard."""
+        from ._analysis import write_tensorboard
+        return write_tensorboard(self, writer_or_logdir, dtype, tag)
