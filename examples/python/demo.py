@@ -1,7 +1,8 @@
 """fusedamp demo: trains real models with FP32, torch.amp and fusedamp (FP16, BF16) side by
 side on real data, then two stress runs of the char-GPT in FP16 under torch's loss-scale rule
-and under fusedamp's amax policy; prints the comparison and the stress outcomes, and saves one
-picture of it all (demo.png).
+and under fusedamp's amax policy, and a short FP16 run that goes NaN with fusedamp.debug.watch
+naming the layer that produced it (which_layer.py); prints the comparison, the stress outcomes
+and the layer, and saves one picture of it all (demo.png).
 
     python examples/python/demo.py [--steps-scale 1.0] [--out demo_output]
 
@@ -155,14 +156,17 @@ def main():
                    check=True)
     with open(stress_path) as f:
         stress = json.load(f)
+    from which_layer import describe, which_layer_run
+
+    culprit = which_layer_run()
     table = "\n".join(lines) + "\n\nStress runs (char-gpt, fusedamp FP16):\n\n" + \
-        stress_table(stress)
+        stress_table(stress) + "\n\n" + describe(culprit)
     print(table)
     with open(os.path.join(args.out, "demo_table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "demo_results.json"), "w") as f:
         json.dump(results, f)
-    plot(results, stress, os.path.join(args.out, "demo.png"))
+    plot(results, stress, culprit, os.path.join(args.out, "demo.png"))
     print(f"\nplot: {os.path.join(args.out, 'demo.png')}   table: {os.path.join(args.out, 'demo_table.md')}")
 
 
@@ -191,15 +195,19 @@ def smoothed(curve, k=10):
             for i in range(len(curve))]
 
 
-def plot(results, stress, path):
+def plot(results, stress, culprit, path):
     """One picture: the side-by-side runs (loss curves, step time and peak memory) on top, the
-    stress runs' telemetry (torch's rule vs the amax policy) below."""
+    stress runs' telemetry (torch's rule vs the amax policy) below, the which-layer run last."""
     from fusedamp.diagnostics import draw_panel
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from which_layer import draw
 
-    fig = Figure(figsize=(18, 13), layout="constrained")
-    axes = fig.subplots(3, 3)
+    fig = Figure(figsize=(18, 17), layout="constrained")
+    axes = fig.subplots(4, 3)
+    for ax in axes[3][:2]:
+        ax.remove()
+    draw(fig.add_subplot(axes[3][2].get_gridspec()[3, :2]), axes[3][2], culprit)
     models = sorted({r["model"] for r in results})
     modes = list(dict.fromkeys(r["mode"] for r in results))
     for ax, m in zip(axes[0][:2], models):
@@ -239,8 +247,8 @@ def plot(results, stress, path):
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    fig.suptitle(f"fusedamp demo ({results[0]['device']}): fusedamp vs torch.amp, and the loss "
-                 "scale under stress")
+    fig.suptitle(f"fusedamp demo ({results[0]['device']}): fusedamp vs torch.amp, the loss "
+                 "scale under stress, and which layer made the NaN")
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=90)
 
