@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import fusedamp  # noqa: E402
+from bench_step import machine_info  # noqa: E402
 
 
 def gpt2():
@@ -150,12 +148,10 @@ def main():
         for v in VARIANTS:
             print(f"  {v:<16s} {medians[v]:9.2f} ms  x{medians[v] / medians['plain']:.3f}"
                   f"  paired x{ratios[v]:.3f}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"{when}, fusedamp {commit}, {platform.processor() or platform.machine()} "
-              f"({os.cpu_count()} cores, {torch.get_num_threads()} threads), torch "
-              f"{torch.__version__}. FP32 step (forward, backward, SGD), median of "
+    m = machine_info("cpu")
+    header = (f"{m['date_utc']}, fusedamp {m['fusedamp_commit']}, {m['cpu']} "
+              f"({', '.join(m['cpu_flags'])}; {m['cpu_cores']} cores, {m['torch_threads']} "
+              f"threads), torch {m['torch']}. FP32 step (forward, backward, SGD), median of "
               f"{args.steps} steps after {args.warmup}, variants interleaved step by step. "
               f"Load average over the run (the machine is shared): "
               f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after.")
