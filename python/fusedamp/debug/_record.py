@@ -77,10 +77,12 @@ class Iteration:
                 todo.extend(self.aliases.get(s, ()))
         return seen
 
-    def signature(self):
-        return (tuple(self.forward_order), tuple(self.backward_order),
-                tuple(self.received_order),
-                tuple(sorted((k, tuple(v)) for k, v in self.aliases.items())))
+    def same_layout(self, other):
+        """Whether other's records are laid out as this one's (orders and aliases)."""
+        return (self.forward_order == other.forward_order
+                and self.backward_order == other.backward_order
+                and self.received_order == other.received_order
+                and self.aliases == other.aliases)
 
 
 class Stats:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import ops
+from .._library import _C
 from ._record import FIRST, IN, KINDS, OUT, PROD, RECV, SLOTS, Iteration
 from ._wrappers import user_modules
 
@@ -36,6 +36,9 @@ __all__ = ["watch", "Watch"]
 _MEASURED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _watched = weakref.WeakSet()   # root modules with a live watch: a second one is an error
 _HISTORY = 256                 # distinct iteration layouts kept for the latched iteration
+# fusedamp.ops.grad_stats_'s direct entry: the hooks that call it run eagerly (see _eager),
+# where ops.grad_stats_ would check for a compilation on every call.
+_grad_stats = _C.ops.grad_stats_
 
 
 def watch(model, capacity=64, *, parameters=False):
@@ -195,7 +198,7 @@ class Watch:
         first = (row[..., FIRST] != float("inf")).any() & (self._latched_iteration < 0)
         self._latched.copy_(torch.where(first, row, self._latched))
         self._latched_iteration.copy_(torch.where(first, float(it.index), self._latched_iteration))
-        if not self._history or self._history[-1][1].signature() != it.signature():
+        if not self._history or not self._history[-1][1].same_layout(it):
             self._history.append((it.index, it))
             del self._history[:-_HISTORY]
 
@@ -227,52 +230,54 @@ class Watch:
         return out
 
     def _measure(self, it, slot, tensors):
-        ops.grad_stats_(tensors, self._found, self._sum_sq, None, self._view(it, slot))
+        _grad_stats(tensors, self._found, self._sum_sq, None, self._view(it, slot))
         it.measured(slot, tensors)
 
-    def _forward_record(self, it, slot, tensors):
-        """Measure tensors into slot, sharing the record of a tensor measured already."""
+    def _record(self, it, tensors, value_slot, grad_slot):
+        """Measure the tensors into value_slot now, and their gradients into grad_slot when
+        backward reaches them. A tensor seen already this iteration (same object, same version)
+        shares its records: its value's where it was measured alone, its gradient's always."""
         fresh = []
         for t in tensors:
-            seen = self._forward_seen.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == t._version:
-                it.alias(slot, seen[2])
+            key, version = id(t), t._version
+            seen = self._forward_seen.get(key)
+            if seen is not None and seen[0]() is t and seen[1] == version:
+                it.alias(value_slot, seen[2])
             else:
                 fresh.append(t)
-        if fresh:
-            self._measure(it, slot, fresh)
-            if len(tensors) == 1:
-                t = tensors[0]
-                self._forward_seen[id(t)] = (weakref.ref(t), t._version, slot)
-
-    def _watch_gradient(self, it, slot, tensors):
-        """Measure the gradient of each tensor into slot when backward reaches it."""
-        for t in tensors:
             if not t.requires_grad:
                 continue
-            seen = self._grad_seen.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == t._version:
-                seen[2].append(slot)   # measured once, in the first slot; shared with this one
-                continue
-            slots = [slot]
-            self._grad_seen[id(t)] = (weakref.ref(t), t._version, slots)
-            node = t.grad_fn
-            if node is not None:
-                # On the node that made t, for its output t.output_nr: what a hook registered
-                # on t would see (later in-place ops on t do not move it), registered in ~1 us
-                # where Tensor.register_hook's Python takes ~7 us.
-                self._node_handles.append(node.register_prehook(
-                    functools.partial(self._gradient, it, slots, t.output_nr)))
+            seen = self._grad_seen.get(key)
+            if seen is not None and seen[0]() is t and seen[1] == version:
+                seen[2].append(grad_slot)   # measured once, in the first slot; shared here
             else:
-                # A leaf (a parameter, a user's input) outlives the iteration: its hook is
-                # replaced when a later iteration uses it again, so that one backward never
-                # lands in the rows of several iterations.
-                old = self._leaf_hooks.pop(id(t), None)
-                if old is not None:
-                    _unhook_leaf(*old)
-                hookless = t._backward_hooks is None
-                self._leaf_hooks[id(t)] = (weakref.ref(t), t.register_hook(
-                    functools.partial(self._gradient, it, slots, None)), hookless)
+                self._watch_gradient(it, t, [grad_slot])
+        if fresh:
+            self._measure(it, value_slot, fresh)
+            if len(tensors) == 1:
+                t = tensors[0]
+                self._forward_seen[id(t)] = (weakref.ref(t), t._version, value_slot)
+
+    def _watch_gradient(self, it, t, slots):
+        """Measure t's gradient into slots[0] (the others alias it) when backward reaches it."""
+        self._grad_seen[id(t)] = (weakref.ref(t), t._version, slots)
+        node = t.grad_fn
+        if node is not None:
+            # On the node that made t, for its output t.output_nr: what a hook registered
+            # on t would see (later in-place ops on t do not move it), registered in ~1 us
+            # where Tensor.register_hook's Python takes ~7 us.
+            self._node_handles.append(node.register_prehook(
+                functools.partial(self._gradient, it, slots, t.output_nr)))
+        else:
+            # A leaf (a parameter, a user's input) outlives the iteration: its hook is
+            # replaced when a later iteration uses it again, so that one backward never
+            # lands in the rows of several iterations.
+            old = self._leaf_hooks.pop(id(t), None)
+            if old is not None:
+                _unhook_leaf(*old)
+            hookless = t._backward_hooks is None
+            self._leaf_hooks[id(t)] = (weakref.ref(t), t.register_hook(
+                functools.partial(self._gradient, it, slots, None)), hookless)
 
     @_eager
     def _before(self, index, module, args, kwargs):
@@ -281,8 +286,7 @@ class Watch:
             return
         tensors = self._floats(args[0] if len(args) == 1 and not kwargs else (args, kwargs), [])
         if tensors:
-            self._forward_record(it, index * KINDS + IN, tensors)
-            self._watch_gradient(it, index * KINDS + PROD, tensors)
+            self._record(it, tensors, index * KINDS + IN, index * KINDS + PROD)
 
     @_eager
     def _after(self, index, module, args, output):
@@ -291,8 +295,7 @@ class Watch:
             return
         tensors = self._floats(output, [])
         if tensors:
-            self._forward_record(it, index * KINDS + OUT, tensors)
-            self._watch_gradient(it, index * KINDS + RECV, tensors)
+            self._record(it, tensors, index * KINDS + OUT, index * KINDS + RECV)
         it.finished_forward(index)
 
     @_eager
@@ -303,13 +306,16 @@ class Watch:
             return
         if grad.device != self.device or it is not self._rows[it.index % self._capacity]:
             return   # another device, or a backward of an iteration the ring has dropped
-        self._measure(it, slots[0], [grad])
+        first = slots[0]
+        self._measure(it, first, [grad])
         for slot in slots:
-            it.alias(slot, slots[0])
-            if slot % KINDS == PROD:
-                it.produced_gradient(slot // KINDS)
-            elif slot % KINDS == RECV:
-                it.received_gradient(slot // KINDS)
+            if slot != first:
+                it.alias(slot, first)
+            module, kind = divmod(slot, KINDS)
+            if kind == PROD:
+                it.produced_gradient(module)
+            elif kind == RECV:
+                it.received_gradient(module)
 
     @_eager
     def _param_grad(self, index, grad):
