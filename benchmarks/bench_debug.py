@@ -6,6 +6,8 @@ One FP32 training step (forward, backward, SGD step) of a small GPT-2 and of Res
   plain              no instrumentation
   fusedamp watch     fusedamp.debug.watch(model): per module, grad_stats_ on inputs, outputs and
                      produced/received gradients, into a device ring, no host synchronisation
+  watch, no stats    the same watch with its grad_stats_ calls left out: its hooks' Python alone
+                     (what the statistics kernel costs is the difference to the full watch)
   isfinite hooks     what one writes by hand: a forward hook on every module raising where
                      ``not torch.isfinite(output).all()``, and a tensor hook doing the same for
                      the gradient w.r.t. each output (one host synchronisation per check)
@@ -87,13 +89,18 @@ class IsfiniteHooks:
             h.remove()
 
 
-VARIANTS = ("plain", "fusedamp watch", "isfinite hooks", "detect_anomaly")
+VARIANTS = ("plain", "fusedamp watch", "watch, no stats", "isfinite hooks", "detect_anomaly")
 
 
 def attach(variant, model):
     """The function that detaches the variant's instrumentation from model."""
     if variant == "fusedamp watch":
         return fusedamp.debug.watch(model).remove
+    if variant == "watch, no stats":
+        w = fusedamp.debug.watch(model)
+        # the watch's one statistics call site, replaced by its host-side bookkeeping only
+        w._measure = lambda it, slot, tensors: it.measured(slot, tensors)
+        return w.remove
     if variant == "isfinite hooks":
         return IsfiniteHooks(model).remove
     return lambda: None
