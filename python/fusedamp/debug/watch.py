@@ -264,8 +264,8 @@ class Watch:
         node = t.grad_fn
         if node is not None:
             # On the node that made t, for its output t.output_nr: what a hook registered
-            # on t would see (later in-place ops on t do not move it), registered in ~1 us
-            # where Tensor.register_hook's Python takes ~7 us.
+            # on t would see (later in-place ops on t do not move it); registered and called
+            # in ~4.5 us where a tensor hook takes ~5.8 us (2-core Xeon, one thread).
             self._node_handles.append(node.register_prehook(
                 functools.partial(self._gradient, it, slots, t.output_nr)))
         else:
