@@ -16,7 +16,10 @@ One FP32 training step (forward, backward, SGD step) of a small GPT-2 and of Res
 
 The variants run interleaved, step by step, so that a busy shared machine slows them alike; the
 table gives each one's median step time, its ratio to the plain step's, and the median of its
-per-round ratios to the plain step of the same round.
+per-round ratios to the plain step of the same round, in wall-clock time and in the process's
+CPU time (time.process_time: with one torch thread, the work done, without the time the step
+spent descheduled by other processes, which on a shared machine moves wall-clock ratios by
+several percent).
 
     PYTHONPATH=python python3 benchmarks/bench_debug.py [--steps 20] [--out benchmarks/results]
 """
@@ -113,25 +116,32 @@ def measure(build, steps, warmup):
         model, loss_fn, description = build()
         models[variant] = (model, torch.optim.SGD(model.parameters(), lr=1e-3), loss_fn)
     detach = [attach(v, models[v][0]) for v in VARIANTS]
-    times = {v: [] for v in VARIANTS}
+    times = {clock: {v: [] for v in VARIANTS} for clock in CLOCKS}
     for step in range(warmup + steps):
         for v in VARIANTS:
             model, opt, loss_fn = models[v]
-            start = time.perf_counter()
+            start = {clock: read() for clock, read in CLOCKS.items()}
             with (torch.autograd.detect_anomaly() if v == "detect_anomaly"
                   else contextlib.nullcontext()):
                 loss_fn(model).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if step >= warmup:
-                times[v].append((time.perf_counter() - start) * 1e3)
+                for clock, read in CLOCKS.items():
+                    times[clock][v].append((read() - start[clock]) * 1e3)
     for d in detach:
         d()
     # Paired: each variant against the plain step of the same round, so that the machine's
     # load, which drifts over a run, cancels out.
-    ratios = {v: statistics.median(a / b for a, b in zip(t, times["plain"]))
-              for v, t in times.items()}
-    return description, {v: statistics.median(t) for v, t in times.items()}, ratios
+    return description, {clock: {
+        "median_ms": {v: statistics.median(t) for v, t in by_variant.items()},
+        "median_paired_ratio": {v: statistics.median(a / b for a, b in
+                                                     zip(t, by_variant["plain"]))
+                                for v, t in by_variant.items()}}
+        for clock, by_variant in times.items()}
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def main():
@@ -148,13 +158,13 @@ def main():
     load_before = os.getloadavg()[0]
     results = []
     for name, build in (("gpt2", gpt2), ("resnet18", resnet18)):
-        description, medians, ratios = measure(build, args.steps, args.warmup)
-        results.append({"model": name, "description": description, "median_ms": medians,
-                         "median_paired_ratio": ratios})
+        description, clocks = measure(build, args.steps, args.warmup)
+        results.append({"model": name, "description": description, **clocks})
         print(description)
         for v in VARIANTS:
-            print(f"  {v:<16s} {medians[v]:9.2f} ms  x{medians[v] / medians['plain']:.3f}"
-                  f"  paired x{ratios[v]:.3f}")
+            print(f"  {v:<16s}" + "".join(
+                f"  {c}: {clocks[c]['median_ms'][v]:8.2f} ms paired "
+                f"x{clocks[c]['median_paired_ratio'][v]:.3f}" for c in CLOCKS))
     m = machine_info("cpu")
     header = (f"{m['date_utc']}, fusedamp {m['fusedamp_commit']}, {m['cpu']} "
               f"({', '.join(m['cpu_flags'])}; {m['cpu_cores']} cores, {m['torch_threads']} "
@@ -165,14 +175,17 @@ def main():
     lines = ["# fusedamp.debug.watch: step-time overhead (CPU)", "",
              f"`PYTHONPATH=python python3 benchmarks/bench_debug.py --steps {args.steps}"
              f"{f' --threads {args.threads}' if args.threads else ''}`", "",
-             header, "", "| model | variant | step ms (median) | / plain | paired ratio (median) |",
-             "|---|---|--:|--:|--:|"]
+             header, "", "| model | variant | step ms (median) | / plain | paired ratio (median) "
+             "| CPU ms (median) | / plain | paired CPU ratio (median) |",
+             "|---|---|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         for v in VARIANTS:
-            ms = r["median_ms"][v]
-            lines.append(f"| {r['description']} | {v} | {ms:.1f} | "
-                         f"{ms / r['median_ms']['plain']:.3f} | "
-                         f"{r['median_paired_ratio'][v]:.3f} |")
+            cells = []
+            for c in CLOCKS:
+                ms = r[c]["median_ms"]
+                cells += [f"{ms[v]:.1f}", f"{ms[v] / ms['plain']:.3f}",
+                          f"{r[c]['median_paired_ratio'][v]:.3f}"]
+            lines.append(f"| {r['description']} | {v} | " + " | ".join(cells) + " |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "debug_cpu.json"), "w") as f:
         json.dump({"header": header, "results": results}, f, indent=1)
