@@ -31,3 +31,25 @@ def test_digits_fusedamp_reaches_fp32_accuracy(device):
         acc, setup = _train(mode, device)
         assert acc >= fp32_acc - TOLERANCE, (mode, acc, fp32_acc)
         assert setup.skipped_steps() <= 3, mode
+
+
+def test_which_layer_run_names_the_first_layer_that_overflowed():
+    """The demo's FP16 run that goes NaN: the watch names the forward of the first module (in
+    the Sequential's order) whose output is non-finite, at the step the loss turns non-finite,
+    and the scaler skips every step from then on."""
+    import math
+
+    from which_layer import describe, which_layer_run
+    run = which_layer_run()
+    first = run["first_nonfinite"]
+    assert first is not None and first["phase"] == "forward"
+    bad = next(k for k, v in enumerate(run["loss"]) if not math.isfinite(v))
+    assert first["iteration"] == bad
+    col = run["iterations"].index(bad)
+    rooms = {name: row[col] for name, row in zip(run["modules"], run["forward_headroom"])}
+    order = [name for name in run["modules"] if name]   # the Sequential's children, in order
+    named = order.index(first["module"])
+    assert rooms[first["module"]] == -math.inf
+    assert all(math.isfinite(rooms[name]) for name in order[:named])
+    assert all(run["skipped"][bad:])
+    assert f"`{first['module']}`" in describe(run)
