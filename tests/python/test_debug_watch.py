@@ -71,27 +71,32 @@ def _gpt2_batch():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_gpt2_producer(phase, compiled):
+@pytest.mark.parametrize("fault", ["forward_inf", "backward_inf", "backward_tiny"])
+def test_gpt2_producer(fault, compiled):
     from debug_models import _ScaleGradient
     torch.manual_seed(0)
     model = tiny_gpt2()
+    phase = fault.split("_")[0]
     target = "transformer.h.1.mlp.c_fc" if phase == "forward" else "transformer.h.0.attn.c_proj"
     mul = torch.ones(1)
 
-    def fault(module, args, output):   # a user's hook, attached before the watch
+    def fault_hook(module, args, output):   # a user's hook, attached before the watch
         return output * mul if phase == "forward" else _ScaleGradient.apply(output, mul)
 
-    model.get_submodule(target).register_forward_hook(fault)
+    model.get_submodule(target).register_forward_hook(fault_hook)
     run = _compile(model) if compiled else model
     with fusedamp.debug.watch(run) as w:
         for i in range(5):
-            mul.fill_(INF if i == AT else 1.0)
+            mul.fill_((1e-30 if fault == "backward_tiny" else INF) if i == AT else 1.0)
             out = run(**_gpt2_batch())
             out.loss.backward()
-        assert w.first_nonfinite(source=True) == {
-            "iteration": AT, "phase": phase, "module": target,
-            "source": "module"}
+        if fault == "backward_tiny":
+            assert w.first_nonfinite() is None
+            assert w.first_underflow(dtype=torch.float16) == {
+                "iteration": AT, "phase": "backward", "module": target}
+        else:
+            assert w.first_nonfinite(source=True) == {
+                "iteration": AT, "phase": phase, "module": target, "source": "module"}
         names = [r["module"] for r in w.report()]
         assert names == [n for n, _ in model.named_modules()]
 
