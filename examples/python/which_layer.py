@@ -124,7 +124,8 @@ def draw(ax_map, ax_loss, run):
                        label=f"first: {first['phase']} of {first['module']}")
     ax_map.set_yticks(range(len(names)), names, fontsize=8)
     ax_map.set_xlabel("iteration")
-    ax_map.set_title("which layer: forward headroom in FP16 (bits) per module, fusedamp.debug.watch")
+    ax_map.set_title("which layer: forward headroom in FP16 (bits) per module, "
+                     "fusedamp.debug.watch")
     ax_map.legend(fontsize="small", loc="lower left")
     ax_map.figure.colorbar(image, ax=ax_map, fraction=0.03)
     steps = range(len(run["loss"]))

@@ -13,8 +13,9 @@ Gradients are seen through hooks on the autograd nodes that made the module's in
 tensors (not register_full_backward_hook): in-place modules (ReLU(inplace=True)),
 ``out += identity`` in a parent, and outputs that are tuples, dicts or ModelOutputs all work,
 and the hooks never change a value. Wrappers (DDP, DataParallel, FSDP1, torch.compile,
-activation checkpointing) are seen through: modules keep the names the user gave them. A tensor passed from one module to the next (or from a container to its first
-child) is measured once and the record shared. A module called several times in one iteration
+activation checkpointing) are seen through: modules keep the names the user gave them. A tensor
+passed from one module to the next (or from a container to its first child) is measured once
+and the record shared. A module called several times in one iteration
 (shared weights) accumulates all calls into its one record (max of amax, sums of counts, any
 non-finite). Hooks run eagerly under torch.compile (graph breaks at each module boundary).
 """
@@ -128,7 +129,8 @@ class Watch:
         self._forward_seen = {}   # id(tensor) -> (weakref, version, slot) this iteration
         self._grad_seen = {}      # id(tensor) -> (weakref, version, slots)
         self._node_handles = []   # this iteration's hooks on autograd nodes
-        self._leaf_hooks = {}     # id(leaf tensor) -> (weakref, handle) of its gradient hook
+        self._leaf_hooks = {}     # id(leaf tensor) -> (weakref, its gradient hook's handle,
+        #                           whether it had no hooks before: see _unhook_leaf)
         self._warned_device = False
         self._closed = False
         # A parameter's hook sees its gradient summed over every use: one shared by several
