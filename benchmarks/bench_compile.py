@@ -33,8 +33,6 @@ the ratios say more than the times.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,13 +46,13 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "examples", "python"))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+import harness  # noqa: E402
+from harness import results as res  # noqa: E402
+from harness.machine import machine_info  # noqa: E402
+
+harness.use_paths("python", "examples")
 import fusedamp  # noqa: E402
 from amp_models import CharGPT, char_batch, char_data  # noqa: E402
-from bench_step import machine_info  # noqa: E402
 
 LR = 1e-3
 
@@ -189,15 +187,13 @@ def optimizer_half_fullgraph(framework, data, vocab, args):
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
+def main(argv=None):
+    ap = res.parser(__doc__.split("\n")[0])
+    for name, default in (("steps", 30), ("batch", 8), ("context", 64), ("dim", 128),
+                          ("layers", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     data, _, vocab = char_data(torch.device("cpu"), context=args.context)
     info = machine_info("cpu")
     rows = [run(fw, mode, data, vocab, args) for mode in MODES for fw in ("torch", "fusedamp")]
@@ -268,14 +264,12 @@ def main():
               "autograd step: " + ("; ".join(fa.get("break_reasons", [])) or "nothing")
               + ". On this CPU the FP16 forward and backward dominate the step either way.", ""]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compile_cpu.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "compile_cpu.json"), "w") as f:
-        json.dump({"machine": info, "args": vars(args), "rows": rows, "fullgraph": fullgraph},
-                  f, indent=1)
+    out = res.out_dir(args)
+    if out is not None:
+        res.write_results(out, "compile_cpu", {"machine": info, "args": res.recorded(args),
+                                              "rows": rows, "fullgraph": fullgraph}, text)
     print(text)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import fusedamp  # noqa: E402
-from bench_step import machine_info  # noqa: E402
+from harness.machine import machine_info  # noqa: E402
 
 
 def gpt2():

@@ -20,9 +20,10 @@ final training loss (mean of the last 20 steps) and the held-out loss, as mean a
 over the seeds; "in spread" says whether a row's mean held-out loss lies within the FP32-master
 row's mean ± 2 sd.
 
-Speed: median step time on the GPT-2-124M and resnet50 parameter shapes (bench_step.py's
-derivations), one thread, against torch's plain BF16 fused AdamW (which keeps no master copy
-and BF16 moments: a different algorithm, the baseline the 8-bit state is measured against);
+Speed: median step time on the GPT-2-124M and resnet50 parameter shapes
+(harness/model_shapes.py's derivations), one thread, against torch's plain BF16 fused AdamW
+(which keeps no master copy and BF16 moments: a different algorithm, the baseline the 8-bit
+state is measured against);
 the rows take turns in --rounds rounds (speed_part), so that a slow spell of a shared machine
 does not land on one row.
 
@@ -32,8 +33,6 @@ long accuracy run and the step timing, which wants a quiet machine, are taken ap
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,9 +40,14 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_master_modes as mm  # noqa: E402
+from harness import results as res
+from harness.machine import machine_info
+from harness.model_shapes import split
+from harness.timing import percentile
+from master_modes.accuracy import Task, train_one
+from master_modes.rows import fp32_reference_row, library_versions, make_rows
+from master_modes.timing import all_sizes, measured_state_bytes, time_row
+from step.configs import GRAD_STD
 
 ROWS = ["torch AdamW fused", "fusedamp fp32-master / fp32 state",
         "fusedamp split / bf16 state", "fusedamp fp32-master / int8 state",
@@ -53,7 +57,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
 def pick_rows(device):
-    rows = {r.key: r for r in mm.make_rows(device, {})}
+    rows = {r.key: r for r in make_rows(device, {})}
     for k in ROWS:
         if k in rows and rows[k].unavailable:
             print(f"skipped: {k} ({rows[k].unavailable})", file=sys.stderr)
@@ -67,16 +71,16 @@ def bytes_part(rows, size, device):
     w = torch.randn(size.numel, generator=gen) * 0.02
     g = torch.randn(size.numel, generator=gen) * 1e-3
     for row in rows:
-        params = [torch.nn.Parameter(t) for t in mm._split(w, size.shapes, row.param_dtype,
+        params = [torch.nn.Parameter(t) for t in split(w, size.shapes, row.param_dtype,
                                                            device)]
-        for p, gr in zip(params, mm._split(g, size.shapes, row.param_dtype, device)):
+        for p, gr in zip(params, split(g, size.shapes, row.param_dtype, device)):
             p.grad = gr
         opt = row.build(params, HYPER)
         opt.step()
         n = sum(p.numel() for p in params)
         weights = sum(p.numel() * p.element_size() for p in params) / n
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params) / n
-        state = mm.measured_state_bytes(opt)
+        state = measured_state_bytes(opt)
         out.append({"row": row.key, "weights": weights, "grads": grads, "state": state,
                     "total": weights + grads + state, "declared_state": row.state_bytes()})
         del opt, params
@@ -87,12 +91,12 @@ def accuracy_part(rows, device, models, seeds, steps, lr):
     """steps: {model: training steps}."""
     hyper = dict(HYPER, lr=lr)
     results = []
-    acc_rows = [mm.fp32_reference_row()] + rows
+    acc_rows = [fp32_reference_row()] + rows
     for name in models:
-        task = mm.Task(name, device, 64 if name == "digits-cnn" else 16)
+        task = Task(name, device, 64 if name == "digits-cnn" else 16)
         for seed in seeds:
             for row in acc_rows:
-                r = mm.train_one(task, row, steps[name], hyper, seed, device)
+                r = train_one(task, row, steps[name], hyper, seed, device)
                 r.pop("loss_curve")
                 r["seed"] = seed
                 results.append(r)
@@ -138,18 +142,18 @@ def speed_part(rows, sizes, device, reps, warmup, rounds):
     for size in sizes:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(size.numel, generator=gen) * 0.02
-        g = torch.randn(size.numel, generator=gen) * mm.GRAD_STD
+        g = torch.randn(size.numel, generator=gen) * GRAD_STD
         runs = {row.key: [] for row in rows}
         for _ in range(rounds):
             for row in rows:
-                runs[row.key].append(mm.time_row(row, size, w, g, device, HYPER, per_round,
+                runs[row.key].append(time_row(row, size, w, g, device, HYPER, per_round,
                                                  warmup))
         for row in rows:
             r = dict(runs[row.key][0])
             times = [t for run in runs[row.key] for t in run["times_s"]]
             r.update(reps=len(times), rounds=rounds, times_s=times,
-                     median_s=statistics.median(times), p10_s=mm.percentile(times, 0.1),
-                     p90_s=mm.percentile(times, 0.9))
+                     median_s=statistics.median(times), p10_s=percentile(times, 0.1),
+                     p90_s=percentile(times, 0.9))
             out.append(r)
             print(f"{size.name:>12} | {row.key:<42} {1e3 * r['median_s']:8.2f} ms",
                   file=sys.stderr, flush=True)
@@ -162,7 +166,8 @@ def speed_part(rows, sizes, device, reps, warmup, rounds):
 def write_markdown(path, doc):
     L = [f"# Compact optimizer state — {doc['device']}", "",
          f"`{doc['command']}`", "",
-         f"{doc['machine'].get('date_utc', '')}; commit {doc['machine'].get('fusedamp_commit', '?')}; "
+         f"{doc['machine'].get('date_utc', '')}; "
+         f"commit {doc['machine'].get('fusedamp_commit', '?')}; "
          f"{doc['machine'].get('cpu', doc['machine'].get('device_name', ''))} "
          f"(flags: {', '.join(doc['machine'].get('cpu_flags', [])) or '—'}; torch CPU "
          f"capability {doc['machine'].get('cpu_capability', '?')}), "
@@ -202,7 +207,7 @@ def write_markdown(path, doc):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = res.parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", nargs="*", default=["bytes", "accuracy", "speed"])
@@ -215,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3,
                     help="speed: the rows take turns this many times (reps split among them)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    res.add_output(ap, default=None)
     ap.add_argument("--note", default="", help="how the run was set up, for the results")
     ap.add_argument("--stem", default="state_formats",
                     help="results file name before _<device> (a run of some parts only keeps "
@@ -226,7 +231,7 @@ def main(argv=None):
     steps = {m: args.steps for m in args.models}
     steps.update({k: int(v) for k, v in (x.split("=") for x in args.model_steps)})
     rows = pick_rows(args.device)
-    sizes = mm.all_sizes()
+    sizes = all_sizes()
     names = ["gpt2-124M/8", "resnet50/8"] if args.quick else ["gpt2-124M", "resnet50"]
     given = list(argv if argv is not None else sys.argv[1:])
     if "--note" in given:  # its text is printed beside the libraries, not in the command
@@ -234,7 +239,7 @@ def main(argv=None):
         given[at:at + 2] = ["--note", "'...'"]
     doc = {"device": args.device, "command": "python3 benchmarks/bench_state_formats.py "
            + " ".join(given),
-           "machine": mm.machine_info(args.device), "libraries": mm.library_versions(),
+           "machine": machine_info(args.device), "libraries": library_versions(),
            "rows": ROWS, "note": args.note}
     t0 = time.time()
     if "bytes" in args.parts:
@@ -247,15 +252,12 @@ def main(argv=None):
         doc["speed"] = speed_part(rows, [sizes[n] for n in names], args.device, args.reps, 2,
                                    1 if args.quick else args.rounds)
     doc["wall_s"] = time.time() - t0
-    if not args.quick:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"{args.stem}_{args.device}"
-        stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-        write_markdown(stem.with_suffix(".md"), doc)
-        print(f"wrote {stem}.{{json,md}}", file=sys.stderr)
-    else:
+    out = res.out_dir(args, quick=args.quick)
+    if out is None:
         write_markdown("/dev/stdout", doc)
+    else:
+        res.write_results(out, f"{args.stem}_{args.device}", doc,
+                          lambda path: write_markdown(path, doc))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ dequantized, in blocks of 32 consecutive elements of each parameter (a tensor's 
 partial), what the fused kernels do.
 
 Formats (int8 codes -127..127 of c(b / absmax), one FP32 absmax per block, as fusedamp keeps
-its block scales; moment_formats.py's companding functions): lin, softsign (twice lin's
+its block scales; moments/formats.py's companding functions): lin, softsign (twice lin's
 resolution near 0), sqrt (resolution growing towards 0: exp_avg's format in fusedamp). Baselines:
 FP32 buffers (the reference) and BF16 (round to nearest, state_dtype=torch.bfloat16).
 
@@ -28,21 +28,21 @@ writes files only with --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_step import device_tag, machine_info  # noqa: E402
-from moment_formats import (TaskSpec, _mean_sd, make_task, roundtrip_m,  # noqa: E402
-                            teacher_forced_difference)
+from harness import results as res
+from harness.machine import device_tag, machine_info
+from harness.results import mean_sd
+from moments.formats import roundtrip_m
+from moments.tasks import TaskSpec, make_task, teacher_forced_difference
+
+COMMAND = "PYTHONPATH=python:examples/python:benchmarks"
 
 MOMENTUM = 0.9
 WD = 5e-4
@@ -127,7 +127,7 @@ def summarize(results, models):
             for key in ("train_loss", "heldout_loss", "accuracy", "buffer_error"):
                 vals = [r[key] for r in runs if key in r]
                 if vals:
-                    row[key] = _mean_sd(vals)
+                    row[key] = mean_sd(vals)
             rows[storage] = row
         ref = rows["fp32"]
         for row in rows.values():
@@ -140,6 +140,7 @@ def summarize(results, models):
 
 
 def _pm(pair, fmt=".4f"):
+    """mean ± sd (the mean alone where there is no sd)."""
     mean, sd = pair
     return f"{mean:{fmt}} ± {sd:{fmt}}" if math.isfinite(sd) else f"{mean:{fmt}}"
 
@@ -164,30 +165,26 @@ def write_markdown(path, doc):
              "seed-to-seed sd; buffer error = relative RMS of the stored buffer against the "
              "exact one, over all steps and elements.", ""]
     for model, rows in doc["summary"].items():
-        lines += [f"## {model}", "",
-                  "| storage | bytes/element | train loss | Δ/σ | held-out loss | Δ/σ | "
-                  "test acc | buffer error |",
-                  "| --- | --: | --: | --: | --: | --: | --: | --: |"]
-        for storage, row in rows.items():
-            size = {"fp32": "4", "bf16": "2"}.get(storage, f"1 + 4/{BLOCK} = 1.125")
-            acc = f"{100 * row['accuracy'][0]:.1f}%" if "accuracy" in row else ""
-            lines.append(
-                f"| {storage} | {size} | {_pm(row['train_loss'])} | "
-                f"{row['train_loss_sds']:+.1f} | {_pm(row['heldout_loss'])} | "
-                f"{row['heldout_loss_sds']:+.1f} | {acc} | {row['buffer_error'][0]:.3g} |")
-        lines.append("")
+        lines += [f"## {model}", ""] + res.table(
+            ["storage", "bytes/element", "train loss", "Δ/σ", "held-out loss", "Δ/σ",
+             "test acc", "buffer error"], "lrrrrrrr",
+            [[storage, {"fp32": "4", "bf16": "2"}.get(storage, f"1 + 4/{BLOCK} = 1.125"),
+              _pm(row["train_loss"]), f"{row['train_loss_sds']:+.1f}", _pm(row["heldout_loss"]),
+              f"{row['heldout_loss_sds']:+.1f}",
+              f"{100 * row['accuracy'][0]:.1f}%" if "accuracy" in row else "",
+              f"{row['buffer_error'][0]:.3g}"] for storage, row in rows.items()]) + [""]
     path.write_text("\n".join(lines))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = res.parser(__doc__)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--digits-lr", type=float, default=0.05)
     ap.add_argument("--char-lr", type=float, default=0.3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 seeds, 30 steps")
-    ap.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
+    res.add_output(ap, default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.steps = 2, 30
@@ -206,19 +203,16 @@ def main(argv=None):
                 print(f"{spec.model:10s} seed {seed} {storage:8s} train {r['train_loss']:.4f} "
                       f"held-out {r['heldout_loss']:.4f} buffer error {r['buffer_error']:.3g}",
                       file=sys.stderr)
-    doc = {"device": "cpu", "command": "PYTHONPATH=python:examples/python:benchmarks python3 "
-           "benchmarks/momentum_formats.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
+    doc = {"device": "cpu", "command": res.command(__file__, argv, prefix=COMMAND + " python3"),
            "machine": machine_info("cpu"), "minutes": (time.perf_counter() - t0) / 60,
            "tasks": [vars(s) for s in specs], "seeds": seeds, "self_check": check,
            "results": results, "summary": summarize(results, [s.model for s in specs])}
-    if args.quick and args.out is None:
+    out = res.out_dir(args, quick=args.quick)
+    if out is None:
         print(json.dumps(doc["summary"], indent=1))
         return 0
-    out = Path(args.out) if args.out else HERE / "results"
-    stem = out / f"momentum_formats_{device_tag('cpu')}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    write_markdown(stem.with_suffix(".md"), doc)
-    print(f"wrote {stem.with_suffix('.md')}", file=sys.stderr)
+    res.write_results(out, f"momentum_formats_{device_tag('cpu')}", doc,
+                      lambda path: write_markdown(path, doc))
     return 0
 
 

@@ -16,21 +16,17 @@ For the digits CNN and the character-level GPT of examples/python/amp_models.py,
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_master_modes import Task, _sync  # noqa: E402
-from bench_step import machine_info  # noqa: E402
-
-import fusedamp  # noqa: E402
+import fusedamp
+from harness import results as res
+from harness.machine import machine_info
+from harness.timing import sync
+from master_modes.accuracy import Task
 
 
 def rebuilt_master(weight, remainder):
@@ -97,14 +93,14 @@ def free_running(task, steps, seed, device):
             "final_train_loss_true": tail(losses[0]), "final_train_loss_split": tail(losses[1])}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    ap = res.parser(__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--models", nargs="+", default=["digits-cnn", "char-gpt"])
-    ap.add_argument("--out", type=Path, default=HERE / "results")
-    args = ap.parse_args()
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     device = "cpu"
     rows = []
@@ -115,33 +111,38 @@ def main():
                "steps": args.steps}
         row.update(teacher_forced(task, args.steps, args.seed, device))
         row.update(free_running(task, args.steps, args.seed, device))
-        _sync(device)
+        sync(device)
         row["seconds"] = time.perf_counter() - t0
         print(row, file=sys.stderr, flush=True)
         rows.append(row)
     info = machine_info(device)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "split_identity_cpu.json").write_text(
-        json.dumps({"machine": info, "rows": rows}, indent=1) + "\n")
+    text = markdown(info, rows, args)
+    out = res.out_dir(args)
+    if out is not None:
+        res.write_results(out, "split_identity_cpu", {"machine": info, "rows": rows}, text)
+    print(text, end="")
+    return 0
+
+
+def markdown(info, rows, args):
     lines = [
         "# master_weights=\"split\" vs master_weights=True (AdamW lr 1e-3, wd 0.01, BF16)", "",
         f"{info.get('cpu', '?')}, torch {info.get('torch')}, 1 thread, {info.get('date_utc')}; "
         f"batch {args.batch}, seed {args.seed}. Produced by benchmarks/split_identity.py.", "",
+        res.machine_sentence(info), "",
         "Teacher-forced: the same gradients into both optimizers; free-running: each model on "
-        "its own gradients.", "",
-        "| model | params | steps | master mismatches (element-steps) | weight differences | "
-        "of them not at a halfway master | first free-running step with a difference | final "
-        "loss True | final loss split |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['params']:,} | {r['steps']} | {r['master_mismatches']} of "
-            f"{r['element_steps']:,} | {r['weight_differences']} | "
-            f"{r['differences_off_halfway']} | {r['first_step_with_a_weight_difference']} | "
-            f"{r['final_train_loss_true']:.4f} | {r['final_train_loss_split']:.4f} |")
-    (args.out / "split_identity_cpu.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        "its own gradients.", ""]
+    lines += res.table(
+        ["model", "params", "steps", "master mismatches (element-steps)", "weight differences",
+         "of them not at a halfway master", "first free-running step with a difference",
+         "final loss True", "final loss split"], "lrrrrrrrr",
+        [[r["model"], f"{r['params']:,}", r["steps"],
+          f"{r['master_mismatches']} of {r['element_steps']:,}", r["weight_differences"],
+          r["differences_off_halfway"], r["first_step_with_a_weight_difference"],
+          f"{r['final_train_loss_true']:.4f}", f"{r['final_train_loss_split']:.4f}"]
+         for r in rows], compact=True)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
