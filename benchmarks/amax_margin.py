@@ -19,18 +19,17 @@ max_t A[t+1] / P[t]. Writes benchmarks/results/amax_margin.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples", "python"))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+import harness
+from harness import results as res
+from harness.machine import machine_info
+
+harness.use_paths("python", "examples")
 
 
 class ComputedMaxima(TorchDispatchMode):
@@ -100,37 +99,39 @@ def measure(model_name, steps, seed=0):
     }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None):
+    ap = res.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     rows = [measure(m, args.steps) for m in ("digits-cnn", "char-gpt")]
     needed = max(r["max_next_step_backward_over_param"] for r in rows)
     out = {"rows": rows, "needed_margin": needed,
            "needed_margin_pow2": 2 ** math.ceil(math.log2(needed)),
            "torch": torch.__version__}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "amax_margin.json"), "w") as f:
-        json.dump(out, f, indent=1)
     lines = ["# How far a backward pass's largest gradient exceeds the parameter gradients' amax",
              "", f"fusedamp FP16 training, unscaled, on the CPU, {args.steps} steps per model, "
              f"FP16 tensors of the backward pass only, torch "
              f"{torch.__version__} (benchmarks/amax_margin.py).", "",
-             "| model | backward / param amax, same step (max) | param amax growth per step "
-             "(max) | next step's backward / this step's param amax (max) | (p99) |",
-             "|---|--:|--:|--:|--:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['max_backward_over_param_same_step']:.2f} | "
-                     f"{r['max_param_amax_growth_per_step']:.2f} | "
-                     f"{r['max_next_step_backward_over_param']:.2f} | "
-                     f"{r['p99_next_step_backward_over_param']:.2f} |")
+             res.machine_sentence(machine_info("cpu")), ""]
+    lines += res.table(["model", "backward / param amax, same step (max)",
+                        "param amax growth per step (max)",
+                        "next step's backward / this step's param amax (max)", "(p99)"],
+                       "lrrrr",
+                       [[r["model"], f"{r['max_backward_over_param_same_step']:.2f}",
+                         f"{r['max_param_amax_growth_per_step']:.2f}",
+                         f"{r['max_next_step_backward_over_param']:.2f}",
+                         f"{r['p99_next_step_backward_over_param']:.2f}"] for r in rows],
+                       compact=True)
     lines += ["", f"Margin needed over these runs: {needed:.2f}x, the next power of two "
               f"{out['needed_margin_pow2']}x."]
-    with open(os.path.join(HERE, "results", "amax_margin.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = "\n".join(lines) + "\n"
+    folder = res.out_dir(args)
+    if folder is not None:
+        res.write_results(folder, "amax_margin", out, text)
+    print(text, end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,24 +10,20 @@ Writes benchmarks/results/conversion_autocast_<device>.{md,json}.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "python"))
+import torch
+import torch.nn.functional as F
+import transformers
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
+import harness
+from harness import results as res
+from harness.machine import CPU_FLAGS, cpu_model_and_flags, short_commit
+from harness.timing import time_in_turns
 
+harness.use_paths("python")
 import fusedamp  # noqa: E402
 from fusedamp.convert import _ScopedForward  # noqa: E402
 
@@ -93,7 +89,6 @@ def measure(name, dtype, steps):
         opt.zero_grad()
         return out
 
-    times = {True: [], False: []}
     errors = {}
     for on in (True, False):  # warm-up, and the loss each way
         scope.set(on)
@@ -101,62 +96,53 @@ def measure(name, dtype, steps):
             out = model(**batch)
         errors[on] = loss_error(name, out, batch["labels"])
         step()
-    for _ in range(steps):
-        for on in (True, False):
-            scope.set(on)
-            t0 = time.perf_counter()
-            step()
-            times[on].append(time.perf_counter() - t0)
+    # On and off in turns, the scope switched untimed before each step.
+    times = time_in_turns({on: step for on in (True, False)}, steps,
+                          reset={on: (lambda on=on: scope.set(on)) for on in (True, False)})
     scope.set(True)
-    on, off = statistics.median(times[True]), statistics.median(times[False])
+    on, off = (statistics.median(times[k][0]) / 1e9 for k in (True, False))
     return dict(model=name, dtype=str(dtype).replace("torch.", ""), step_on_ms=on * 1e3,
                 step_off_ms=off * 1e3, ratio=on / off, loss_rel_error_on=errors[True],
                 loss_rel_error_off=errors[False])
 
 
 def machine():
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    cpu, flags = cpu_model_and_flags()
     return dict(cpu=cpu, threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__, commit=commit,
-                date=datetime.date.today().isoformat())
+                transformers=transformers.__version__, commit=short_commit(),
+                date=datetime.date.today().isoformat(),
+                cpu_flags=[f for f in CPU_FLAGS if f in flags])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    ap = res.parser(__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtypes", default="bf16,fp16")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     rows = [measure(name, DTYPES[d], args.steps) for d in args.dtypes.split(",")
             for name in MODELS]
     info = machine()
-    lines = [f"# The converted model's autocast scope: step time on against off (cpu)", "",
-             f"{info['date']}, commit {info['commit']}, {info['cpu']}, {info['threads']} threads, "
+    lines = ["# The converted model's autocast scope: step time on against off (cpu)", "",
+             f"{info['date']}, commit {info['commit']}, {info['cpu']} (flags: "
+             f"{', '.join(info['cpu_flags']) or 'none recorded'}), {info['threads']} threads, "
              f"torch {info['torch']}, transformers {info['transformers']}. Batch {BATCH}x{SEQ}; "
              f"median of {args.steps} steps each, on and off in turns in one process. Loss error: "
              "|loss computed inside the model - FP32 cross-entropy of its returned logits| / "
-             "the latter.", "",
-             "| model | dtype | step, scope on (ms) | step, scope off (ms) | on / off | "
-             "loss error on | loss error off |", "| --- | --- | --: | --: | --: | --: | --: |"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['step_on_ms']:.1f} | "
-                     f"{r['step_off_ms']:.1f} | {r['ratio']:.3f} | {r['loss_rel_error_on']:.1e} "
-                     f"| {r['loss_rel_error_off']:.1e} |")
+             "the latter.", ""]
+    lines += res.table(["model", "dtype", "step, scope on (ms)", "step, scope off (ms)",
+                        "on / off", "loss error on", "loss error off"], "llrrrrr",
+                       [[r["model"], r["dtype"], f"{r['step_on_ms']:.1f}",
+                         f"{r['step_off_ms']:.1f}", f"{r['ratio']:.3f}",
+                         f"{r['loss_rel_error_on']:.1e}", f"{r['loss_rel_error_off']:.1e}"]
+                        for r in rows])
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "conversion_autocast_cpu.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "conversion_autocast_cpu.json"), "w") as f:
-        json.dump(dict(machine=info, rows=rows), f, indent=1)
+    out = res.out_dir(args)
+    if out is not None:
+        res.write_results(out, "conversion_autocast_cpu", dict(machine=info, rows=rows), text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,9 +25,7 @@ several percent).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -35,9 +33,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import harness
+from harness import results as res
+from harness.machine import machine_info
+from harness.timing import paired_ratio
+
+harness.use_paths("python")
 import fusedamp  # noqa: E402
-from harness.machine import machine_info  # noqa: E402
 
 
 def gpt2():
@@ -135,8 +137,7 @@ def measure(build, steps, warmup):
     # load, which drifts over a run, cancels out.
     return description, {clock: {
         "median_ms": {v: statistics.median(t) for v, t in by_variant.items()},
-        "median_paired_ratio": {v: statistics.median(a / b for a, b in
-                                                     zip(t, by_variant["plain"]))
+        "median_paired_ratio": {v: paired_ratio(t, by_variant["plain"])
                                 for v, t in by_variant.items()}}
         for clock, by_variant in times.items()}
 
@@ -144,15 +145,15 @@ def measure(build, steps, warmup):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (1 on a loaded shared machine: OpenMP threads "
-                             "waiting for a descheduled peer dominate the times otherwise)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args()
+def main(argv=None):
+    ap = res.parser(__doc__)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 on a loaded shared machine: OpenMP threads "
+                         "waiting for a descheduled peer dominate the times otherwise)")
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -175,23 +176,25 @@ def main():
     lines = ["# fusedamp.debug.watch: step-time overhead (CPU)", "",
              f"`PYTHONPATH=python python3 benchmarks/bench_debug.py --steps {args.steps}"
              f"{f' --threads {args.threads}' if args.threads else ''}`", "",
-             header, "", "| model | variant | step ms (median) | / plain | paired ratio (median) "
-             "| CPU ms (median) | / plain | paired CPU ratio (median) |",
-             "|---|---|--:|--:|--:|--:|--:|--:|"]
+             header, ""]
+    rows = []
     for r in results:
         for v in VARIANTS:
-            cells = []
+            cells = [r["description"], v]
             for c in CLOCKS:
                 ms = r[c]["median_ms"]
                 cells += [f"{ms[v]:.1f}", f"{ms[v] / ms['plain']:.3f}",
                           f"{r[c]['median_paired_ratio'][v]:.3f}"]
-            lines.append(f"| {r['description']} | {v} | " + " | ".join(cells) + " |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "debug_cpu.json"), "w") as f:
-        json.dump({"header": header, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "debug_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            rows.append(cells)
+    lines += res.table(["model", "variant", "step ms (median)", "/ plain",
+                        "paired ratio (median)", "CPU ms (median)", "/ plain",
+                        "paired CPU ratio (median)"], "llrrrrrr", rows, compact=True)
+    out = res.out_dir(args)
+    if out is not None:
+        res.write_results(out, "debug_cpu", {"header": header, "results": results},
+                          "\n".join(lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

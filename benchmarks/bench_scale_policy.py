@@ -19,17 +19,15 @@ Writes benchmarks/results/scale_policy_<device>.{json,md}; the demo plots the sa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples", "python"))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+import harness
+from harness import results as res
+from harness.machine import machine_info
+
+harness.use_paths("python", "examples")
 
 POLICIES = ("torch", "amax")
 
@@ -66,12 +64,11 @@ def first_step_below(fractions, level):
     return next((k for k, f in enumerate(fractions) if f < level), None)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None):
+    ap = res.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runs, rows = {}, {}
 
@@ -104,11 +101,12 @@ def main():
              sorted(t["amax"])[len(t["amax"]) // 2],
              sum(t["subnormal_fraction"]) / len(t["subnormal_fraction"])))
 
-    tag = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info = machine_info(device)
     lines = [f"# Loss-scale policies: torch's rule vs amax ({device})", "",
              f"fusedamp FP16 set-ups of the demo's models (fusedamp.initialize, AdamW), torch "
-             f"{torch.__version__}, {tag} (benchmarks/bench_scale_policy.py). policy=\"torch\" "
-             "is torch.amp.GradScaler's rule (the same scale sequence).", "",
+             f"{torch.__version__}, {info['date_utc']} (benchmarks/bench_scale_policy.py). "
+             "policy=\"torch\" is torch.amp.GradScaler's rule (the same scale sequence).", "",
+             res.machine_sentence(info), "",
              "## (a) init_scale = 2^24 (overflows)", "",
              "| model | policy | skipped before the first applied step | skipped in 40 steps "
              "| scale after 40 steps |", "|---|---|--:|--:|--:|"]
@@ -139,13 +137,15 @@ def main():
               "benchmarks/results/amax_margin.md), so on this model the amax policy runs at a "
               "lower scale than torch's rule, which never overflowed here: the price is a "
               "larger (still tiny) subnormal fraction."]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"scale_policy_{device}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, f"scale_policy_{device}.json"), "w") as f:
-        json.dump({"rows": rows, "runs": runs}, f)
-    print("\n".join(lines))
+    text = "\n".join(lines) + "\n"
+    out = res.out_dir(args)
+    if out is not None:
+        # The runs' telemetry is long: one line, as json.dump writes it.
+        res.write_results(out, f"scale_policy_{device}", {"rows": rows, "runs": runs}, text,
+                          indent=None)
+    print(text, end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,13 +21,15 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples", "python"))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+import harness
+from harness import results as res
+
+harness.use_paths("python", "examples")
 
 # Steps per model: (CPU, GPU). FP16 kernels are slow on a CPU, so its runs are short.
 STEPS = {"digits-cnn": (60, 300), "char-gpt": (40, 300), "resnet18": (8, 200),
@@ -49,36 +51,31 @@ def worker_env():
     return env
 
 
-def device_tag(torch):
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        return "cuda_" + "".join(c if c.isalnum() else "_" for c in name).strip("_")
-    return "cpu"
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None):
+    ap = res.parser(__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps-scale", type=float, default=1.0)
     ap.add_argument("--models", default=",".join(STEPS))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "STEPS", "OUT"))
-    args = ap.parse_args()
+    res.add_output(ap)
+    args = ap.parse_args(argv)
     if args.worker:
         import amp_models as am
 
         result = am.train_run(args.worker[0], args.worker[1], int(args.worker[2]), progress=True)
         with open(args.worker[3], "w") as f:
             json.dump(result, f)
-        return
+        return 0
 
     import torch
 
     from amp_models import MODES, TORCH_AMP_BF16, reference_run
+    from harness.machine import (CPU_FLAGS, cpu_model_and_flags, device_tag,
+                                 short_commit)
 
     gpu = torch.cuda.is_available()
-    tag = device_tag(torch)
-    out_dir = os.path.join(HERE, "results")
-    tmp_dir = os.path.join(out_dir, f".train_{tag}.tmp")
-    os.makedirs(tmp_dir, exist_ok=True)
+    tag = device_tag("cuda" if gpu else "cpu")
+    out_dir = res.out_dir(args)
+    tmp_dir = tempfile.mkdtemp(prefix=f"train_{tag}_")
     results = []
     for model in args.models.split(","):
         steps = max(5, int(STEPS[model][1 if gpu else 0] * args.steps_scale))
@@ -93,69 +90,57 @@ def main():
             r.pop("scale_curve")
             results.append(r)
 
+    cpu, flags = cpu_model_and_flags()
     machine = {
-        "device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if gpu
+        else platform.processor() or platform.machine(),
+        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
         "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-        "fusedamp_commit": _git_commit(),
+        "fusedamp_commit": short_commit(), "cpu_flags": [f for f in CPU_FLAGS if f in flags],
     }
-    lines = [f"# End-to-end training benchmark ({tag})", "",
-             f"{machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, CUDA "
-             f"{machine['cuda']}; {machine['date']}; fusedamp {machine['fusedamp_commit']}; "
-             f"load average {machine['load_average'][0]:.1f}. torch.amp = autocast FP16 + GradScaler + "
-             "AdamW(fused=True); torch.amp-bf16 = autocast bfloat16 + AdamW(fused=True), no scaler. "
-             "\"vs torch.amp\" compares with the torch.amp row of the same dtype (fusedamp-bf16 "
-             "with torch.amp-bf16, the rest with torch.amp). Peak memory: " +
-             ("torch.cuda.max_memory_allocated." if gpu else
-              "growth of the process's peak RSS from before the model is made (CPU; imports "
-              "and data excluded; glibc's mmap threshold fixed at "
-              f"{worker_env()['MALLOC_MMAP_THRESHOLD_']} bytes, see bench_train.py)."), "",
-             "| model | set-up | steps | steps/s | vs torch.amp | peak MB | vs torch.amp | "
-             "final train loss | skipped |",
-             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = reference_run(results, r)
-        sps = 1e3 / r["ms_per_step"]
-        r["steps_per_s"] = sps
+        r["steps_per_s"] = 1e3 / r["ms_per_step"]
         r["speed_vs_torch_amp"] = base["ms_per_step"] / r["ms_per_step"]
         r["mem_vs_torch_amp"] = (r["peak_mem_mb"] / base["peak_mem_mb"]
                                  if base["peak_mem_mb"] > 0 else None)
-        mem_ratio = "-" if r["mem_vs_torch_amp"] is None else f"{r['mem_vs_torch_amp']:.2f}x"
-        flag = " **slower**" if r["mode"].startswith("fusedamp") and r["speed_vs_torch_amp"] < 1 else ""
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {r['steps']} | {sps:.2f} | "
-            f"{r['speed_vs_torch_amp']:.2f}x{flag} | {r['peak_mem_mb']:.0f} | {mem_ratio} | "
-            f"{r['final_train_loss']:.3f} | {'-' if r['skipped_steps'] is None else r['skipped_steps']} |")
-    table = "\n".join(lines) + "\n"
+    table = markdown(machine, results, tag, gpu)
     print(table)
-    with open(os.path.join(out_dir, f"train_{tag}.md"), "w") as f:
-        f.write(table)
-    with open(os.path.join(out_dir, f"train_{tag}.json"), "w") as f:
-        json.dump({"machine": machine, "results": results}, f, indent=1)
-    for name in os.listdir(tmp_dir):
-        os.remove(os.path.join(tmp_dir, name))
-    os.rmdir(tmp_dir)
+    if out_dir is not None:
+        res.write_results(out_dir, f"train_{tag}", {"machine": machine, "results": results},
+                          table)
+    shutil.rmtree(tmp_dir)
+    return 0
 
 
-def _git_commit():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        return None
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def markdown(machine, results, tag, gpu):
+    lines = [f"# End-to-end training benchmark ({tag})", "",
+             f"{machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, CUDA "
+             f"{machine['cuda']}; CPU flags: {', '.join(machine['cpu_flags']) or 'none recorded'}"
+             f"; {machine['date']}; fusedamp {machine['fusedamp_commit']}; "
+             f"load average {machine['load_average'][0]:.1f}. torch.amp = autocast FP16 + "
+             "GradScaler + AdamW(fused=True); torch.amp-bf16 = autocast bfloat16 + "
+             "AdamW(fused=True), no scaler. \"vs torch.amp\" compares with the torch.amp row of "
+             "the same dtype (fusedamp-bf16 with torch.amp-bf16, the rest with torch.amp). Peak "
+             "memory: " +
+             ("torch.cuda.max_memory_allocated." if gpu else
+              "growth of the process's peak RSS from before the model is made (CPU; imports "
+              "and data excluded; glibc's mmap threshold fixed at "
+              f"{worker_env()['MALLOC_MMAP_THRESHOLD_']} bytes, see bench_train.py)."), ""]
+    rows = []
+    for r in results:
+        mem = "-" if r["mem_vs_torch_amp"] is None else f"{r['mem_vs_torch_amp']:.2f}x"
+        slower = r["mode"].startswith("fusedamp") and r["speed_vs_torch_amp"] < 1
+        rows.append([r["model"], r["mode"], r["steps"], f"{r['steps_per_s']:.2f}",
+                     f"{r['speed_vs_torch_amp']:.2f}x" + (" **slower**" if slower else ""),
+                     f"{r['peak_mem_mb']:.0f}", mem, f"{r['final_train_loss']:.3f}",
+                     "-" if r["skipped_steps"] is None else r["skipped_steps"]])
+    lines += res.table(["model", "set-up", "steps", "steps/s", "vs torch.amp", "peak MB",
+                        "vs torch.amp", "final train loss", "skipped"], "lllllllll", rows,
+                       compact=True)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
