@@ -21,8 +21,9 @@ namespace fusedamp::cpu::CPU_CAPABILITY {
 // pattern seen (inf and NaN included: it is the overflow check too) and, with kCount, how many
 // patterns were below the smallest normal's and how many were zero, and with kFiniteTop the
 // largest finite one (for a pass that overwrites the elements, so that an overflowing chunk's
-// finite maximum cannot be read again afterwards; largest_finite_value otherwise). A lane takes one element
-// per pair of a chunk (at most kChunk / kPair <= 1024), so 16-bit counts cannot wrap.
+// finite maximum cannot be read again afterwards; largest_finite_value otherwise). A lane takes
+// one element per pair of a chunk (at most kChunk / kPair <= 1024), so 16-bit counts cannot
+// wrap.
 template <typename T, bool kCount, bool kFiniteTop>
 struct HalfPatternLanes {
   using P = math::HalfPatterns<T>;
@@ -63,7 +64,8 @@ struct HalfPatternLanes {
 #endif
   }
 
-  // The first n < kPair elements at p; the lanes from n on count as zeros (see padding()).
+  // The first n < kPair elements at p; the lanes from n on count as zeros (the caller takes
+  // them off the counts).
   void add_partial(const T* p, int64_t n) {
     alignas(64) T lanes[kPair];
     std::memset(lanes, 0, sizeof(lanes));
@@ -73,7 +75,7 @@ struct HalfPatternLanes {
 
   bool nonfinite() const { return largest(top) >= P::kInf; }
 
-  uint16_t largest(const V& v) const {
+  static uint16_t largest(const V& v) {
     alignas(64) int16_t lanes[kPair];
     v.store(lanes);
     return static_cast<uint16_t>(*std::max_element(lanes, lanes + kPair));
