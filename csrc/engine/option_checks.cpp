@@ -51,6 +51,10 @@ void check_common_options(const char* who, double lr, double weight_decay,
   TORCH_CHECK_VALUE(hyper::valid_lr(lr), "Invalid learning rate: ", lr, where);
   TORCH_CHECK_VALUE(hyper::valid_weight_decay(weight_decay), "Invalid weight_decay value: ",
                     weight_decay, where);
+  // A kernel variant (fusedamp/master_modes.h) is no value of the option: an archive could not
+  // name it.
+  TORCH_CHECK_VALUE(e.master_weights.info().spelling != nullptr, "Invalid master_weights: ",
+                    e.master_weights.name(), " (", MasterWeights::choices(), ")", where);
   if (e.max_grad_norm) {
     TORCH_CHECK_VALUE(hyper::valid_max_grad_norm(*e.max_grad_norm), "Invalid max_grad_norm: ",
                       *e.max_grad_norm, " (must be finite and > 0, or None)", where);

@@ -315,6 +315,9 @@ TEST_CASE("every mode of kMasterModes: its names and code parse, a BF16 step kee
     if (info.spelling == nullptr) {  // a kernel variant: no value of the option
       CHECK_THROWS_WITH(fo::MasterWeights::from_code(static_cast<double>(info.mode)),
                         Catch::Contains("master_weights must be"));
+      auto ps = make_params(at::kBFloat16);
+      CHECK_THROWS_WITH(fo::AdamW(ps, fo::AdamWOptions(1e-2).master_weights(info.mode)),
+                        Catch::Contains("Invalid master_weights"));
       continue;
     }
     const fo::MasterWeights mode(info.mode);
