@@ -142,7 +142,7 @@ class Setup:
     """One training set-up: model + optimizer + the per-step recipe of its mode."""
 
     def __init__(self, mode, model, lr, weight_decay, device, max_grad_norm=None,
-                 scaler_args=None):
+                 scaler_args=None, eps=1e-8):
         import fusedamp
 
         self.mode, self.device, self.max_grad_norm = mode, device, max_grad_norm
@@ -151,18 +151,18 @@ class Setup:
         if mode == "fp32":
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                         fused=True)
+                                         eps=eps, fused=True)
             self.scaler = None
         elif mode in ("torch.amp", TORCH_AMP_BF16):
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                         fused=True)
+                                         eps=eps, fused=True)
             bf16 = mode == TORCH_AMP_BF16
             self.scaler = None if bf16 else torch.amp.GradScaler(dev_type)
             self.autocast_dtype = torch.bfloat16 if bf16 else torch.float16
         elif mode in ("fusedamp-fp16", "fusedamp-bf16"):
             dtype = torch.float16 if mode.endswith("fp16") else torch.bfloat16
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
             self.model, self.opt, self.scaler = fusedamp.initialize(
                 model, opt, dtype, max_grad_norm=max_grad_norm, **(scaler_args or {}))
         else:
@@ -251,10 +251,11 @@ def _rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
-def _task(model_name, mode, device, seed, scaler_args=None, batch_size=None):
+def _task(model_name, mode, device, seed, scaler_args=None, batch_size=None, loss_factor=1.0):
     """(setup, batch(), loss_fn, evaluate()) for one model; scaler_args go to
     fusedamp.initialize (fusedamp set-ups); batch_size: None for the model's own (64 digits,
-    32 sequences)."""
+    32 sequences). loss_factor (char models): the loss will be multiplied by it, so AdamW's eps
+    and the clipping threshold are too, which leaves the exact-arithmetic trajectory unchanged."""
     g = torch.Generator().manual_seed(seed)
     if model_name == "digits-cnn":
         (xtr, ytr), (xte, yte) = digits_data(device)
@@ -287,7 +288,7 @@ def _task(model_name, mode, device, seed, scaler_args=None, batch_size=None):
             def loss_fn(m, x, y):
                 return char_loss(lambda idx: m(idx).logits, x, y)
         setup = Setup(mode, model.to(device), lr=2e-3, weight_decay=0.01, device=device,
-                      max_grad_norm=1.0, scaler_args=scaler_args)
+                      max_grad_norm=loss_factor, scaler_args=scaler_args, eps=1e-8 * loss_factor)
 
         def batch():
             return char_batch(train, batch_size or 32, context, g)
@@ -384,7 +385,7 @@ def policy_run(model_name, policy, steps, *, init_scale=2.0 ** 16, loss_factor=1
     setup, batch, loss_fn, evaluate = _task(model_name, "fusedamp-fp16", device, seed,
                                             scaler_args=dict(policy=policy,
                                                              init_scale=init_scale),
-                                            batch_size=batch_size)
+                                            batch_size=batch_size, loss_factor=loss_factor)
 
     def scaled_loss(model, x, y):
         return loss_fn(model, x, y) * loss_factor

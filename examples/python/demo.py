@@ -16,9 +16,12 @@ Every (model, set-up) pair runs in its own process, so peak memory is measured p
   "scale too high"  init_scale = 2^24, which overflows: torch's rule halves once per skipped
                     step; the amax policy drops to what an overflow proves and then moves to
                     the measured scale;
-  "loss too small"  the loss multiplied by 1e-6 (a mis-normalised loss, a tiny auxiliary
-                    weight) at torch's default init_scale: FP16 gradients underflow to zero or
-                    subnormals until the scale grows (torch's rule: x2 per 2000 clean steps).
+  "loss too small"  the loss multiplied by 1e-8 (a mis-normalised loss, a tiny auxiliary
+                    weight) at torch's default init_scale, with AdamW's eps and the clipping
+                    threshold multiplied too, so that exact arithmetic would retrace the run of
+                    the unscaled loss (run beside them as the reference): under torch's rule
+                    (x2 per 2000 clean steps) FP16 gradients stay underflowed to zero and the
+                    model learns little; the amax policy raises the scale within a few steps.
 """
 from __future__ import annotations
 
@@ -35,13 +38,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 # The stress runs: name -> policy_run's keyword arguments.
 STRESS = {"scale too high": dict(init_scale=2.0 ** 24),
-          "loss too small": dict(loss_factor=1e-6)}
+          "loss too small": dict(loss_factor=1e-8)}
 POLICIES = ("torch", "amax")
+# The run beside a stress run's policies that shows where they should end: the same set-up
+# without the stress (torch's rule, loss x1).
+REFERENCE = {"loss too small": ("unscaled loss", dict(loss_factor=1.0))}
 # On a CPU: the char-GPT's batch (sequences), and the seconds its low-precision runs (three
-# side-by-side set-ups, the BF16 reference and the four stress runs: eight) may take together.
+# side-by-side set-ups, the BF16 reference and the five stress runs: nine) may take together.
 CPU_CHAR_BATCH = 8
 CPU_CHAR_BUDGET_S = 120.0
-CPU_CHAR_LOW_PRECISION_RUNS = 8
+CPU_CHAR_LOW_PRECISION_RUNS = 9
 
 
 def worker(model_name, mode, steps, out_path, batch_size=None, seed=0):
@@ -56,18 +62,23 @@ def worker(model_name, mode, steps, out_path, batch_size=None, seed=0):
 def stress_worker(steps, out_path, batch_size=None):
     import amp_models as am
 
-    runs = {name: {policy: am.policy_run("char-gpt", policy, steps, batch_size=batch_size,
-                                         **kwargs)
-                   for policy in POLICIES}
-            for name, kwargs in STRESS.items()}
+    runs = {}
+    for name, kwargs in STRESS.items():
+        plan = [(policy, policy, kwargs) for policy in POLICIES]
+        if name in REFERENCE:
+            label, ref_kwargs = REFERENCE[name]
+            plan.append((label, "torch", ref_kwargs))
+        runs[name] = {label: am.policy_run("char-gpt", policy, steps, batch_size=batch_size, **kw)
+                      for label, policy, kw in plan}
     with open(out_path, "w") as f:
         json.dump(runs, f)
 
 
 def stress_table(stress):
     lines = ["| stress run | policy | skipped steps | skipped before the first applied | "
-             "underflow, first step | underflow, last step | final scale | final train loss |",
-             "|---|---|--:|--:|--:|--:|--:|--:|"]
+             "underflow, first step | underflow, last step | final scale | final train loss | "
+             "eval loss |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     for name, runs in stress.items():
         for policy, r in runs.items():
             t = r["telemetry"]
@@ -75,8 +86,14 @@ def stress_table(stress):
             tail = r["loss"][-20:]
             lines.append(f"| {name} | {policy} | {sum(t['skipped'])} | {first_applied} | "
                          f"{t['underflow_fraction'][0]:.2%} | {t['underflow_fraction'][-1]:.2%} | "
-                         f"{t['scale'][-1]:g} | {sum(tail) / len(tail):.3f} |")
+                         f"{t['scale'][-1]:g} | {sum(tail) / len(tail):.3f} | "
+                         f"{r['eval']['eval_loss']:.3f} |")
     return "\n".join(lines)
+
+
+def run_label(label):
+    """A stress run's legend entry: its policy, or the reference run's own name."""
+    return f"policy={label}" if label in POLICIES else label
 
 
 def fmt(v, spec):
@@ -234,19 +251,18 @@ def plot(results, stress, culprit, path):
     for ax, telemetry, key, title in (
             (axes[1][0], high, "scale", "scale too high (init 2^24): loss scale, skips in red"),
             (axes[2][0], small, "underflow_fraction",
-             "loss too small (x1e-6): FP16 gradients underflowed"),
-            (axes[2][1], small, "scale", "loss too small: loss scale"),
-            (axes[2][2], small, "amax", "loss too small: amax of the scaled gradients")):
-        draw_panel(ax, {f"policy={p}": t for p, t in telemetry.items()}, key)
+             "loss too small (x1e-8): FP16 gradients underflowed"),
+            (axes[2][1], small, "scale", "loss too small: loss scale")):
+        draw_panel(ax, {run_label(p): t for p, t in telemetry.items()}, key)
         ax.set_title(title)
         ax.set_xlabel("step")
-    ax = axes[1][1]
-    for policy, r in stress["scale too high"].items():
-        ax.plot(smoothed(r["loss"]), label=f"policy={policy}")
-    ax.set_title("scale too high: training loss (smoothed)")
-    ax.set_xlabel("step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    for ax, name in ((axes[1][1], "scale too high"), (axes[2][2], "loss too small")):
+        for label, r in stress[name].items():
+            ax.plot(smoothed(r["loss"]), label=run_label(label))
+        ax.set_title(f"{name}: training loss (smoothed)")
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
     fig.suptitle(f"fusedamp demo ({results[0]['device']}): fusedamp vs torch.amp, the loss "
                  "scale under stress, and which layer made the NaN")
     FigureCanvasAgg(fig)

@@ -53,3 +53,24 @@ def test_which_layer_run_names_the_first_layer_that_overflowed():
     assert all(math.isfinite(rooms[name]) for name in order[:named])
     assert all(run["skipped"][bad:])
     assert f"`{first['module']}`" in describe(run)
+
+
+def test_loss_too_small_stress_run_amax_policy_learns_where_torch_rule_does_not(device):
+    """The demo's "loss too small" stress run: the loss x1e-8 (eps and the clip threshold with
+    it) underflows almost every FP16 gradient at torch's default scale. The amax policy must end
+    where the unscaled run ends; torch's rule, whose scale stays put, must end clearly above."""
+    import demo
+
+    factor = demo.STRESS["loss too small"]["loss_factor"]
+    assert factor < 1e-6  # the stress the demo shows, not a milder one
+
+    def eval_loss(policy, loss_factor):
+        run = am.policy_run("char-gpt", policy, 30, loss_factor=loss_factor, batch_size=4)
+        return run["eval"]["eval_loss"], run["telemetry"]
+
+    reference, _ = eval_loss("torch", 1.0)
+    amax, amax_t = eval_loss("amax", factor)
+    rule, rule_t = eval_loss("torch", factor)
+    assert rule_t["underflow_fraction"][-1] > 0.9 > amax_t["underflow_fraction"][-1]
+    assert abs(amax - reference) < 0.1, (amax, reference)
+    assert rule > reference + 0.25, (rule, reference)
