@@ -13,7 +13,7 @@ import amp_models as am  # noqa: E402
 TOLERANCE = 0.03
 
 
-def _train(mode, device, steps=120):
+def _train(mode, device, steps=50):
     torch.manual_seed(0)
     (xtr, ytr), (xte, yte) = am.digits_data(device)
     setup = am.Setup(mode, am.DigitsCNN().to(device), lr=3e-3, weight_decay=1e-4, device=device)
