@@ -151,7 +151,8 @@ void Optimizer::apply_update(const at::Tensor& grad_scale, const at::Tensor& fou
     }
     in.adopt_param_edits = e.adopt_param_edits;
     // Unscaled and unclipped, the multiplier is 1: the grads already hold what the update used.
-    in.write_back_grads = e.write_back_grads && (in.inv_scale || in.max_grad_norm);
+    in.write_back_grads =
+        !releasing_ && e.write_back_grads && (in.inv_scale || in.max_grad_norm);
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       run_bucket(b, o, in);
@@ -251,6 +252,32 @@ void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_i
     stats_->seed(found_inf);  // unscaled and already checked by the caller: no pass needed
   }
   apply_update(grad_scale, found_inf, /*scaled=*/true);
+}
+
+void Optimizer::step_released(const at::Tensor& grad_scale, const at::Tensor& found_inf_sum,
+                              GradTelemetrySink* telemetry) {
+  at::NoGradGuard no_grad;
+  if (!gather(/*within_step=*/true)) {
+    return;
+  }
+  const bool scaled = grad_scale.defined();
+  if (scaled || any_group(needs_stats)) {
+    // No seed: an overflow of a parameter stepped earlier in the iteration is in found_inf_sum,
+    // not in this call's flag, so it does not hold these parameters back.
+    compute_grad_stats(at::Tensor(), scaled ? telemetry : nullptr);
+  }
+  const at::Tensor flag = stats_->valid() ? stats_->found_inf(0) : at::Tensor();
+  releasing_ = true;
+  try {
+    apply_update(grad_scale, at::Tensor(), scaled);
+  } catch (...) {
+    releasing_ = false;
+    throw;
+  }
+  releasing_ = false;
+  if (found_inf_sum.defined() && flag.defined()) {
+    found_inf_sum.add_(on_device(flag, found_inf_sum.device()).reshape(found_inf_sum.sizes()));
+  }
 }
 
 at::Tensor Optimizer::found_inf() const {

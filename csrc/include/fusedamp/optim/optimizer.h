@@ -70,6 +70,18 @@ class Optimizer : public torch::optim::Optimizer {
   void step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
                 GradTelemetrySink* telemetry = nullptr);
 
+  // A step of the parameters that hold a gradient now, for gradient release (a step inside
+  // backward, each parameter's once its gradient is accumulated, the gradient freed after):
+  // step_amp's step, except that the skip is decided by these gradients alone, so a parameter
+  // stepped earlier in the iteration stands and one stepped later is not held back. The call's
+  // flag (1 when it skipped) is added into `found_inf_sum` (a loss scaler's flag of the
+  // iteration: it backs off when any call skipped), and the unscaled gradient is not written
+  // back (it is about to be freed). grad_scale undefined: an unscaled step, checked as step()
+  // checks (skip_nonfinite); found_inf_sum may be undefined. Groups with max_grad_norm clip
+  // by the norm of these gradients alone. Never syncs.
+  void step_released(const at::Tensor& grad_scale, const at::Tensor& found_inf_sum,
+                     GradTelemetrySink* telemetry = nullptr);
+
   // ---- the phases of a step, in order (see the top of this file) ----------------------------
   // Front ends that put collectives between the phases call them one by one.
   // 1. False when no parameter has a gradient (nothing to do; phases 2 and 3 must not run).
@@ -201,6 +213,7 @@ class Optimizer : public torch::optim::Optimizer {
   at::Tensor inv_scale_;  // a CPU step's inverse scale (detail::inverse_scale_reusing)
   at::Tensor last_step_applied_;
   at::Tensor skipped_steps_;
+  bool releasing_ = false;  // within step_released: no gradient write-back
 };
 
 }  // namespace fusedamp::optim
