@@ -7,6 +7,8 @@
 - ``fusedamp.initialize(model, optimizer, dtype)``: wrap an existing model and optimizer;
   ``fusedamp.restore(model)`` undoes it; ``fusedamp.master_weights(model, optimizer)`` /
   ``fp32_state_dict`` give the FP32 model behind a master-weight run.
+- ``fusedamp.release_gradients(model, optimizer, scaler)``: each parameter's step inside
+  backward, its gradient freed at once (gradient release), with loss scaling.
 - ``fusedamp.lr_scheduler``: schedules counted in applied optimizer steps (a skipped step does
   not advance them), computed on the device.
 - ``fusedamp.distributed.ZeroRedundancyOptimizer``: torch's ZeRO stage 1 over fusedamp's
@@ -26,6 +28,7 @@ from .diagnostics import nonfinite_grads  # noqa: F401
 from . import debug  # noqa: F401
 from .grad_scaler import GradScaler  # noqa: F401
 from .initialize import initialize  # noqa: F401
+from .release import release_gradients  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -99,6 +99,7 @@ class GradScaler:
         self._records_telemetry = self._engine.has_telemetry()
         self._step_target = compiled_step.make_target(self)  # in a compiled graph (its ops)
         self._torch_step_targets = {}  # id(optimizer): its target (prepare_compiled_step)
+        self._updates = 0  # update() calls: where release_gradients sees an iteration end
 
     # ---- the iteration -----------------------------------------------------------------
     def scale(self, outputs):
@@ -129,6 +130,9 @@ class GradScaler:
         if self._enabled and compiled_step.available and torch.compiler.is_compiling():
             compiled_step.scaler_unscale(self, optimizer)
         elif self._enabled:
+            if optimizer.__dict__.get("_fusedamp_release") is not None:
+                raise RuntimeError("fusedamp.GradScaler.unscale_: release_gradients stepped and "
+                                   "freed them in backward; clip with clipping='per_parameter'")
             self._require_scale("unscale_")
             params = [p for g in optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
@@ -142,6 +146,8 @@ class GradScaler:
         """Steps the optimizer unless its gradients hold inf/NaN; returns what its step
         returns. Protocol optimizers decide that on the device (no sync); others after a
         host read of found_inf, like torch."""
+        if optimizer.__dict__.get("_fusedamp_release") is not None:
+            return optimizer.step(*args, **kwargs)  # stepped inside backward: a no-op
         if not self._enabled:
             if isinstance(optimizer, FusedOptimizer):
                 optimizer._fusedamp_scaler = weakref.ref(self)  # its grad_norm_history()
@@ -213,6 +219,7 @@ class GradScaler:
         """Updates the scale from this iteration's overflow checks (or sets it)."""
         if not self._enabled:
             return
+        self._updates += 1
         if compiled_step.available and torch.compiler.is_compiling():
             compiled_step.scaler_update(self, new_scale)
         elif new_scale is None:
@@ -343,6 +350,7 @@ class GradScaler:
         self._records_telemetry = self._engine.has_telemetry()
         self._step_target = compiled_step.make_target(self)
         self._torch_step_targets = {}
+        self._updates = 0
         if state_dict:
             self.load_state_dict(state_dict)
 

@@ -121,6 +121,9 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def step(self, *args, **kwargs):
         """step(closure=None): one fused step; under a loss scaler (torch's AMP protocol) a
         scaled one."""
+        release = self.__dict__.get("_fusedamp_release")
+        if release is not None:  # fusedamp.release_gradients: stepped inside backward
+            return release.step_called(*args, **kwargs)
         if compiled_step.available and torch.compiler.is_compiling():
             return compiled_step.optimizer_step(self, args, kwargs)
         if args or kwargs or _step_hooks_of(self):
@@ -227,7 +230,7 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_engine", "_pre_state", "_synced_options", "_fusedamp_scaler",
-                              "_partition_of", "_step_target")}
+                              "_partition_of", "_step_target", "_fusedamp_release")}
         state["_engine_state"] = self.state_dict()
         return state
 
