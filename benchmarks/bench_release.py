@@ -10,13 +10,14 @@ registered before the release hooks, sums the gradients alive each time one arri
 Activations, the same in both modes, are not counted. torch's CPU allocator keeps no
 statistics, so storages are what is measured.
 
-Time: forward + backward + step of a small GPT-2, both modes taking turns, median wall and CPU
-time (time.process_time) per iteration and the median of the per-round ratios.
+Time: forward + backward + step of a small GPT-2 and of the 124M shape, both modes taking turns,
+median wall and CPU time (time.process_time) per iteration and the median of the per-round ratios.
 
     PYTHONPATH=python python3 benchmarks/bench_release.py [--rounds 15] [--threads 1]
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -128,7 +129,7 @@ def measure_memory(rows, doc):
                    "bytes": parts, "held_B_per_param": total / n,
                    "peak_grads_B_per_param": s.peak_grads / n,
                    "peak_in_backward_B_per_param": (weights_state + s.peak_grads) / n,
-                   "seconds_per_iteration": secs, "last_loss": float(loss)}
+                   "seconds_per_iteration": secs, "last_loss": loss.item()}
             doc["memory"].append(row)
             rows.append([name, row["mode"], f"{n:,}"] +
                         [f"{parts.get(k, 0) / n:.3f}" for k in ("weights", "grads")] +
@@ -143,23 +144,31 @@ def measure_memory(rows, doc):
             del s
 
 
+# The iteration-time models: a small GPT-2, where the hooks' host cost shows most, and the
+# 124M shape (fewer rounds: an iteration takes seconds).
+TIME_SHAPES = {"GPT-2, 4 layers, width 256, vocab 4096": (dict(
+    vocab_size=4096, n_positions=128, n_embd=256, n_layer=4, n_head=4), 1.0),
+    "GPT-2 124M": ({}, 1 / 3)}
+
+
 def measure_time(args, doc):
-    shape = dict(vocab_size=4096, n_positions=128, n_embd=256, n_layer=4, n_head=4)
     out = []
-    for name, config in CONFIGS.items():
+    for (model, (shape, share)), (name, config) in itertools.product(TIME_SHAPES.items(),
+                                                                     CONFIGS.items()):
+        rounds = max(3, round(args.rounds * share))
         setups = {m: Setup(config, m == "release", **shape) for m in ("normal", "release")}
         for s in setups.values():
             s.attach()
         wall = {m: [] for m in setups}
         cpu = {m: [] for m in setups}
-        for r in range(args.rounds + 2):
+        for r in range(rounds + 2):
             for m in (("normal", "release") if r % 2 == 0 else ("release", "normal")):
                 t0, c0 = time.perf_counter(), time.process_time()
                 setups[m].iteration(r)
                 if r >= 2:  # two warm-up rounds
                     wall[m].append(time.perf_counter() - t0)
                     cpu[m].append(time.process_time() - c0)
-        row = {"config": name, "shape": shape}
+        row = {"model": model, "config": name, "shape": shape, "rounds": rounds}
         for m in setups:
             row[f"{m}_wall_ms"] = 1e3 * statistics.median(wall[m])
             row[f"{m}_cpu_ms"] = 1e3 * statistics.median(cpu[m])
@@ -168,11 +177,12 @@ def measure_time(args, doc):
         row["paired_cpu_ratio"] = statistics.median(
             a / b for a, b in zip(cpu["release"], cpu["normal"]))
         doc["time"].append(row)
-        out.append([name, f"{row['normal_wall_ms']:.1f}", f"{row['release_wall_ms']:.1f}",
+        out.append([model, name, rounds, f"{row['normal_wall_ms']:.1f}", f"{row['release_wall_ms']:.1f}",
                     f"{row['paired_wall_ratio']:.3f}", f"{row['normal_cpu_ms']:.1f}",
                     f"{row['release_cpu_ms']:.1f}", f"{row['paired_cpu_ratio']:.3f}"])
         print(row, flush=True)
-    return out, shape
+        del setups
+    return out
 
 
 def header(title, script, doc):
@@ -206,7 +216,7 @@ def main():
            "memory": [], "time": []}
     mem_rows = []
     measure_memory(mem_rows, doc)
-    time_rows, shape = measure_time(args, doc)
+    time_rows = measure_time(args, doc)
     md = header("# Gradient release: memory per parameter and iteration time (CPU)", __file__,
                 doc) + [
           "## Memory held, bytes per parameter (GPT-2 124M shape, after 2 iterations)", "",
@@ -217,11 +227,11 @@ def main():
     md += res.table(["config", "mode", "params", "weights", "grads", "state", "held",
                      "peak grads in backward", "peak in backward"],
                     "lllrrrrrr", mem_rows)
-    md += ["", f"## Iteration time, forward + backward + step (GPT-2 {shape}, batch 1 x 32)", "",
-           f"Median of {args.rounds} rounds after 2, the modes taking turns (the order "
+    md += ["", "## Iteration time, forward + backward + step (batch 1 x 32 tokens)", "",
+           "Median over the rounds after 2 warm-up rounds, the modes taking turns (the order "
            "alternating each round); ratio: median of the per-round release / normal.", ""]
-    md += res.table(["config", "normal ms", "release ms", "ratio", "normal CPU ms",
-                     "release CPU ms", "CPU ratio"], "lrrrrrr", time_rows)
+    md += res.table(["model", "config", "rounds", "normal ms", "release ms", "ratio",
+                     "normal CPU ms", "release CPU ms", "CPU ratio"], "llrrrrrrr", time_rows)
     write(args, "release_cpu", doc, md)
 
 
