@@ -254,8 +254,24 @@ void Optimizer::step_amp(const at::Tensor& grad_scale, const at::Tensor& found_i
   apply_update(grad_scale, found_inf, /*scaled=*/true);
 }
 
-void Optimizer::step_released(const at::Tensor& grad_scale, const at::Tensor& found_inf_sum,
-                              GradTelemetrySink* telemetry) {
+void Optimizer::step_released(const at::Tensor& param, const at::Tensor& grad_scale,
+                              const at::Tensor& found_inf_sum, GradTelemetrySink* telemetry) {
+  TORCH_CHECK(param.defined() && param.grad().defined(), "fusedamp::optim::", kind(),
+              ": step_released: the parameter has no gradient");
+  bool member = false;
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+    const auto& params = param_groups_[gi].params();
+    for (size_t j = 0; j < params.size(); ++j) {
+      const bool same = params[j].is_same(param);
+      member = member || same;
+      TORCH_CHECK(same || !params[j].grad().defined(), "fusedamp::optim::", kind(),
+                  ": step_released: parameter ", j, " of param group ", gi,
+                  " holds a gradient besides the one being stepped (released gradients are "
+                  "freed by their own step: clear it with zero_grad(set_to_none=True))");
+    }
+  }
+  TORCH_CHECK(member, "fusedamp::optim::", kind(),
+              ": step_released: the parameter is not one of this optimizer's");
   at::NoGradGuard no_grad;
   if (!gather(/*within_step=*/true)) {
     return;

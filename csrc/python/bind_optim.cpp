@@ -240,14 +240,15 @@ void bind_optim(py::module_& m) {
           py::arg("record_as") = py::none())
       .def(
           "step_released",
-          [](Optimizer& o, const std::optional<at::Tensor>& grad_scale,
+          [](Optimizer& o, const at::Tensor& param, const std::optional<at::Tensor>& grad_scale,
              const std::optional<at::Tensor>& found_inf_sum, GradScaler* telemetry_of) {
             GradTelemetrySink* sink = telemetry_of ? telemetry_of->telemetry_sink() : nullptr;
             py::gil_scoped_release no_gil;
-            o.step_released(tensor_or_undefined(grad_scale), tensor_or_undefined(found_inf_sum),
-                            sink);
+            o.step_released(param, tensor_or_undefined(grad_scale),
+                            tensor_or_undefined(found_inf_sum), sink);
           },
-          py::arg("grad_scale"), py::arg("found_inf_sum"), py::arg("telemetry_of") = nullptr)
+          py::arg("param"), py::arg("grad_scale"), py::arg("found_inf_sum"),
+          py::arg("telemetry_of") = nullptr)
       // The phases, for front ends that put collectives between them (distributed.py).
       .def("gather_grads", &Optimizer::gather_grads)
       .def(

@@ -130,7 +130,7 @@ class ReleaseHandle:
             self._open_iteration(p)
         elif not self._in_backward:
             self._begin_unscaled()
-        self._optimizer._engine.step_released(self._grad_scale, self._found_inf,
+        self._optimizer._engine.step_released(p, self._grad_scale, self._found_inf,
                                               self._telemetry_of)
         p.grad = None
 

@@ -315,6 +315,18 @@ def test_accumulation_is_refused_before_the_second_backward_steps_anything():
     assert all(s["step"].item() == 2 for s in opt.state.values())
 
 
+def test_a_gradient_no_hook_frees_is_refused_before_anything_is_stepped():
+    model, opt, scaler = bad_combinations()
+    with fusedamp.release_gradients(model, opt, scaler):
+        release_iteration(model, scaler, 0)
+        first = list(model.parameters())[0]  # its gradient arrives last in backward
+        first.grad = torch.ones_like(first)
+        before = snapshot(model, opt)
+        with pytest.raises(RuntimeError, match="holds a gradient besides.*zero_grad"):
+            scaler.scale(loss_of(model, 1)).backward()
+        assert_same_bits(before, snapshot(model, opt))
+
+
 def test_unscale_is_refused_and_step_warns_once_and_does_nothing():
     model, opt, scaler = bad_combinations()
     with fusedamp.release_gradients(model, opt, scaler):

@@ -70,17 +70,18 @@ class Optimizer : public torch::optim::Optimizer {
   void step_amp(const at::Tensor& grad_scale, const at::Tensor& found_inf,
                 GradTelemetrySink* telemetry = nullptr);
 
-  // A step of the parameters that hold a gradient now, for gradient release (a step inside
-  // backward, each parameter's once its gradient is accumulated, the gradient freed after):
-  // step_amp's step, except that the skip is decided by these gradients alone, so a parameter
-  // stepped earlier in the iteration stands and one stepped later is not held back. The call's
-  // flag (1 when it skipped) is added into `found_inf_sum` (a loss scaler's flag of the
-  // iteration: it backs off when any call skipped), and the unscaled gradient is not written
-  // back (it is about to be freed). grad_scale undefined: an unscaled step, checked as step()
-  // checks (skip_nonfinite); found_inf_sum may be undefined. Groups with max_grad_norm clip
-  // by the norm of these gradients alone. Never syncs.
-  void step_released(const at::Tensor& grad_scale, const at::Tensor& found_inf_sum,
-                     GradTelemetrySink* telemetry = nullptr);
+  // The step of one parameter, `param`, for gradient release (a step inside backward, each
+  // parameter's once its gradient is accumulated, the gradient freed after): step_amp's step,
+  // except that the skip is decided by this gradient alone, so a parameter stepped earlier in
+  // the iteration stands and one stepped later is not held back. The call's flag (1 when it
+  // skipped) is added into `found_inf_sum` (a loss scaler's flag of the iteration: it backs off
+  // when any call skipped), and the unscaled gradient is not written back (it is about to be
+  // freed). grad_scale undefined: an unscaled step, checked as step() checks (skip_nonfinite);
+  // found_inf_sum may be undefined. Groups with max_grad_norm clip by this gradient's norm.
+  // Throws, changing nothing, unless `param` is the one parameter holding a gradient (another
+  // one's would be taken again by every later call). Never syncs.
+  void step_released(const at::Tensor& param, const at::Tensor& grad_scale,
+                     const at::Tensor& found_inf_sum, GradTelemetrySink* telemetry = nullptr);
 
   // ---- the phases of a step, in order (see the top of this file) ----------------------------
   // Front ends that put collectives between the phases call them one by one.
