@@ -174,7 +174,7 @@ def main():
     md = header("# Gradient release: training loss against the normal step (CPU)", __file__,
                 doc) + [
           f"Character-level GPT-2 on the repository's docs, context {CONTEXT}, batch {BATCH}, "
-          "AdamW (lr 2e-3), seeds 0..{args.seeds - 1} (mean ± standard "
+          f"AdamW (lr 2e-3), seeds 0..{args.seeds - 1} (mean ± standard "
           "deviation over seeds). Train: mean of the last 30 steps' losses; held-out: 8 "
           "batches of the last 10 % of the text.", "", "## Loss, normal and release mode", ""]
     md += res.table(["model", "steps", "dtype", "mode", "train loss", "held-out loss",

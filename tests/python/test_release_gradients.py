@@ -199,6 +199,20 @@ def test_hysteresis_and_telemetry_see_the_release_iterations():
     assert log["amax"][0] == ref_log["amax"][0]
 
 
+def test_the_amax_policy_moves_the_scale_as_in_the_normal_mode():
+    runs = []
+    for release in (False, True):
+        model, opt, _ = make(torch.float16, AdamW, {}, False)
+        scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 4, policy="amax")
+        handle = fusedamp.release_gradients(model, opt, scaler) if release else None
+        for i in range(3):
+            release_iteration(model, scaler, i) if handle else normal_iteration(model, opt,
+                                                                                scaler, i)
+        runs.append((scaler.get_scale(), scaler.telemetry()["amax"]))
+    assert runs[0] == runs[1]
+    assert runs[0][0] > 2.0 ** 4  # the policy moved it, from the amax every pass measured
+
+
 @pytest.mark.parametrize("first", ["normal", "release"])
 def test_checkpoints_round_trip_between_the_modes(first):
     cfg = (torch.bfloat16, AdamW, dict(master_weights="split8", state_dtype=torch.int8), True)
