@@ -146,8 +146,6 @@ class GradScaler:
         """Steps the optimizer unless its gradients hold inf/NaN; returns what its step
         returns. Protocol optimizers decide that on the device (no sync); others after a
         host read of found_inf, like torch."""
-        if optimizer.__dict__.get("_fusedamp_release") is not None:
-            return optimizer.step(*args, **kwargs)  # stepped inside backward: a no-op
         if not self._enabled:
             if isinstance(optimizer, FusedOptimizer):
                 optimizer._fusedamp_scaler = weakref.ref(self)  # its grad_norm_history()
@@ -156,6 +154,8 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if compiled_step.available and torch.compiler.is_compiling():
             return compiled_step.scaler_step(self, optimizer, args, kwargs)
+        if optimizer.__dict__.get("_fusedamp_release") is not None:
+            return optimizer.step(*args, **kwargs)  # stepped inside backward: a no-op
         self._require_scale("step")
         key = id(optimizer)
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -219,16 +219,16 @@ class GradScaler:
         """Updates the scale from this iteration's overflow checks (or sets it)."""
         if not self._enabled:
             return
-        self._updates += 1
         if compiled_step.available and torch.compiler.is_compiling():
             compiled_step.scaler_update(self, new_scale)
-        elif new_scale is None:
+            return
+        self._updates += 1
+        if new_scale is None:
             self._engine.update()
+        elif isinstance(new_scale, torch.Tensor):
+            self._engine.update_to_tensor(new_scale)  # copied on the device, no sync
         else:
-            if isinstance(new_scale, torch.Tensor):
-                self._engine.update_to_tensor(new_scale)  # copied on the device, no sync
-            else:
-                self._engine.update_to(float(new_scale))
+            self._engine.update_to(float(new_scale))
 
     # ---- reading the state (syncs only where it says so) ----------------------------------
     def get_scale(self):

@@ -121,11 +121,11 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     def step(self, *args, **kwargs):
         """step(closure=None): one fused step; under a loss scaler (torch's AMP protocol) a
         scaled one."""
+        if compiled_step.available and torch.compiler.is_compiling():
+            return compiled_step.optimizer_step(self, args, kwargs)
         release = self.__dict__.get("_fusedamp_release")
         if release is not None:  # fusedamp.release_gradients: stepped inside backward
             return release.step_called(*args, **kwargs)
-        if compiled_step.available and torch.compiler.is_compiling():
-            return compiled_step.optimizer_step(self, args, kwargs)
         if args or kwargs or _step_hooks_of(self):
             # Hooks see the arguments exactly as given (torch's wrapper passes them on).
             return self._step_through_torch_wrapper(*args, **kwargs)
