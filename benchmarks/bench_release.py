@@ -177,8 +177,9 @@ def measure_time(args, doc):
         row["paired_cpu_ratio"] = statistics.median(
             a / b for a, b in zip(cpu["release"], cpu["normal"]))
         doc["time"].append(row)
-        out.append([model, name, rounds, f"{row['normal_wall_ms']:.1f}", f"{row['release_wall_ms']:.1f}",
-                    f"{row['paired_wall_ratio']:.3f}", f"{row['normal_cpu_ms']:.1f}",
+        out.append([model, name, rounds, f"{row['normal_wall_ms']:.1f}",
+                    f"{row['release_wall_ms']:.1f}", f"{row['paired_wall_ratio']:.3f}",
+                    f"{row['normal_cpu_ms']:.1f}",
                     f"{row['release_cpu_ms']:.1f}", f"{row['paired_cpu_ratio']:.3f}"])
         print(row, flush=True)
         del setups
