@@ -208,8 +208,7 @@ def write(args, stem, doc, md):
 def main():
     ap = res.parser(__doc__)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1, help="1: on a shared 2-core machine, "
-                    "OpenMP's threads wait for each other at every op")
+    res.add_threads(ap)
     res.add_output(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -132,8 +132,7 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the "
                     "model's, 300 or 100)")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="1: on a shared 2-core machine, "
-                    "OpenMP's threads wait for each other at every op")
+    res.add_threads(ap)
     res.add_output(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -25,6 +25,12 @@ def add_output(ap, default=RESULTS, help_out="output folder (default benchmarks/
     ap.add_argument("--no-files", action="store_true", help="print the tables, write no files")
 
 
+def add_threads(ap, default=1):
+    """--threads N (torch.set_num_threads); 1 by default: on a shared 2-core machine OpenMP's
+    threads wait for each other at every op."""
+    ap.add_argument("--threads", type=int, default=default, help="torch.set_num_threads")
+
+
 def out_dir(args, quick=False) -> Path | None:
     """Where the files go: --out, else benchmarks/results unless this is a smoke run (quick)
     or --no-files; None: write nothing."""
