@@ -141,7 +141,8 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 
 // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; or, with
 // moment_scales, the two moments as int8 / uint8 codes (quantized_kernel.cu).
-void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
+template <>
+void step<math::Adam>(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
   if (!step.block_scales.empty()) {
     adam_quantized(step, s);
   } else {

@@ -4,9 +4,7 @@
 // is called. Everything is enqueued on the current stream; nothing waits for the device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
-#include <fusedamp/math/adam_math.h>
 #include <fusedamp/math/scale_math.h>
-#include <fusedamp/math/sgd_math.h>
 #include <fusedamp/ops.h>
 
 #include <optional>
@@ -44,12 +42,20 @@ void account_step(const ops::AccountStep& op);
 void update_scale(const ops::UpdateScale& op, const math::ScaleHyper& h);
 void advance_steps(at::TensorList steps, const float* found_inf);
 
-// adam_kernel.cu, sgd_kernel.cu: a step (ops/step_lists.h) with its scalars' device pointers.
-void adam(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
-void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
+// A step (ops/step_lists.h) with its scalars' device pointers, for every algorithm of ops.h's
+// FUSEDAMP_STEP_ALGORITHMS: by its own kernel file (own: <algorithm>_kernel.cu) or by
+// step_kernel.cu (generic). Each advances the step counts (advance_steps).
+template <typename Algorithm>
+void step(const Step<typename Algorithm::Hyper>& step, const StepScalarPointers& s);
+#define FUSEDAMP_DECLARE_CUDA_STEP_KERNEL(Algorithm, Op, op, kernels) \
+  template <>                                                        \
+  void step<math::Algorithm>(const Step<math::Algorithm::Hyper>& step, \
+                             const StepScalarPointers& s);
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CUDA_STEP_KERNEL)
+#undef FUSEDAMP_DECLARE_CUDA_STEP_KERNEL
 // quantized_kernel.cu: the kernels for a quantized state (step.block_scales given): Adam's
-// int8 exp_avgs and uint8 exp_avg_sqs, SGD's int8 momentum buffers; adam() and sgd() call
-// them. They advance no step count.
+// int8 exp_avgs and uint8 exp_avg_sqs, SGD's int8 momentum buffers; step<math::Adam> and
+// step<math::Sgd> call them. They advance no step count.
 void adam_quantized(const Step<math::AdamHyper>& step, const StepScalarPointers& s);
 void sgd_quantized(const Step<math::SgdHyper>& step, const StepScalarPointers& s);
 

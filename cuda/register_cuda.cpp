@@ -45,14 +45,10 @@ struct CudaOps {
     cuda::account_step(op);
   }
 
-  static void adam_step(const Step<math::AdamHyper>& step) {
+  template <typename Algorithm>
+  static void step(const Step<typename Algorithm::Hyper>& step) {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
-    adam(step, step.scalar_pointers());
-  }
-
-  static void sgd_step(const Step<math::SgdHyper>& step) {
-    const c10::cuda::CUDAGuard guard(step.params[0].device());
-    sgd(step, step.scalar_pointers());
+    cuda::step<Algorithm>(step, step.scalar_pointers());
   }
 };
 

@@ -110,7 +110,8 @@ void launch(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
 
 // The state list: the momentum buffers, where there is momentum; with momentum_scales, int8
 // codes (quantized_kernel.cu).
-void sgd(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
+template <>
+void step<math::Sgd>(const Step<math::SgdHyper>& step, const StepScalarPointers& s) {
   if (!step.block_scales.empty()) {
     sgd_quantized(step, s);
   } else {

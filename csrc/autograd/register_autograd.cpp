@@ -50,7 +50,7 @@ bool writes(const Op& op, size_t index, const char* name) {
   if (!written_in_schema<Op>()[index]) {
     return false;
   }
-  if constexpr (std::is_same_v<Op, ops::AdamStep> || std::is_same_v<Op, ops::SgdStep>) {
+  if constexpr (ops::IsStepOp<Op>::value) {
     if (std::strcmp(name, "grads") == 0) {
       return op.shared.write_back_grads;
     }

@@ -103,10 +103,13 @@ struct AdamLists {
 
 }  // namespace
 
-// Quantized moments take no AMSGrad (the checks refuse it).
-void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
-          const math::AdamHyper& h) {
-  step_lists_by_format<AdamLists>(step, state_dtype, amsgrad, h);
+// The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; int8 exp_avgs
+// are quantized moments (the rows' third address: their block scales), which take no AMSGrad
+// (the checks refuse it).
+template <>
+void step<math::Adam>(const CpuStep& step, at::ScalarType state_dtype, size_t state_lists,
+                      const math::AdamHyper& h) {
+  step_lists_by_format<AdamLists>(step, state_dtype, /*amsgrad=*/state_lists == 3, h);
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

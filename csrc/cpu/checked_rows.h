@@ -9,7 +9,8 @@
 
 namespace fusedamp::cpu {
 
-void adam_step_on_checked_rows(const ops::AdamStep& args, StepRows& rows);
-void sgd_step_on_checked_rows(const ops::SgdStep& args, StepRows& rows);
+// Defined for every operator of ops.h's FUSEDAMP_STEP_ALGORITHMS.
+template <typename Op>
+void step_on_checked_rows(const Op& args, StepRows& rows);
 
 }  // namespace fusedamp::cpu

@@ -5,9 +5,9 @@
 // validated (ops/checks.h) before any of these is called.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
-#include <fusedamp/math/adam_math.h>
-#include <fusedamp/math/sgd_math.h>
+#include <fusedamp/ops.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -68,6 +68,22 @@ struct GradTelemetry {
   int64_t first_nonfinite = -1;  // list position; -1: none
 };
 
+// A step algorithm's kernel (its descriptor's Hyper): the rows' state addresses are its
+// state lists (state_lists of them, of state_dtype; FP32 where there are none), and with
+// 8-bit state (state_dtype int8) the one after them their block scales.
+template <typename Algorithm>
+using StepKernel = void (*)(const CpuStep& step, at::ScalarType state_dtype, size_t state_lists,
+                            const typename Algorithm::Hyper& h);
+
+template <typename List>
+struct StepKernelsOf;
+template <typename... Algorithms>
+struct StepKernelsOf<ops::detail::TypeList<Algorithms...>> {
+  using type = std::tuple<StepKernel<Algorithms>...>;
+};
+// One kernel per algorithm of ops.h's FUSEDAMP_STEP_ALGORITHMS.
+using StepKernels = typename StepKernelsOf<ops::StepAlgorithms>::type;
+
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite. With sum_sq, also what
   // grad_stats adds to *sum_sq and *telemetry (optional), of the values before unscaling.
@@ -77,35 +93,51 @@ struct KernelTable {
   // fills *telemetry when given. Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
                      GradTelemetry* telemetry);
-  // The rows' state addresses are exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq, of
-  // state_dtype.
-  void (*adam)(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,
-               const math::AdamHyper& h);
-  // With momentum, the rows' first state address is the momentum buffer, of state_dtype
-  // (without momentum, state_dtype is FP32 and names nothing); int8: codes, and the second
-  // address their block scales.
-  void (*sgd)(const CpuStep& step, bool momentum, at::ScalarType state_dtype,
-              const math::SgdHyper& h);
+  StepKernels steps;
+
+  template <typename Algorithm>
+  StepKernel<Algorithm> step() const {
+    return std::get<StepKernel<Algorithm>>(steps);
+  }
 };
 
+// Each instruction set's kernels: step<Algorithm> is defined for every algorithm of the list,
+// by its own kernel file (own: cpu/<algorithm>_kernel.cpp) or by cpu/step_kernel.cpp
+// (generic).
+#define FUSEDAMP_DECLARE_CPU_STEP_KERNEL(Algorithm, Op, op, kernels)                         \
+  template <>                                                                                \
+  void step<math::Algorithm>(const CpuStep& s, at::ScalarType state_dtype, size_t state_lists, \
+                             const math::Algorithm::Hyper& h);
 #define FUSEDAMP_DECLARE_CPU_KERNELS(NS)                                                     \
   namespace NS {                                                                             \
   bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,              \
                          GradTelemetry* telemetry);                                          \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,           \
                   GradTelemetry* telemetry);                                                 \
-  void adam(const CpuStep& step, at::ScalarType state_dtype, bool amsgrad,                 \
-            const math::AdamHyper& h);                                                       \
-  void sgd(const CpuStep& step, bool momentum, at::ScalarType state_dtype,                 \
-           const math::SgdHyper& h);                                                       \
+  template <typename Algorithm>                                                              \
+  void step(const CpuStep& s, at::ScalarType state_dtype, size_t state_lists,               \
+            const typename Algorithm::Hyper& h);                                             \
+  FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CPU_STEP_KERNEL)                                 \
+  /* the table's entries, in the list's order */                                             \
+  template <typename... Algorithms>                                                          \
+  StepKernels step_kernels(ops::detail::TypeList<Algorithms...>) {                           \
+    return StepKernels{&step<Algorithms>...};                                                \
+  }                                                                                          \
+  inline KernelTable kernel_table() {                                                        \
+    return KernelTable{unscale_and_check, grad_stats, step_kernels(ops::StepAlgorithms{})};  \
+  }                                                                                          \
   }
 
+#if defined(CPU_CAPABILITY)  // a kernel file, compiled for one instruction set: its own
+FUSEDAMP_DECLARE_CPU_KERNELS(CPU_CAPABILITY)
+#else  // the library, which chooses among them (kernels())
 FUSEDAMP_DECLARE_CPU_KERNELS(DEFAULT)
 #if defined(FUSEDAMP_HAVE_AVX2)
 FUSEDAMP_DECLARE_CPU_KERNELS(AVX2)
 #endif
 #if defined(FUSEDAMP_HAVE_AVX512)
 FUSEDAMP_DECLARE_CPU_KERNELS(AVX512)
+#endif
 #endif
 
 // The table for the running CPU (chosen once).

@@ -29,17 +29,15 @@ const KernelTable& kernels() {
     const std::string cap = at::get_cpu_capability();
 #if defined(FUSEDAMP_HAVE_AVX512)
     if (cap == "AVX512") {
-      return KernelTable{AVX512::unscale_and_check, AVX512::grad_stats, AVX512::adam,
-                         AVX512::sgd};
+      return AVX512::kernel_table();
     }
 #endif
 #if defined(FUSEDAMP_HAVE_AVX2)
     if (cap == "AVX512" || cap == "AVX2") {
-      return KernelTable{AVX2::unscale_and_check, AVX2::grad_stats, AVX2::adam, AVX2::sgd};
+      return AVX2::kernel_table();
     }
 #endif
-    return KernelTable{DEFAULT::unscale_and_check, DEFAULT::grad_stats, DEFAULT::adam,
-                       DEFAULT::sgd};
+    return DEFAULT::kernel_table();
   }();
   return table;
 }
@@ -225,36 +223,30 @@ struct CpuOps {
   // The step kernels walk the element addresses the checks take (step_lists.h).
   static constexpr bool kTakesRows = true;
 
-  static void adam_step(const Step<math::AdamHyper>& step) {
-    // The state lists: exp_avgs, exp_avg_sqs, and with AMSGrad its running maxima; int8
-    // exp_avgs are quantized moments (the rows' third address: their block scales).
-    const bool amsgrad = step.state.count == 3;
-    run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().adam(cpu_step, step.state.lists[0][0].scalar_type(), amsgrad, step.hyper);
-    });
-  }
-
-  static void sgd_step(const Step<math::SgdHyper>& step) {
-    // The state list: the momentum buffers, where there is momentum; int8 buffers are
-    // quantized (the rows' second address: their block scales).
-    const bool momentum = step.state.count != 0;
+  // Every algorithm's step: its kernel for this CPU over the rows, with its state lists'
+  // dtype (FP32 where it has none) and number.
+  template <typename Algorithm>
+  static void step(const Step<typename Algorithm::Hyper>& step) {
+    const size_t lists = step.state.count;
     const at::ScalarType state_dtype =
-        momentum ? step.state.lists[0][0].scalar_type() : at::kFloat;
+        lists != 0 ? step.state.lists[0][0].scalar_type() : at::kFloat;
     run_step(step, [&](const CpuStep& cpu_step) {
-      kernels().sgd(cpu_step, momentum, state_dtype, step.hyper);
+      kernels().step<Algorithm>()(cpu_step, state_dtype, lists, step.hyper);
     });
   }
 };
 
 }  // namespace
 
-void adam_step_on_checked_rows(const ops::AdamStep& args, StepRows& rows) {
-  kernels::run_step_on_checked_rows(args, rows, &CpuOps::adam_step);
+template <typename Op>
+void step_on_checked_rows(const Op& args, StepRows& rows) {
+  kernels::run_step_on_checked_rows(args, rows, &CpuOps::step<AlgorithmOf<Op>>);
 }
 
-void sgd_step_on_checked_rows(const ops::SgdStep& args, StepRows& rows) {
-  kernels::run_step_on_checked_rows(args, rows, &CpuOps::sgd_step);
-}
+#define FUSEDAMP_CPU_STEP_ON_CHECKED_ROWS(Algorithm, Op, op, kernels) \
+  template void step_on_checked_rows(const ops::Op& args, StepRows& rows);
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_CPU_STEP_ON_CHECKED_ROWS)
+#undef FUSEDAMP_CPU_STEP_ON_CHECKED_ROWS
 
 }  // namespace fusedamp::cpu
 

@@ -65,12 +65,15 @@ struct SgdLists {
 
 }  // namespace
 
-// Quantized momentum buffers come with momentum != 0 (the checks). Without momentum there are
-// no buffers and the caller passes FP32. Whether there are is the state list's say (momentum
-// != 0 in double), not the FP32 hyper-parameter's, which a momentum below 2^-150 rounds to 0.
-void sgd(const CpuStep& step, bool momentum, at::ScalarType state_dtype,
-         const math::SgdHyper& h) {
-  step_lists_by_format<SgdLists>(step, state_dtype, momentum, h);
+// The state list: the momentum buffers, where there is momentum; int8 buffers are quantized
+// (the rows' second address: their block scales), and come with momentum != 0 (the checks).
+// Without momentum there are no buffers and the state dtype is FP32. Whether there are is the
+// state list's say (momentum != 0 in double), not the FP32 hyper-parameter's, which a momentum
+// below 2^-150 rounds to 0.
+template <>
+void step<math::Sgd>(const CpuStep& step, at::ScalarType state_dtype, size_t state_lists,
+                     const math::SgdHyper& h) {
+  step_lists_by_format<SgdLists>(step, state_dtype, /*momentum=*/state_lists != 0, h);
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -13,8 +13,8 @@ namespace fusedamp::cpu::CPU_CAPABILITY {
 
 // The weights a step kernel updates, as FP32 lanes (the CPU twin of cuda/step_weights.cuh), for
 // each way of storing them (static_switch.h WeightStore):
-//   kParams         the params themselves are read and written;
-//   kMaster         the FP32 master is read, both are written; kMasterAdoptingEdits reads the
+//   kOff            the params themselves are read and written;
+//   kFp32           the FP32 master is read, both are written; kMasterAdoptingEdits reads the
 //                   param too: where it is not the master's rounding, math::weight_to_update
 //                   starts from the param;
 //   kSplit          BF16 param + int16 remainder = the master (math/split_math.h);
@@ -34,7 +34,7 @@ struct StepWeights {
   // The streams of the pair kPrefetchAhead elements past i (vec_io.h prefetch_pair_ahead).
   C10_ALWAYS_INLINE void prefetch_ahead(int64_t i) const {
     prefetch_pair_ahead(param + i);
-    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+    if constexpr (kStore == WeightStore::kFp32 || kStore == WeightStore::kMasterAdoptingEdits) {
       prefetch_pair_ahead(static_cast<const float*>(extra) + i);
     } else if constexpr (is_split_store(kStore)) {
       prefetch_pair_ahead(static_cast<const SplitRemainder<kStore>*>(extra) + i);
@@ -44,7 +44,7 @@ struct StepWeights {
   }
 
   inline void load(int64_t i, int64_t n, Vec& a, Vec& b) const {
-    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+    if constexpr (kStore == WeightStore::kFp32 || kStore == WeightStore::kMasterAdoptingEdits) {
       PairIO<float>::load(static_cast<float*>(extra) + i, n, a, b);
       if constexpr (kStore == WeightStore::kMasterAdoptingEdits) {
         Vec pa, pb, ra = a, rb = b;
@@ -82,13 +82,13 @@ struct StepWeights {
       PairIO<TP>::round_trip(ra, rb);
       a = math::kahan_weight(a, sa, ra);
       b = math::kahan_weight(b, sb, rb);
-    } else {  // kParams, kStochastic
+    } else {  // kOff, kStochastic
       PairIO<TP>::load(param + i, n, a, b);
     }
   }
 
   inline void store(int64_t i, int64_t n, const Vec& a, const Vec& b) const {
-    if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+    if constexpr (kStore == WeightStore::kFp32 || kStore == WeightStore::kMasterAdoptingEdits) {
       PairIO<float>::store(static_cast<float*>(extra) + i, n, a, b);
       PairIO<TP>::store(param + i, n, a, b);
     } else if constexpr (is_split_store(kStore)) {
@@ -140,7 +140,7 @@ template <typename TP, WeightStore kStore>
 inline StepWeights<TP, kStore> step_weights(const CpuStep& step, int64_t i, int64_t begin) {
   const StepRow& row = step.rows[i];
   StepWeights<TP, kStore> w{static_cast<TP*>(row.param) + begin, nullptr};
-  if constexpr (kStore == WeightStore::kMaster || kStore == WeightStore::kMasterAdoptingEdits) {
+  if constexpr (kStore == WeightStore::kFp32 || kStore == WeightStore::kMasterAdoptingEdits) {
     w.extra = static_cast<float*>(row.master) + begin;
   } else if constexpr (is_split_store(kStore)) {
     w.extra = static_cast<SplitRemainder<kStore>*>(row.master) + begin;

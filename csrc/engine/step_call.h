@@ -16,7 +16,7 @@
 namespace fusedamp::optim::detail {
 
 // b's lists, the options every algorithm has (o: its group's) and the arguments both step ops
-// take (`in`: one value, passed on whole) into Args (ops::AdamStep or ops::SgdStep); the caller
+// take (`in`: one value, passed on whole) into Args (a step operator's declaration); the caller
 // adds its algorithm's own.
 template <typename Args, typename Options>
 void fill_step(Args& a, const Bucket& b, const Options& o, const ops::StepShared& in) {
@@ -46,13 +46,6 @@ inline bool plain_cpu_call(c10::DispatchKeySet keys) {
          (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
 }
 
-inline void step_on_checked_rows(const ops::AdamStep& a, StepRows& rows) {
-  cpu::adam_step_on_checked_rows(a, rows);
-}
-inline void step_on_checked_rows(const ops::SgdStep& a, StepRows& rows) {
-  cpu::sgd_step_on_checked_rows(a, rows);
-}
-
 // The step op of bucket b. Where this step's walk checked b's rows (a CPU bucket, within a
 // whole step) and the call would reach the CPU kernel, the kernel runs on those rows (under the
 // op's name for the profiler): the op's own walk would read every tensor's metadata again.
@@ -61,7 +54,7 @@ template <typename Args>
 void call_step(const Args& a, const Bucket& b) {
   if (b.rows_checked && plain_cpu_call(b.rows.keys)) {
     RECORD_FUNCTION(Args::kName, std::vector<c10::IValue>());
-    step_on_checked_rows(a, b.rows);
+    cpu::step_on_checked_rows(a, b.rows);
   } else {
     ops::call(a);
   }

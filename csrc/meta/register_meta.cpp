@@ -45,12 +45,10 @@ struct CheckOnlyOps {
   static void account_step(const ops::AccountStep& op) {
     refuse_work(op.kName, op.step_applied);
   }
-  template <typename Hyper>
-  static void step(const Step<Hyper>& step) {
+  template <typename Algorithm>
+  static void step(const Step<typename Algorithm::Hyper>& step) {
     refuse_work(step.op, step.params);
   }
-  static void adam_step(const Step<math::AdamHyper>& s) { step(s); }
-  static void sgd_step(const Step<math::SgdHyper>& s) { step(s); }
 };
 
 }  // namespace

@@ -30,11 +30,10 @@ enum class RowsChecked : uint8_t { kByTheOp, kByTheCaller };
 // derived from it: lists and, when there are params, the device scalars). Returns false for
 // empty lists (a no-op). With step.rows, the op's walk also fills them: one row of element
 // addresses per list position, for the kernels; rows its caller checked (kByTheCaller) are
-// only matched against the lists.
-bool step(const ops::AdamStep& a, Step<math::AdamHyper>& step,
-          RowsChecked rows = RowsChecked::kByTheOp);
-bool step(const ops::SgdStep& a, Step<math::SgdHyper>& step,
-          RowsChecked rows = RowsChecked::kByTheOp);
+// only matched against the lists. Defined for every operator of ops.h's
+// FUSEDAMP_STEP_ALGORITHMS.
+template <typename Op>
+bool step(const Op& a, StepOf<Op>& step, RowsChecked rows = RowsChecked::kByTheOp);
 
 // ---- a caller that checks a step's rows itself -----------------------------------------------
 // The engine reads every parameter and gradient of a step in its gradient walk anyway: it

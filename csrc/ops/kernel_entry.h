@@ -85,9 +85,9 @@ struct takes_rows<Backend, std::void_t<decltype(Backend::kTakesRows)>>
 
 // A step operator: its Step (step_lists.h), checked, to the backend's kernel; empty lists are a
 // no-op (the kernel is not called).
-template <typename Backend, typename Args, typename Hyper>
-void run_step(const Args& op, void (*kernel)(const Step<Hyper>&)) {
-  Step<Hyper> step = step_of(op);
+template <typename Backend, typename Args>
+void run_step(const Args& op, void (*kernel)(const StepOf<Args>&)) {
+  StepOf<Args> step = step_of(op);
   if constexpr (takes_rows<Backend>::value) {
     ScratchVector<StepRow> pooled(0);
     StepRows rows;
@@ -102,24 +102,20 @@ void run_step(const Args& op, void (*kernel)(const Step<Hyper>&)) {
   }
 }
 
-template <typename Backend>
-void run(const ops::AdamStep& op) {
-  run_step<Backend>(op, &Backend::adam_step);
-}
-
-template <typename Backend>
-void run(const ops::SgdStep& op) {
-  run_step<Backend>(op, &Backend::sgd_step);
+// Every step operator of ops.h's list: Backend::step<Algorithm>.
+template <typename Backend, typename Op>
+std::enable_if_t<ops::IsStepOp<Op>::value> run(const Op& op) {
+  run_step<Backend>(op, &Backend::template step<AlgorithmOf<Op>>);
 }
 
 // A step operator's kernel on rows its caller checked itself, this step, with checks::step_row
 // (the engine's gradient walk): the op's other checks run, the rows' do not. Not registered:
 // the dispatcher never comes here; the operator is always run<Backend> above. `rows` are the
 // caller's (their addresses may be retaken: StepRows::needs_mutable_access).
-template <typename Args, typename Hyper>
+template <typename Args>
 void run_step_on_checked_rows(const Args& op, StepRows& rows,
-                              void (*kernel)(const Step<Hyper>&)) {
-  Step<Hyper> step = step_of(op);
+                              void (*kernel)(const StepOf<Args>&)) {
+  StepOf<Args> step = step_of(op);
   step.rows = &rows;
   if (checks::step(op, step, checks::RowsChecked::kByTheCaller)) {
     kernel(step);

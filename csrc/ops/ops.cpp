@@ -34,8 +34,10 @@ void grad_stats_(const GradStats& args) { call(args); }
 void update_scale_(const UpdateScale& args) { call(args); }
 void record_telemetry_(const RecordTelemetry& args) { call(args); }
 void account_step_(const AccountStep& args) { call(args); }
-void adam_step_(const AdamStep& args) { call(args); }
-void sgd_step_(const SgdStep& args) { call(args); }
+#define FUSEDAMP_DEFINE_STEP_CALL(Algorithm, Op, op, kernels) \
+  void op(const Op& args) { call(args); }
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DEFINE_STEP_CALL)
+#undef FUSEDAMP_DEFINE_STEP_CALL
 
 }  // namespace fusedamp::ops
 

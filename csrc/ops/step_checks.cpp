@@ -1,6 +1,6 @@
-// The checks of the step operators, adam_step_ and sgd_step_ (checks.h), on the Step their
-// arguments make (step_lists.h): every list position's tensors, the weight store, the device
-// scalars, and the hyper-parameters of each algorithm.
+// The checks of the step operators (checks.h), on the Step their arguments make
+// (step_lists.h): every list position's tensors, the weight store, the device scalars, and the
+// hyper-parameters of each algorithm (its descriptor's check()).
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -208,7 +208,7 @@ void check_rows(const StepLists& s, const StepFacts& f, StepRows* rows) {
   }
 }
 
-// The list checks of adam_step_ and sgd_step_, then (unless the caller checked them) the rows.
+// The list checks of a step operator, then (unless the caller checked them) the rows.
 template <typename Hyper>
 void check_step_lists(const Step<Hyper>& s, RowsChecked rows) {
   check_lengths(s, /*with_grads=*/true);
@@ -259,29 +259,21 @@ bool check_step(const Args& a, const Step<Hyper>& s, RowsChecked rows) {
   return true;
 }
 
-// The hyper-parameters of each algorithm.
-void check_hyper(const ops::AdamStep& a) {
-  const char* op = a.kName;
-  check_finite_nonneg(op, "lr", a.lr);
-  check_beta(op, "beta1", a.beta1);
-  check_beta(op, "beta2", a.beta2);
-  check_finite_nonneg(op, "eps", a.eps);
-  check_finite_nonneg(op, "weight_decay", a.weight_decay);
-}
-
-void check_hyper(const ops::SgdStep& a) {
-  const char* op = a.kName;
-  check_finite_nonneg(op, "lr", a.lr);
-  check_finite_nonneg(op, "momentum", a.momentum);
-  TORCH_CHECK(hyper::valid_dampening(a.dampening), op, ": invalid dampening ", a.dampening);
-  check_finite_nonneg(op, "weight_decay", a.weight_decay);
-  TORCH_CHECK(hyper::valid_nesterov(a.nesterov, a.momentum, a.dampening), op,
-              ": Nesterov momentum requires momentum > 0 and zero dampening");
-  if (a.momentum == 0.0) {
-    TORCH_CHECK(a.momentum_buffers.empty(), op,
-                ": momentum_buffers must be empty when momentum is 0");
+// The words of an algorithm's hyper-parameter checks (math/<algorithm>_math.h check()), in
+// the operator's messages; the ranges are hyper_params.h's.
+struct HyperCheck {
+  const char* op;
+  void finite_nonneg(const char* name, double v) const { check_finite_nonneg(op, name, v); }
+  void beta(const char* name, double v) const { check_beta(op, name, v); }
+  void dampening(double v) const {
+    TORCH_CHECK(hyper::valid_dampening(v), op, ": invalid dampening ", v);
   }
-}
+  void nesterov(bool nesterov, double momentum, double dampening) const {
+    TORCH_CHECK(hyper::valid_nesterov(nesterov, momentum, dampening), op,
+                ": Nesterov momentum requires momentum > 0 and zero dampening");
+  }
+  void that(bool ok, const char* message) const { TORCH_CHECK(ok, op, ": ", message); }
+};
 
 }  // namespace
 
@@ -321,6 +313,10 @@ StepFacts step_facts(const StepLists& s, c10::ScalarType grad_dtype) {
     TORCH_CHECK(f.state_dtype == at::kChar, op, ": with ", scales, ", ", state.names[0],
                 " must be int8 codes", state.count == 2 ? " (and exp_avg_sqs uint8)" : "",
                 ", got ", f.state_dtype);
+  } else if (*scales == '\0') {  // an algorithm without a quantized state format
+    TORCH_CHECK(f.state_dtype == at::kFloat || f.state_dtype == at::kBFloat16, op, ": ",
+                state.names[0], " have dtype ", f.state_dtype,
+                "; its optimizer state is float32 or bfloat16 (no 8-bit format)");
   } else {
     TORCH_CHECK(f.state_dtype != at::kChar || state.count > 2, op, ": int8 ", state.names[0],
                 " are quantized state; they need their ", scales);
@@ -363,14 +359,17 @@ void prefetch_row(const StepLists& s, size_t i, bool storages) {
   }
 }
 
-bool step(const ops::AdamStep& a, Step<math::AdamHyper>& step, RowsChecked rows) {
-  check_hyper(a);
+template <typename Op>
+bool step(const Op& a, StepOf<Op>& step, RowsChecked rows) {
+  const HyperCheck check{Op::kName};
+  check.finite_nonneg("lr", a.lr);
+  AlgorithmOf<Op>::check(a, check);
   return check_step(a, step, rows);
 }
 
-bool step(const ops::SgdStep& a, Step<math::SgdHyper>& step, RowsChecked rows) {
-  check_hyper(a);
-  return check_step(a, step, rows);
-}
+#define FUSEDAMP_STEP_CHECKS(Algorithm, Op, op, kernels) \
+  template bool step(const ops::Op& a, StepOf<ops::Op>& step, RowsChecked rows);
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_CHECKS)
+#undef FUSEDAMP_STEP_CHECKS
 
 }  // namespace fusedamp::checks

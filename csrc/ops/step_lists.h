@@ -1,5 +1,5 @@
 #pragma once
-// What every fused step walks, whatever its algorithm (adam_step_, sgd_step_): its lists, its
+// What every fused step walks, whatever its algorithm (ops.h FUSEDAMP_STEP_ALGORITHMS): its lists, its
 // optional device scalars, its modes, and, for a backend whose kernels walk host memory (the
 // CPU), one row of element addresses per list position, taken by the argument checks while
 // each tensor's metadata is in cache. kernel_entry.h derives a Step from an operator's
@@ -10,9 +10,7 @@
 #include <c10/core/impl/COWDeleter.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/ArrayRef.h>
-#include <fusedamp/math/adam_math.h>
 #include <fusedamp/math/clip_math.h>
-#include <fusedamp/math/sgd_math.h>
 #include <fusedamp/ops.h>
 
 #include <cstdint>
@@ -165,6 +163,12 @@ struct StepLists {
   const char* block_scales_name = "";
   c10::IntArrayRef rounding_seeds;  // stochastic rounding: one seed per tensor; else empty
   bool with_rounding_seeds;         // given (even empty): the checks judge them
+
+  // An algorithm's block scales argument (its descriptor's lists()), named for messages.
+  void set_block_scales(const char* name, const std::optional<at::TensorList>& scales) {
+    block_scales_name = name;
+    block_scales = scales.value_or(at::TensorList());
+  }
 };
 
 template <typename Hyper>
@@ -206,8 +210,29 @@ struct Step : StepLists {
   }
 };
 
-// The Step of an operator's arguments (kernel_entry.h; checks.cpp checks both).
-Step<math::AdamHyper> step_of(const ops::AdamStep& a);
-Step<math::SgdHyper> step_of(const ops::SgdStep& a);
+// A step operator's algorithm (ops.h StepAlgorithmOf) and its Step.
+template <typename Op>
+using AlgorithmOf = typename ops::StepAlgorithmOf<Op>::type;
+template <typename Op>
+using StepOf = Step<typename AlgorithmOf<Op>::Hyper>;
+
+// The Step of a step operator's arguments (kernel_entry.h; step_checks.cpp checks it): the
+// lists and arguments every step has, then its algorithm's hyper-parameters and lists.
+template <typename Op>
+StepOf<Op> step_of(const Op& a) {
+  StepOf<Op> s{};
+  s.op = Op::kName;
+  s.params = a.params;
+  s.master_params = a.master_params;
+  s.grads = a.grads;
+  s.steps = a.steps;
+  s.hyper = AlgorithmOf<Op>::hyper(a);
+  s.lr = static_cast<float>(a.lr);
+  s.shared = &a.shared;
+  s.with_rounding_seeds = a.rounding_seeds.has_value();
+  s.rounding_seeds = a.rounding_seeds.value_or(c10::IntArrayRef());
+  AlgorithmOf<Op>::lists(a, s);
+  return s;
+}
 
 }  // namespace fusedamp

@@ -18,9 +18,6 @@ import torch
 
 from ._library import _C
 
-__all__ = ["unscale_and_check_", "grad_stats_", "update_scale_", "record_telemetry_",
-           "account_step_", "adam_step_", "sgd_step_"]
-
 
 def _operator(name):
     direct = getattr(_C.ops, name)
@@ -37,10 +34,8 @@ def _operator(name):
     return call
 
 
-unscale_and_check_ = _operator("unscale_and_check_")
-grad_stats_ = _operator("grad_stats_")
-update_scale_ = _operator("update_scale_")
-record_telemetry_ = _operator("record_telemetry_")
-account_step_ = _operator("account_step_")
-adam_step_ = _operator("adam_step_")
-sgd_step_ = _operator("sgd_step_")
+# Every operator _C.ops defines (csrc/schemas.cpp's, in its order; the step operators are the
+# C++ list of step algorithms'), each under its own name here.
+__all__ = [name for name, entry in vars(_C.ops).items()
+           if not name.startswith("_") and callable(entry)]
+globals().update({name: _operator(name) for name in __all__})

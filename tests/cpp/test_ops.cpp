@@ -84,7 +84,9 @@ TEST_CASE("the step ops' shared arguments have one set of schema defaults", "[op
     return out;
   };
   const auto group = defaults(fusedamp::ops::StepShared::kName);
-  for (const char* op : {fusedamp::ops::AdamStep::kName, fusedamp::ops::SgdStep::kName}) {
+#define FUSEDAMP_STEP_OP_NAME(Algorithm, Op, op, kernels) fusedamp::ops::Op::kName,
+  for (const char* op : {FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_OP_NAME)}) {
+#undef FUSEDAMP_STEP_OP_NAME
     const auto own = defaults(op);
     fusedamp::ops::StepShared shared;
     size_t count = 0;

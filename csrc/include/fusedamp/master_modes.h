@@ -68,7 +68,6 @@ struct MasterModes {
 #define FUSEDAMP_MASTER_MODE_ENUMERATOR(mode, code, ...) mode = code,
   enum Mode : uint8_t {
     FUSEDAMP_MASTER_MODES(FUSEDAMP_MASTER_MODE_ENUMERATOR)
-    kMaster = kFp32,  // the kernels' spelling of kFp32 (cpu/step_weights.h)
   };
 #undef FUSEDAMP_MASTER_MODE_ENUMERATOR
 };

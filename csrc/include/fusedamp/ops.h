@@ -14,7 +14,12 @@
 //
 // or, with the arguments in schema order: fusedamp::ops::unscale_and_check_({grads, found_inf,
 // inv_scale}). The lists are views: the tensors they name must outlive the call.
+#include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/sgd_math.h>
 #include <fusedamp/op_declaration.h>
+
+#include <type_traits>
+#include <utility>
 
 namespace fusedamp::ops {
 
@@ -118,18 +123,63 @@ FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
   X(OptTensors, momentum_scales)
 FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 
+// The step algorithms, one row each: every layer loops over this list rather than naming an
+// algorithm (the operators' registration, entry and checks, the CPU, CUDA, Meta and Autograd
+// kernels, the engine's call, fusedamp.ops in Python).
+//   X(Algorithm, Op, op, kernels)
+//   Algorithm  math::Algorithm, its descriptor (math/<algorithm>_math.h): hyper-parameters
+//              from the operator's arguments, their checks, its state lists, its update
+//   Op, op     its operator's declaration above (ops::Op) and name (schemas.cpp defines it)
+//   kernels    own: cpu/<algorithm>_kernel.cpp and cuda/<algorithm>_kernel.cu; generic: the
+//              descriptor's element update in the shared step kernels (cpu/step_kernel.cpp,
+//              cuda/step_kernel.cu)
+#define FUSEDAMP_STEP_ALGORITHMS(X)       \
+  X(Adam, AdamStep, adam_step_, own)      \
+  X(Sgd, SgdStep, sgd_step_, own)
+
 // Every operator, in the order of csrc/schemas.cpp: what registers each kernel and entry.
 template <typename... Ops>
 struct OpList {};
-using AllOps = OpList<UnscaleAndCheck, GradStats, UpdateScale, RecordTelemetry, AccountStep,
-                      AdamStep, SgdStep>;
+namespace detail {
+template <typename... Ops>
+OpList<Ops...> op_list(Lead, Ops...);
+template <typename... A>
+TypeList<A...> algorithm_list(Lead, A...);
+}  // namespace detail
+#define FUSEDAMP_STEP_OP_TYPE(Algorithm, Op, op, kernels) , std::declval<Op>()
+#define FUSEDAMP_STEP_ALGORITHM_TYPE(Algorithm, Op, op, kernels) \
+  , std::declval<::fusedamp::math::Algorithm>()
+using AllOps = decltype(detail::op_list(
+    detail::Lead{}, std::declval<UnscaleAndCheck>(), std::declval<GradStats>(),
+    std::declval<UpdateScale>(), std::declval<RecordTelemetry>(),
+    std::declval<AccountStep>() FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_OP_TYPE)));
+// The descriptors, in the list's order.
+using StepAlgorithms = decltype(detail::algorithm_list(
+    detail::Lead{} FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_ALGORITHM_TYPE)));
+
+// A step operator's algorithm (math::Adam for AdamStep, ...); none for the other operators.
+template <typename Op>
+struct StepAlgorithmOf {};
+#define FUSEDAMP_STEP_ALGORITHM_OF(Algorithm, Op, op, kernels) \
+  template <>                                                 \
+  struct StepAlgorithmOf<Op> {                                \
+    using type = ::fusedamp::math::Algorithm;                 \
+  };
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_ALGORITHM_OF)
+#undef FUSEDAMP_STEP_ALGORITHM_OF
+
+template <typename Op, typename = void>
+struct IsStepOp : std::false_type {};
+template <typename Op>
+struct IsStepOp<Op, std::void_t<typename StepAlgorithmOf<Op>::type>> : std::true_type {};
 
 void unscale_and_check_(const UnscaleAndCheck& args);
 void grad_stats_(const GradStats& args);
 void update_scale_(const UpdateScale& args);
 void record_telemetry_(const RecordTelemetry& args);
 void account_step_(const AccountStep& args);
-void adam_step_(const AdamStep& args);
-void sgd_step_(const SgdStep& args);
+#define FUSEDAMP_DECLARE_STEP_CALL(Algorithm, Op, op, kernels) void op(const Op& args);
+FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_STEP_CALL)
+#undef FUSEDAMP_DECLARE_STEP_CALL
 
 }  // namespace fusedamp::ops

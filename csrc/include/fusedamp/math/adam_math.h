@@ -110,4 +110,38 @@ C10_HOST_DEVICE inline void adam_update(V& p, V& m, V& v, V g, const AdamHyper& 
   p = p - V(c.step_size) * m / denom;
 }
 
+// adam_step_ at the operator boundary (fusedamp/ops.h FUSEDAMP_STEP_ALGORITHMS): its
+// hyper-parameters from the operator's arguments, their checks, its state lists. Its kernels
+// are its own (cpu/adam_kernel.cpp, cuda/adam_kernel.cu): AMSGrad, the bias corrections per
+// tensor and the quantized moments are shaped for speed there.
+struct Adam {
+  using Hyper = AdamHyper;
+
+  template <typename Args>
+  static Hyper hyper(const Args& a) {
+    return make_adam_hyper(a.beta1, a.beta2, a.eps, a.weight_decay, a.decoupled_weight_decay,
+                           a.maximize);
+  }
+
+  // After the lr's check (every algorithm's); `c` words the messages (ops/step_checks.cpp).
+  template <typename Args, typename Check>
+  static void check(const Args& a, const Check& c) {
+    c.beta("beta1", a.beta1);
+    c.beta("beta2", a.beta2);
+    c.finite_nonneg("eps", a.eps);
+    c.finite_nonneg("weight_decay", a.weight_decay);
+  }
+
+  // exp_avgs, exp_avg_sqs[, max_exp_avg_sqs (AMSGrad)]; quantized: moment_scales.
+  template <typename Args, typename Lists>
+  static void lists(const Args& a, Lists& s) {
+    s.state.add("exp_avgs", a.exp_avgs);
+    s.state.add("exp_avg_sqs", a.exp_avg_sqs);
+    if (a.max_exp_avg_sqs.has_value() && !a.max_exp_avg_sqs->empty()) {
+      s.state.add("max_exp_avg_sqs", *a.max_exp_avg_sqs);
+    }
+    s.set_block_scales("moment_scales", a.moment_scales);
+  }
+};
+
 }  // namespace fusedamp::math

@@ -68,4 +68,37 @@ C10_HOST_DEVICE inline void sgd_update_no_momentum(V& p, V g, const SgdHyper& h,
   p = LaneOps<V>::fma(V(-lr), g, p);
 }
 
+// sgd_step_ at the operator boundary (fusedamp/ops.h FUSEDAMP_STEP_ALGORITHMS): its
+// hyper-parameters from the operator's arguments, their checks, its state list. Its kernels
+// are its own (cpu/sgd_kernel.cpp, cuda/sgd_kernel.cu): a tensor's first step writes the
+// buffer without reading it.
+struct Sgd {
+  using Hyper = SgdHyper;
+
+  template <typename Args>
+  static Hyper hyper(const Args& a) {
+    return make_sgd_hyper(a.momentum, a.dampening, a.weight_decay, a.nesterov, a.maximize);
+  }
+
+  template <typename Args, typename Check>
+  static void check(const Args& a, const Check& c) {
+    c.finite_nonneg("momentum", a.momentum);
+    c.dampening(a.dampening);
+    c.finite_nonneg("weight_decay", a.weight_decay);
+    c.nesterov(a.nesterov, a.momentum, a.dampening);
+    c.that(a.momentum != 0.0 || a.momentum_buffers.empty(),
+           "momentum_buffers must be empty when momentum is 0");
+  }
+
+  // momentum_buffers where there is momentum (in double: a momentum below 2^-150 rounds to 0
+  // in FP32 and still has its buffers); quantized: momentum_scales.
+  template <typename Args, typename Lists>
+  static void lists(const Args& a, Lists& s) {
+    if (a.momentum != 0.0) {
+      s.state.add("momentum_buffers", a.momentum_buffers);
+    }
+    s.set_block_scales("momentum_scales", a.momentum_scales);
+  }
+};
+
 }  // namespace fusedamp::math
