@@ -264,7 +264,10 @@ bool check_step(const Args& a, const Step<Hyper>& s, RowsChecked rows) {
 struct HyperCheck {
   const char* op;
   void finite_nonneg(const char* name, double v) const { check_finite_nonneg(op, name, v); }
-  void beta(const char* name, double v) const { check_beta(op, name, v); }
+  void betas(double beta1, double beta2) const {
+    check_beta(op, "beta1", beta1);
+    check_beta(op, "beta2", beta2);
+  }
   void dampening(double v) const {
     TORCH_CHECK(hyper::valid_dampening(v), op, ": invalid dampening ", v);
   }

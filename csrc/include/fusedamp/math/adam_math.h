@@ -126,8 +126,7 @@ struct Adam {
   // After the lr's check (every algorithm's); `c` words the messages (ops/step_checks.cpp).
   template <typename Args, typename Check>
   static void check(const Args& a, const Check& c) {
-    c.beta("beta1", a.beta1);
-    c.beta("beta2", a.beta2);
+    c.betas(a.beta1, a.beta2);
     c.finite_nonneg("eps", a.eps);
     c.finite_nonneg("weight_decay", a.weight_decay);
   }
