@@ -100,4 +100,14 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor? grad_sum_sq=None, float? max_grad_norm=None, bool adopt_param_edits=True, "
       "bool write_back_grads=False, int[]? rounding_seeds=None, "
       "Tensor(f!)[]? momentum_scales=None) -> ()");
+
+  // Lion (math/lion_math.h: the sign of an interpolated momentum, decoupled weight decay) with
+  // the same contract (weights kept as adam_step_'s); exp_avgs float32 or bfloat16.
+  m.def(
+      "lion_step_(Tensor(a!)[] params, Tensor(b!)[] master_params, Tensor(d!)[] grads, "
+      "Tensor(c!)[] exp_avgs, Tensor(e!)[] steps, *, float lr, float beta1, float beta2, "
+      "float weight_decay, bool maximize=False, Tensor? lr_tensor=None, "
+      "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_sum_sq=None, "
+      "float? max_grad_norm=None, bool adopt_param_edits=True, bool write_back_grads=False, "
+      "int[]? rounding_seeds=None) -> ()");
 }

@@ -2,6 +2,7 @@
 // distributed.py call. torch.optim's param-group dicts are translated into the engine's options
 // here (sync_options), so the Python classes keep no table of option names of their own.
 #include <fusedamp/optim/adam.h>
+#include <fusedamp/optim/lion.h>
 #include <fusedamp/optim/sgd.h>
 #include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/grad_scaler.h>
@@ -329,6 +330,11 @@ void bind_optim(py::module_& m) {
         return std::make_unique<optim::SGD>(make_groups(groups));
       }))
       .def_static("validate", &validate_groups<optim::SGD>);
+  py::class_<optim::Lion, Optimizer>(m, "Lion")
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
+        return std::make_unique<optim::Lion>(make_groups(groups));
+      }))
+      .def_static("validate", &validate_groups<optim::Lion>);
 }
 
 }  // namespace fusedamp::python

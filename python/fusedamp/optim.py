@@ -1,10 +1,10 @@
 """torch.optim-style master-weight optimizers backed by the C++ engine.
 
-``AdamW``, ``Adam`` and ``SGD`` are ``torch.optim.Optimizer`` subclasses: param groups, LR
-schedulers, ``zero_grad``, hooks and ``state_dict`` work as in torch. The step itself is the
-engine's (fusedamp._C): one read-only ``grad_stats_`` pass per device (when clipping, loss
-scaling or non-finite protection need it) and one fused ``adam_step_``/``sgd_step_`` per
-(group, device, dtype) bucket. No host synchronisation; a step whose gradients hold inf/NaN
+``AdamW``, ``Adam``, ``SGD`` and ``Lion`` are ``torch.optim.Optimizer`` subclasses: param
+groups, LR schedulers, ``zero_grad``, hooks and ``state_dict`` work as in torch. The step itself
+is the engine's (fusedamp._C): one read-only ``grad_stats_`` pass per device (when clipping,
+loss scaling or non-finite protection need it) and one fused step operator (``adam_step_``,
+``sgd_step_``, ``lion_step_``) per (group, device, dtype) bucket. No host synchronisation; a step whose gradients hold inf/NaN
 changes nothing. Hyper-parameters are validated by the engine, which raises ValueError.
 
 They speak torch's AMP protocol (``_step_supports_amp_scaling``): a loss scaler — torch's or
@@ -33,7 +33,7 @@ from .shard_engine import ShardEngine
 if __doc__:  # None under python -OO
     __doc__ += "\n" + extra_options_doc()
 
-__all__ = ["AdamW", "Adam", "SGD", "FusedOptimizer", "StepResults"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "FusedOptimizer", "StepResults"]
 
 # torch.optim's registries of global step hooks (register_optimizer_step_pre_hook / _post_hook),
 # read by the step to decide whether it needs torch's hook-running wrapper.
@@ -74,7 +74,7 @@ class StepResults:
 
 
 class FusedOptimizer(StepResults, torch.optim.Optimizer):
-    """Common machinery; see AdamW, Adam and SGD."""
+    """Common machinery; see AdamW, Adam, SGD and Lion."""
 
     _engine_cls = None  # set by subclasses
     _step_supports_amp_scaling = True
@@ -306,6 +306,22 @@ class SGD(FusedOptimizer):
     def __init__(self, params: Iterable, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, master_weights=True, state_dtype=torch.float32, rounding_seed=0,
+                 max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
+                 write_back_grads=True):
+        super().__init__(params, defaults_of(locals()))
+
+
+class Lion(FusedOptimizer):
+    __doc__ = """Lion (Chen et al. 2023: the sign of an interpolation of momentum and gradient,
+    decoupled weight decay) with FP32 master weights; see the module doc. torch.optim has no
+    Lion: the update and the state (``exp_avg``) are those of lucidrains/lion-pytorch, step for
+    step (p *= 1 - lr * wd first). state_dtype is float32 or bfloat16.""" + _EXTRAS_DOC
+
+    _engine_cls = _C.Lion
+
+    def __init__(self, params: Iterable, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None,
+                 master_weights=True, state_dtype=torch.float32, rounding_seed=0,
                  max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
                  write_back_grads=True):
         super().__init__(params, defaults_of(locals()))

@@ -33,6 +33,7 @@ HYPER_DEFAULTS = {
     "adam_step_": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
                        decoupled_weight_decay=True),
     "sgd_step_": dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
+    "lion_step_": dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0),
     "update_scale_": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2000),
 }
 

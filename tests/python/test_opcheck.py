@@ -6,8 +6,9 @@ import torch
 from op_helpers import ops
 from op_inputs import op_inputs
 
-NAMES = ["unscale_and_check_", "grad_stats_", "update_scale_", "account_step_", "adam_step_",
-         "sgd_step_"]
+# The step operators: one per algorithm of the C++ list (fusedamp/ops.h).
+STEP_OPS = ["adam_step_", "sgd_step_", "lion_step_"]
+NAMES = ["unscale_and_check_", "grad_stats_", "update_scale_", "account_step_"] + STEP_OPS
 
 # Per op: how its sample inputs are built, and the hyper-parameters it is called with.
 SAMPLES = {
@@ -22,6 +23,8 @@ SAMPLES = {
                                      lr_tensor=1e-3)), dict(max_grad_norm=1.0)),
     "sgd_step_": (dict(moments=False, momentum=True),
                   dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True)),
+    "lion_step_": (dict(scalars=dict(inv_scale=0.5, found_inf=0.0, lr_tensor=1e-3)),
+                   dict(weight_decay=0.1)),
 }
 
 
@@ -34,7 +37,7 @@ def test_opcheck(device, name):
     torch.library.opcheck(getattr(ops, name).default, args, kwargs)
 
 
-@pytest.mark.parametrize("name", ["adam_step_", "sgd_step_"])
+@pytest.mark.parametrize("name", STEP_OPS)
 def test_opcheck_with_write_back_and_amsgrad(device, name):
     """The mutable grads (write_back_grads) and AMSGrad's optional list under opcheck too."""
     build, hyper = SAMPLES[name]
@@ -66,7 +69,7 @@ def test_opcheck_telemetry_and_amax_policy(device):
     torch.library.opcheck(ops.update_scale_.default, args, kwargs)
 
 
-@pytest.mark.parametrize("name", ["adam_step_", "sgd_step_"])
+@pytest.mark.parametrize("name", STEP_OPS)
 @pytest.mark.parametrize("store", ["split", "kahan", "stochastic"])
 def test_opcheck_master_weight_modes(device, name, store):
     """The 16-bit weight stores (int16 remainders, Kahan compensations, stochastic rounding
@@ -80,8 +83,9 @@ def test_opcheck_master_weight_modes(device, name, store):
         extra["master_params"] = [torch.zeros_like(p) for p in inp.params]
     else:
         extra["rounding_seeds"] = [3, 4]
+    takes = {a.name for a in getattr(ops, name).default._schema.arguments}
     for state in ("exp_avgs", "exp_avg_sqs", "momentum_buffers"):
-        if getattr(inp, state):
+        if getattr(inp, state) and state in takes:
             extra[state] = [t.to(torch.bfloat16) for t in getattr(inp, state)]
     args, kwargs = inp.args(name, **hyper, **extra)
     torch.library.opcheck(getattr(ops, name).default, args, kwargs)

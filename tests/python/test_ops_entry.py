@@ -75,6 +75,11 @@ CASES = {
                           momentum=True, scalars=dict(found_inf=0.0, inv_scale=1 / LOSS_SCALE)),
                      dict(momentum=lambda d, i: 0.9, nesterov=lambda d, i: True,
                           weight_decay=lambda d, i: 1e-2, maximize=lambda d, i: True)),
+    "lion_split": ("lion_step_",
+                   dict(param_dtype=torch.bfloat16, scalars=dict(found_inf=0.0, lr_tensor=1e-3)),
+                   dict(master_params=lambda d, i: [torch.zeros_like(p, dtype=torch.int16)
+                                                    for p in i.params],
+                        weight_decay=lambda d, i: 0.1)),
 }
 
 

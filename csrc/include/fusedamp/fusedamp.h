@@ -4,6 +4,7 @@
 #include <fusedamp/grad_scaler.h>
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/adam.h>
+#include <fusedamp/optim/lion.h>
 #include <fusedamp/optim/optimizer.h>
 #include <fusedamp/optim/sgd.h>
 #include <fusedamp/optim/state_conversion.h>

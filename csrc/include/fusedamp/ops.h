@@ -15,6 +15,7 @@
 // or, with the arguments in schema order: fusedamp::ops::unscale_and_check_({grads, found_inf,
 // inv_scale}). The lists are views: the tensors they name must outlive the call.
 #include <fusedamp/math/adam_math.h>
+#include <fusedamp/math/lion_math.h>
 #include <fusedamp/math/sgd_math.h>
 #include <fusedamp/op_declaration.h>
 
@@ -123,6 +124,21 @@ FUSEDAMP_DECLARE_OP(AdamStep, adam_step_, FUSEDAMP_ADAM_STEP_ARGS);
   X(OptTensors, momentum_scales)
 FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 
+#define FUSEDAMP_LION_STEP_ARGS(X) \
+  X(Tensors, params)               \
+  X(Tensors, master_params)        \
+  X(Tensors, grads)                \
+  X(Tensors, exp_avgs)             \
+  X(Tensors, steps)                \
+  X(Float, lr)                     \
+  X(Float, beta1)                  \
+  X(Float, beta2)                  \
+  X(Float, weight_decay)           \
+  X(Bool, maximize)                \
+  X(StepShared, shared)            \
+  X(OptInts, rounding_seeds)
+FUSEDAMP_DECLARE_OP(LionStep, lion_step_, FUSEDAMP_LION_STEP_ARGS);
+
 // The step algorithms, one row each: every layer loops over this list rather than naming an
 // algorithm (the operators' registration, entry and checks, the CPU, CUDA, Meta and Autograd
 // kernels, the engine's call, fusedamp.ops in Python).
@@ -135,7 +151,8 @@ FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
 //              cuda/step_kernel.cu)
 #define FUSEDAMP_STEP_ALGORITHMS(X)       \
   X(Adam, AdamStep, adam_step_, own)      \
-  X(Sgd, SgdStep, sgd_step_, own)
+  X(Sgd, SgdStep, sgd_step_, own)          \
+  X(Lion, LionStep, lion_step_, generic)
 
 // Every operator, in the order of csrc/schemas.cpp: what registers each kernel and entry.
 template <typename... Ops>

@@ -1,0 +1,84 @@
+// fusedamp::optim::Lion: options, their checks, and the fused lion_step_ per bucket.
+#include <fusedamp/optim/lion.h>
+
+#include <torch/serialize/archive.h>
+
+#include <fusedamp/ops.h>
+
+#include "../ops/hyper_params.h"
+#include "bucket_plan.h"
+#include "optimizer_of_impl.h"
+#include "option_checks.h"
+#include "options_io.h"
+#include "step_call.h"
+
+namespace fusedamp::optim {
+
+LionOptions::LionOptions(double lr) : lr_(lr) {}
+
+void LionOptions::serialize(torch::serialize::OutputArchive& a) const {
+  detail::write_common_options(*this, a);
+  a.write("beta1", c10::IValue(std::get<0>(betas_)));
+  a.write("beta2", c10::IValue(std::get<1>(betas_)));
+}
+
+void LionOptions::serialize(torch::serialize::InputArchive& a) {
+  detail::read_common_options(*this, a);
+  c10::IValue v;
+  a.read("beta1", v);
+  const double beta1 = v.toDouble();
+  a.read("beta2", v);
+  betas_ = std::make_tuple(beta1, v.toDouble());
+}
+
+template <>
+struct AlgorithmOf<LionOptions> {
+  static constexpr const char* kName = "Lion";
+
+  static StateSlots known_slots() { return {StateSlot::kMasterParam, StateSlot::kExpAvg}; }
+
+  static StateSlots slots_for(const LionOptions&) { return {StateSlot::kExpAvg}; }
+
+  static bool set_option(LionOptions& o, const std::string& name, double v) {
+    if (name == "beta1") {
+      o.betas(std::make_tuple(v, std::get<1>(o.betas())));
+    } else if (name == "beta2") {
+      o.betas(std::make_tuple(std::get<0>(o.betas()), v));
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  static std::optional<double> option(const LionOptions& o, const std::string& name) {
+    if (name == "beta1") return std::get<0>(o.betas());
+    if (name == "beta2") return std::get<1>(o.betas());
+    return std::nullopt;
+  }
+
+  static void check(const LionOptions& o, size_t group) {
+    const auto [beta1, beta2] = o.betas();
+    TORCH_CHECK_VALUE(o.state_dtype() != at::kChar,
+                      "Invalid state_dtype: Lion's exp_avg has no 8-bit format (state_dtype "
+                      "int8 is for Adam/AdamW and SGD; Lion takes float32 or bfloat16) "
+                      "(fusedamp::optim::Lion, param group ", group, ")");
+    TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
+                      " (fusedamp::optim::Lion, param group ", group, ")");
+    TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
+                      " (fusedamp::optim::Lion, param group ", group, ")");
+  }
+
+  static ops::LionStep args(const detail::Bucket& b, const LionOptions& o,
+                            const ops::StepShared& in) {
+    ops::LionStep a;
+    detail::fill_step(a, b, o, in);
+    a.exp_avgs = b.state(StateSlot::kExpAvg);
+    a.beta1 = std::get<0>(o.betas());
+    a.beta2 = std::get<1>(o.betas());
+    return a;
+  }
+};
+
+template class OptimizerOf<LionOptions>;
+
+}  // namespace fusedamp::optim
