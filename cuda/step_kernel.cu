@@ -23,6 +23,12 @@
 namespace fusedamp::cuda {
 namespace {
 
+// Elements in flight per thread, as adam_kernel.cu's: with the default 16, ptxas spilled 4
+// bytes in Lion's kernel over FP16 params and grads with FP32 state and no master (80
+// registers); allowed 128 registers instead (2 blocks per SM), it spilled 16 bytes under
+// stochastic rounding (CUDA 13.0, sm_90).
+constexpr int kGenericElemsPerThread = 8;
+
 // List positions: params, grads, the algorithm's state lists, then the store's list.
 template <typename Algorithm, WeightStore kStore>
 struct GenericPositions : StepPositions<kStore, Algorithm::kStateLists> {};
@@ -81,11 +87,8 @@ struct GenericOp {
   }
 };
 
-// Allowed up to 128 registers (2 blocks per SM), as adam_kernel.cu's two-block kernel: at its
-// default target (80 registers) ptxas spilled 4 bytes in Lion's kernel over FP16 params and
-// grads with FP32 state and no master (CUDA 13.0, sm_90).
 template <typename Algorithm, typename TP, typename TG, WeightStore kStore, typename TS>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads)
     generic_step_kernel(const __grid_constant__ GenericBatch<Algorithm, kStore> b,
                         typename Algorithm::Hyper h, StepScalarPointers s,
                         bool write_back_grads) {
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     op.state[k] = list_at<TS>(b, ch, true, Pos::kState + k);
   }
   constexpr int W = vec_width_of<TP, TG, TS>();
-  chunk_loop<W>(op, ch.n, ch.aligned);
+  chunk_loop<W, kGenericElemsPerThread>(op, ch.n, ch.aligned);
 }
 
 template <typename Algorithm, typename TP, typename TG, WeightStore kStore, typename TS>
