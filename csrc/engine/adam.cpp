@@ -20,32 +20,25 @@ AdamWOptions::AdamWOptions(double lr) : AdamOptions(lr) {
   decoupled_weight_decay(true);
 }
 
-void AdamOptions::serialize(torch::serialize::OutputArchive& a) const {
-  detail::write_common_options(*this, a);
-  a.write("beta1", c10::IValue(std::get<0>(betas_)));
-  a.write("beta2", c10::IValue(std::get<1>(betas_)));
-  a.write("eps", c10::IValue(eps_));
-  a.write("decoupled_weight_decay", c10::IValue(decoupled_weight_decay_));
-  a.write("amsgrad", c10::IValue(amsgrad_));
-}
-
-void AdamOptions::serialize(torch::serialize::InputArchive& a) {
-  detail::read_common_options(*this, a);
-  c10::IValue v;
-  a.read("beta1", v);
-  const double beta1 = v.toDouble();
-  a.read("beta2", v);
-  betas_ = std::make_tuple(beta1, v.toDouble());
-  a.read("eps", v);
-  eps_ = v.toDouble();
-  a.read("decoupled_weight_decay", v);
-  decoupled_weight_decay_ = v.toBool();
-  amsgrad_ = a.try_read("amsgrad", v) && v.toBool();  // absent from older archives: off
-}
-
 template <>
 struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
+
+  // Its options beyond the shared ones (option_table.h); amsgrad is absent from older
+  // archives (off).
+  static constexpr detail::OptionRow<AdamOptions> kOptions[] = {
+      {"beta1", false, [](const AdamOptions& o) { return std::get<0>(o.betas()); },
+       [](AdamOptions& o, double v) { o.betas({v, std::get<1>(o.betas())}); }},
+      {"beta2", false, [](const AdamOptions& o) { return std::get<1>(o.betas()); },
+       [](AdamOptions& o, double v) { o.betas({std::get<0>(o.betas()), v}); }},
+      {"eps", false, [](const AdamOptions& o) { return o.eps(); },
+       [](AdamOptions& o, double v) { o.eps(v); }},
+      {"decoupled_weight_decay", true,
+       [](const AdamOptions& o) { return o.decoupled_weight_decay() ? 1.0 : 0.0; },
+       [](AdamOptions& o, double v) { o.decoupled_weight_decay(v != 0.0); }},
+      {"amsgrad", true, [](const AdamOptions& o) { return o.amsgrad() ? 1.0 : 0.0; },
+       [](AdamOptions& o, double v) { o.amsgrad(v != 0.0); }, /*optional_in_archives=*/true},
+  };
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq,
@@ -58,32 +51,6 @@ struct AlgorithmOf<AdamOptions> {
       return moments.with(StateSlot::kMomentScales);
     }
     return o.amsgrad() ? moments.with(StateSlot::kMaxExpAvgSq) : moments;
-  }
-
-  static bool set_option(AdamOptions& o, const std::string& name, double v) {
-    if (name == "beta1") {
-      o.betas(std::make_tuple(v, std::get<1>(o.betas())));
-    } else if (name == "beta2") {
-      o.betas(std::make_tuple(std::get<0>(o.betas()), v));
-    } else if (name == "eps") {
-      o.eps(v);
-    } else if (name == "decoupled_weight_decay") {
-      o.decoupled_weight_decay(detail::flag_option(name, v));
-    } else if (name == "amsgrad") {
-      o.amsgrad(detail::flag_option(name, v));
-    } else {
-      return false;
-    }
-    return true;
-  }
-
-  static std::optional<double> option(const AdamOptions& o, const std::string& name) {
-    if (name == "beta1") return std::get<0>(o.betas());
-    if (name == "beta2") return std::get<1>(o.betas());
-    if (name == "eps") return o.eps();
-    if (name == "decoupled_weight_decay") return o.decoupled_weight_decay() ? 1.0 : 0.0;
-    if (name == "amsgrad") return o.amsgrad() ? 1.0 : 0.0;
-    return std::nullopt;
   }
 
   static void check(const AdamOptions& o, size_t group) {
@@ -111,6 +78,7 @@ struct AlgorithmOf<AdamOptions> {
   }
 };
 
+FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(AdamOptions)
 template class OptimizerOf<AdamOptions>;
 
 AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults)

@@ -16,45 +16,21 @@ namespace fusedamp::optim {
 
 LionOptions::LionOptions(double lr) : lr_(lr) {}
 
-void LionOptions::serialize(torch::serialize::OutputArchive& a) const {
-  detail::write_common_options(*this, a);
-  a.write("beta1", c10::IValue(std::get<0>(betas_)));
-  a.write("beta2", c10::IValue(std::get<1>(betas_)));
-}
-
-void LionOptions::serialize(torch::serialize::InputArchive& a) {
-  detail::read_common_options(*this, a);
-  c10::IValue v;
-  a.read("beta1", v);
-  const double beta1 = v.toDouble();
-  a.read("beta2", v);
-  betas_ = std::make_tuple(beta1, v.toDouble());
-}
-
 template <>
 struct AlgorithmOf<LionOptions> {
   static constexpr const char* kName = "Lion";
 
+  // Its options beyond the shared ones (option_table.h).
+  static constexpr detail::OptionRow<LionOptions> kOptions[] = {
+      {"beta1", false, [](const LionOptions& o) { return std::get<0>(o.betas()); },
+       [](LionOptions& o, double v) { o.betas({v, std::get<1>(o.betas())}); }},
+      {"beta2", false, [](const LionOptions& o) { return std::get<1>(o.betas()); },
+       [](LionOptions& o, double v) { o.betas({std::get<0>(o.betas()), v}); }},
+  };
+
   static StateSlots known_slots() { return {StateSlot::kMasterParam, StateSlot::kExpAvg}; }
 
   static StateSlots slots_for(const LionOptions&) { return {StateSlot::kExpAvg}; }
-
-  static bool set_option(LionOptions& o, const std::string& name, double v) {
-    if (name == "beta1") {
-      o.betas(std::make_tuple(v, std::get<1>(o.betas())));
-    } else if (name == "beta2") {
-      o.betas(std::make_tuple(std::get<0>(o.betas()), v));
-    } else {
-      return false;
-    }
-    return true;
-  }
-
-  static std::optional<double> option(const LionOptions& o, const std::string& name) {
-    if (name == "beta1") return std::get<0>(o.betas());
-    if (name == "beta2") return std::get<1>(o.betas());
-    return std::nullopt;
-  }
 
   static void check(const LionOptions& o, size_t group) {
     const auto [beta1, beta2] = o.betas();
@@ -79,6 +55,7 @@ struct AlgorithmOf<LionOptions> {
   }
 };
 
+FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(LionOptions)
 template class OptimizerOf<LionOptions>;
 
 }  // namespace fusedamp::optim

@@ -5,12 +5,12 @@
 //     static constexpr const char* kName = "My";               // messages, checkpoints
 //     static StateSlots known_slots();                         // what its state dicts hold
 //     static StateSlots slots_for(const MyOptions&);           // what a step needs
-//     static bool set_option(MyOptions&, const std::string&, double);   // its own names
-//     static std::optional<double> option(const MyOptions&, const std::string&);
+//     static constexpr detail::OptionRow<MyOptions> kOptions[] = {...};  // its own options
 //     static void check(const MyOptions&, size_t group);       // c10::ValueError if invalid
 //     static ops::MyStep args(const Bucket&, const MyOptions&,  // its fused op's arguments
 //                             const ops::StepShared&);
 //   };
+//   FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(MyOptions)              // serialize() from the rows
 //   template class OptimizerOf<MyOptions>;
 #include <fusedamp/optim/optimizer_of.h>
 
@@ -22,6 +22,8 @@
 
 #include "bucket_plan.h"
 #include "option_checks.h"
+#include "option_table.h"
+#include "options_io.h"
 #include "step_call.h"
 
 namespace fusedamp::optim {
@@ -127,7 +129,7 @@ bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
   } else if (name == "write_back_grads") {
     o.write_back_grads(detail::flag_option(name, value));
   } else {
-    return AlgorithmOf<Options>::set_option(o, name, value);
+    return detail::set_table_option(AlgorithmOf<Options>::kOptions, o, name, value);
   }
   return true;
 }
@@ -146,7 +148,7 @@ std::optional<double> OptimizerOf<Options>::own_option(const torch::optim::Optim
   if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
   if (name == "adopt_param_edits") return o.adopt_param_edits() ? 1.0 : 0.0;
   if (name == "write_back_grads") return o.write_back_grads() ? 1.0 : 0.0;
-  return AlgorithmOf<Options>::option(o, name);
+  return detail::table_option(AlgorithmOf<Options>::kOptions, o, name);
 }
 
 template <typename Options>
@@ -180,3 +182,15 @@ StepLists OptimizerOf<Options>::row_lists(const detail::Bucket& b,
 }
 
 }  // namespace fusedamp::optim
+
+// Options::serialize: the options every kind carries (options_io.h), then the algorithm's
+// rows (AlgorithmOf<Options>::kOptions), after its specialisation.
+#define FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(Options)                             \
+  void Options::serialize(torch::serialize::OutputArchive& a) const {            \
+    detail::write_common_options(*this, a);                                       \
+    detail::write_table_options(AlgorithmOf<Options>::kOptions, *this, a);        \
+  }                                                                               \
+  void Options::serialize(torch::serialize::InputArchive& a) {                    \
+    detail::read_common_options(*this, a);                                        \
+    detail::read_table_options(AlgorithmOf<Options>::kOptions, *this, a);         \
+  }

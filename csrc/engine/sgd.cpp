@@ -15,27 +15,19 @@ namespace fusedamp::optim {
 
 SGDOptions::SGDOptions(double lr) : lr_(lr) {}
 
-void SGDOptions::serialize(torch::serialize::OutputArchive& a) const {
-  detail::write_common_options(*this, a);
-  a.write("momentum", c10::IValue(momentum_));
-  a.write("dampening", c10::IValue(dampening_));
-  a.write("nesterov", c10::IValue(nesterov_));
-}
-
-void SGDOptions::serialize(torch::serialize::InputArchive& a) {
-  detail::read_common_options(*this, a);
-  c10::IValue v;
-  a.read("momentum", v);
-  momentum_ = v.toDouble();
-  a.read("dampening", v);
-  dampening_ = v.toDouble();
-  a.read("nesterov", v);
-  nesterov_ = v.toBool();
-}
-
 template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
+
+  // Its options beyond the shared ones (option_table.h).
+  static constexpr detail::OptionRow<SGDOptions> kOptions[] = {
+      {"momentum", false, [](const SGDOptions& o) { return o.momentum(); },
+       [](SGDOptions& o, double v) { o.momentum(v); }},
+      {"dampening", false, [](const SGDOptions& o) { return o.dampening(); },
+       [](SGDOptions& o, double v) { o.dampening(v); }},
+      {"nesterov", true, [](const SGDOptions& o) { return o.nesterov() ? 1.0 : 0.0; },
+       [](SGDOptions& o, double v) { o.nesterov(v != 0.0); }},
+  };
 
   static StateSlots known_slots() {
     return {StateSlot::kMasterParam, StateSlot::kMomentumBuffer, StateSlot::kMomentumScales};
@@ -48,26 +40,6 @@ struct AlgorithmOf<SGDOptions> {
     const StateSlots buffer{StateSlot::kMomentumBuffer};
     // int8: the buffer as 8-bit codes, and their block scales
     return o.state_dtype() == at::kChar ? buffer.with(StateSlot::kMomentumScales) : buffer;
-  }
-
-  static bool set_option(SGDOptions& o, const std::string& name, double v) {
-    if (name == "momentum") {
-      o.momentum(v);
-    } else if (name == "dampening") {
-      o.dampening(v);
-    } else if (name == "nesterov") {
-      o.nesterov(detail::flag_option(name, v));
-    } else {
-      return false;
-    }
-    return true;
-  }
-
-  static std::optional<double> option(const SGDOptions& o, const std::string& name) {
-    if (name == "momentum") return o.momentum();
-    if (name == "dampening") return o.dampening();
-    if (name == "nesterov") return o.nesterov() ? 1.0 : 0.0;
-    return std::nullopt;
   }
 
   static void check(const SGDOptions& o, size_t group) {
@@ -89,6 +61,7 @@ struct AlgorithmOf<SGDOptions> {
   }
 };
 
+FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(SGDOptions)
 template class OptimizerOf<SGDOptions>;
 
 }  // namespace fusedamp::optim

@@ -356,3 +356,34 @@ TEST_CASE("every mode of kMasterModes: its names and code parse, a BF16 step kee
   CHECK_THROWS_WITH(fo::MasterWeights::from_name("split16"),
                     Catch::Contains("master_weights must be"));
 }
+
+// Every kind's own options (its option table, engine/option_table.h) through an archive: each
+// set to a value other than its default comes back.
+template <typename Kind>
+void check_options_survive_an_archive(
+    const std::vector<std::pair<std::string, double>>& options) {
+  Kind saved(make_params(at::kFloat));
+  for (const auto& [name, value] : options) {
+    saved.set_group_option(0, name, value);
+  }
+  torch::serialize::OutputArchive out;
+  saved.save(out);
+  std::stringstream buffer;
+  out.save_to(buffer);
+  torch::serialize::InputArchive in;
+  in.load_from(buffer);
+  Kind loaded(make_params(at::kFloat));
+  loaded.load(in);
+  for (const auto& [name, value] : options) {
+    INFO(name);
+    CHECK(loaded.group_option(0, name) == value);
+  }
+}
+
+TEST_CASE("each kind's own options survive an archive", "[optim][checkpoint]") {
+  check_options_survive_an_archive<fo::Adam>({{"beta1", 0.8}, {"beta2", 0.95}, {"eps", 1e-6},
+                                              {"decoupled_weight_decay", 1.0},
+                                              {"amsgrad", 1.0}});
+  check_options_survive_an_archive<fo::SGD>({{"momentum", 0.5}, {"nesterov", 1.0}});
+  check_options_survive_an_archive<fo::Lion>({{"beta1", 0.8}, {"beta2", 0.95}});
+}
