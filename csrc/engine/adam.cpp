@@ -27,10 +27,8 @@ struct AlgorithmOf<AdamOptions> {
   // Its options beyond the shared ones (option_table.h); amsgrad is absent from older
   // archives (off).
   static constexpr detail::OptionRow<AdamOptions> kOptions[] = {
-      {"beta1", false, [](const AdamOptions& o) { return std::get<0>(o.betas()); },
-       [](AdamOptions& o, double v) { o.betas({v, std::get<1>(o.betas())}); }},
-      {"beta2", false, [](const AdamOptions& o) { return std::get<1>(o.betas()); },
-       [](AdamOptions& o, double v) { o.betas({std::get<0>(o.betas()), v}); }},
+      detail::beta_row<AdamOptions, 0>(),
+      detail::beta_row<AdamOptions, 1>(),
       {"eps", false, [](const AdamOptions& o) { return o.eps(); },
        [](AdamOptions& o, double v) { o.eps(v); }},
       {"decoupled_weight_decay", true,

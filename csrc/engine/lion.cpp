@@ -22,11 +22,7 @@ struct AlgorithmOf<LionOptions> {
 
   // Its options beyond the shared ones (option_table.h).
   static constexpr detail::OptionRow<LionOptions> kOptions[] = {
-      {"beta1", false, [](const LionOptions& o) { return std::get<0>(o.betas()); },
-       [](LionOptions& o, double v) { o.betas({v, std::get<1>(o.betas())}); }},
-      {"beta2", false, [](const LionOptions& o) { return std::get<1>(o.betas()); },
-       [](LionOptions& o, double v) { o.betas({std::get<0>(o.betas()), v}); }},
-  };
+      detail::beta_row<LionOptions, 0>(), detail::beta_row<LionOptions, 1>()};
 
   static StateSlots known_slots() { return {StateSlot::kMasterParam, StateSlot::kExpAvg}; }
 

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "option_checks.h"
 
@@ -25,6 +26,19 @@ struct OptionRow {
   void (*set)(Options&, double);
   bool optional_in_archives = false;
 };
+
+// The rows of a betas tuple's entries (Adam's, Lion's), as param groups and archives name them:
+// beta1 (k = 0) and beta2 (k = 1).
+template <typename Options, size_t k>
+constexpr OptionRow<Options> beta_row() {
+  return {k == 0 ? "beta1" : "beta2", false,
+          [](const Options& o) { return std::get<k>(o.betas()); },
+          [](Options& o, double v) {
+            auto betas = o.betas();
+            std::get<k>(betas) = v;
+            o.betas(betas);
+          }};
+}
 
 template <typename Options, size_t N>
 bool set_table_option(const OptionRow<Options> (&rows)[N], Options& o, const std::string& name,

@@ -29,14 +29,9 @@ struct AdamWOptions : public AdamOptions {
   AdamWOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor)
 };
 
-extern template class OptimizerOf<AdamOptions>;
-
 // Option names beyond the shared ones (optimizer.h): beta1, beta2, eps, decoupled_weight_decay,
 // amsgrad.
-class Adam : public OptimizerOf<AdamOptions> {
- public:
-  using OptimizerOf::OptimizerOf;
-};
+FUSEDAMP_OPTIMIZER_KIND(Adam, AdamOptions)
 
 // Adam with decoupled weight decay: every group's decoupled_weight_decay is forced on.
 class AdamW : public Adam {

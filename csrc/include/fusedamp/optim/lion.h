@@ -21,13 +21,8 @@ struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions>
   FUSEDAMP_OPTIONS_OVERRIDES
 };
 
-extern template class OptimizerOf<LionOptions>;
-
 // Option names beyond the shared ones (optimizer.h): beta1, beta2. state_dtype int8 is
 // refused (Lion's exp_avg has no 8-bit format).
-class Lion : public OptimizerOf<LionOptions> {
- public:
-  using OptimizerOf::OptimizerOf;
-};
+FUSEDAMP_OPTIMIZER_KIND(Lion, LionOptions)
 
 }  // namespace fusedamp::optim

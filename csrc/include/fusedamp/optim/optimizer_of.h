@@ -42,3 +42,12 @@ class OptimizerOf : public Optimizer {
 };
 
 }  // namespace fusedamp::optim
+
+// An optimizer kind: OptimizerOf<Options> under its own name, instantiated once in the library
+// (next to its algorithm, csrc/engine/).
+#define FUSEDAMP_OPTIMIZER_KIND(Kind, Options)          \
+  extern template class OptimizerOf<Options>;            \
+  class Kind : public OptimizerOf<Options> {             \
+   public:                                               \
+    using OptimizerOf::OptimizerOf;                      \
+  };

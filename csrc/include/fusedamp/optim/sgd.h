@@ -18,12 +18,7 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   FUSEDAMP_OPTIONS_OVERRIDES
 };
 
-extern template class OptimizerOf<SGDOptions>;
-
 // Option names beyond the shared ones (optimizer.h): momentum, dampening, nesterov.
-class SGD : public OptimizerOf<SGDOptions> {
- public:
-  using OptimizerOf::OptimizerOf;
-};
+FUSEDAMP_OPTIMIZER_KIND(SGD, SGDOptions)
 
 }  // namespace fusedamp::optim
