@@ -1,6 +1,6 @@
 """Master weights for less: "split" (BF16 weight + int16 remainder = the FP32 master), "kahan"
 (16-bit compensation), "stochastic" (stochastic rounding, counter-based) and BF16 optimizer
-state, in the fused Adam/AdamW and SGD steps. Every test runs on every device.
+state, in the fused Adam/AdamW, SGD and Lion steps. Every test runs on every device.
 
 References are independent of the kernels: the split pair is rebuilt here from bit patterns
 with torch integer ops, and the FP32 master run is fusedamp's master_weights=True (itself
@@ -45,7 +45,7 @@ def _random_lists(device, n_tensors=3, numel=513, seed=0):
 
 # ---- op level ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["adam", "sgd"])
+@pytest.mark.parametrize("algorithm", ["adam", "sgd", "lion"])
 def test_split_pair_is_the_fp32_master_bit_for_bit(device, algorithm):
     """The same gradients into master_weights=True and "split": the split pair rebuilds the
     FP32 master bit for bit at every step, and the weights are equal except where the master
@@ -72,11 +72,11 @@ def test_split_pair_is_the_fp32_master_bit_for_bit(device, algorithm):
             ops.adam_step_(split_params, remainders, [g.clone() for g in grads], *state_b,
                            steps_b, **_adam_kwargs(lr=3e-2))
         else:
-            kw = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-3, nesterov=True)
-            ops.sgd_step_(fp32_params, masters, [g.clone() for g in grads], *state_a, steps_a,
-                          **kw)
-            ops.sgd_step_(split_params, remainders, [g.clone() for g in grads], *state_b,
-                          steps_b, **kw)
+            op, kw = ((ops.sgd_step_, dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-3,
+                                           nesterov=True)) if algorithm == "sgd" else
+                      (ops.lion_step_, dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)))
+            op(fp32_params, masters, [g.clone() for g in grads], *state_a, steps_a, **kw)
+            op(split_params, remainders, [g.clone() for g in grads], *state_b, steps_b, **kw)
         for m, w, r, w_fp32 in zip(masters, split_params, remainders, fp32_params):
             rebuilt = combine_reference(w, r)
             assert torch.equal(rebuilt.view(torch.int32), m.view(torch.int32)), step
