@@ -110,4 +110,33 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? grad_sum_sq=None, "
       "float? max_grad_norm=None, bool adopt_param_edits=True, bool write_back_grads=False, "
       "int[]? rounding_seeds=None) -> ()");
+  // Row-wise steps of an embedding table from its sparse gradient (indices [nnz] or [1, nnz]
+  // and values [nnz, dim] of nn.Embedding/EmbeddingBag(sparse=True)'s COO gradient, duplicates
+  // included: summed per row in FP32 inside the op). Only the rows looked up are read and
+  // written (SGD with momentum: every row, its buffer dense). table float32, or float16/bfloat16
+  // with an FP32 master of its shape (absent: stepped in its own dtype); state float32, of the
+  // table's shape ([rows] for the row-wise accumulators); step a one-element float32 count of
+  // applied steps. Values are multiplied by inv_scale; if found_inf is set nothing is modified
+  // (step included). Formulas and their order: math/sparse_rows_math.h.
+  m.def(
+      "sparse_sgd_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, Tensor values, "
+      "Tensor(c!)? momentum_buffer, Tensor(d!) step, *, float lr, float momentum=0., "
+      "float dampening=0., bool nesterov=False, bool maximize=False, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  m.def(
+      "sparse_adagrad_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, "
+      "Tensor values, Tensor(c!) state_sum, Tensor(d!) step, *, float lr, float lr_decay=0., "
+      "float eps=1e-10, bool maximize=False, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  m.def(
+      "sparse_adam_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, Tensor values, "
+      "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) step, *, float lr, float beta1, "
+      "float beta2, float eps, bool maximize=False, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): row_sum [rows] += mean of g^2 over the
+  // row; the row moves by -lr / (sqrt(row_sum) + eps) * g.
+  m.def(
+      "sparse_rowwise_adagrad_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, "
+      "Tensor values, Tensor(c!) row_sum, Tensor(d!) step, *, float lr, float eps=1e-10, "
+      "bool maximize=False, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
 }

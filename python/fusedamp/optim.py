@@ -33,7 +33,8 @@ from .shard_engine import ShardEngine
 if __doc__:  # None under python -OO
     __doc__ += "\n" + extra_options_doc()
 
-__all__ = ["AdamW", "Adam", "SGD", "Lion", "FusedOptimizer", "StepResults"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "Adagrad", "SparseAdam", "RowWiseAdagrad",
+           "FusedOptimizer", "StepResults"]
 
 # torch.optim's registries of global step hooks (register_optimizer_step_pre_hook / _post_hook),
 # read by the step to decide whether it needs torch's hook-running wrapper.
@@ -299,7 +300,9 @@ class AdamW(Adam):
 
 
 class SGD(FusedOptimizer):
-    __doc__ = """torch.optim.SGD with FP32 master weights; see the module doc.""" + _EXTRAS_DOC
+    __doc__ = """torch.optim.SGD with FP32 master weights; see the module doc. Embedding
+    tables with sparse gradients step row by row (fusedamp.sparse_sgd), their momentum a dense
+    FP32 buffer.""" + _EXTRAS_DOC
 
     _engine_cls = _C.SGD
 
@@ -309,6 +312,37 @@ class SGD(FusedOptimizer):
                  max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
                  write_back_grads=True):
         super().__init__(params, defaults_of(locals()))
+
+    def _run_engine_step(self, record_as):
+        if not sparse_sgd.has_sparse_grads(self.param_groups) and not self.__dict__.get(
+                "_table_state"):
+            return super()._run_engine_step(record_as)
+        if sparse_sgd.has_sparse_grads(self.param_groups):
+            grad_scale, found_inf = amp_handover(self)
+            return sparse_sgd.step(self, record_as, grad_scale, found_inf,
+                                   getattr(self, "_fusedamp_telemetry_of", None))
+        sparse_sgd.step_without_tables(self)  # refuses a table whose gradient turned dense
+        return super()._run_engine_step(record_as)
+
+    @property
+    def state(self):
+        state = FusedOptimizer.state.fget(self)
+        for p, s in sparse_sgd.table_states(self).items():
+            dict.__setitem__(state, p, s)
+        return state
+
+    @state.setter
+    def state(self, value):
+        FusedOptimizer.state.fset(self, value)
+
+    def state_dict(self):
+        return sparse_sgd.with_table_states(self, super().state_dict())
+
+    def load_state_dict(self, state_dict):
+        rest, tables = sparse_sgd.without_table_states(self, state_dict)
+        super().load_state_dict(rest)  # checks everything of its own before it changes
+        sparse_sgd.table_states(self).clear()
+        sparse_sgd.table_states(self).update(tables)
 
 
 class Lion(FusedOptimizer):
@@ -325,3 +359,9 @@ class Lion(FusedOptimizer):
                  max_grad_norm=None, skip_nonfinite=True, adopt_param_edits=True,
                  write_back_grads=True):
         super().__init__(params, defaults_of(locals()))
+
+
+# Embedding tables with sparse gradients (fusedamp.sparse_optim): imported last, as they use
+# this module's AMP handover.
+from . import sparse_sgd  # noqa: E402
+from .sparse_optim import Adagrad, RowWiseAdagrad, SparseAdam  # noqa: E402,F401

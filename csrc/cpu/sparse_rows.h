@@ -1,0 +1,56 @@
+#pragma once
+// The CPU's row-wise sparse steps (math/sparse_rows_math.h): what the checked op hands the
+// kernel, which is compiled once per instruction set (sparse_rows_kernel.cpp) like the dense
+// step kernels (cpu_kernels.h).
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "../ops/sparse_rows_args.h"
+
+namespace fusedamp::cpu {
+
+using SparseAlgorithm = kernels::SparseRowsAlgorithm;
+
+// The lookups of one step, bucketed by row before the kernel runs: slot_of[k] is the slot of
+// lookup k's row, rows[s] the row of slot s (first-lookup order), row_slot[r] the slot of row
+// r or -1 (the table's row count long; read by the momentum pass, which visits every row).
+struct SparseRowsStep {
+  SparseAlgorithm algorithm;
+  c10::ScalarType table_dtype;
+  c10::ScalarType values_dtype;
+  void* table;
+  float* master;  // nullptr: the table is its own weights (FP32, or stepped in its dtype)
+  int64_t num_rows;
+  int64_t dim;
+  const void* values;  // [nnz, dim]
+  int64_t nnz;
+  const int32_t* slot_of;
+  const int64_t* rows;
+  int64_t num_slots;
+  const int32_t* row_slot;
+  float* state0;  // momentum buffer / Adagrad sum / exp_avg / row accumulators
+  float* state1;  // exp_avg_sq
+  float grad_mult;  // inverse loss scale, negated under maximize
+  // Coefficients, FP32-rounded from the host's doubles (sparse_rows_math.h).
+  float neg_lr;  // SGD: -lr; Adagrad: -clr; SparseAdam: -step_size; row-wise: lr
+  float momentum;
+  float one_minus_dampening;
+  bool nesterov;
+  bool first_step;
+  float eps;
+  float one_minus_beta1;
+  float one_minus_beta2;
+};
+
+namespace DEFAULT {
+void sparse_rows_step(const SparseRowsStep& step);
+}
+namespace AVX2 {
+void sparse_rows_step(const SparseRowsStep& step);
+}
+namespace AVX512 {
+void sparse_rows_step(const SparseRowsStep& step);
+}
+
+}  // namespace fusedamp::cpu

@@ -1,0 +1,214 @@
+// CPU: the row-wise sparse steps (SGD, Adagrad, SparseAdam, row-wise Adagrad) of an embedding
+// table. Two passes: the lookups' gradient rows are summed per table row into an FP32 scratch
+// (each lookup read once, in the order given: duplicates never summed in FP16/BF16), then each
+// touched row is stepped once: its weights (or FP32 master), its state and its summed gradient
+// read, weights and state written (SGD with momentum: every row, see sparse_rows_math.h).
+// Per touched row of d elements, FP32 table, Adagrad: 8d bytes read + 8d written, plus 4d read
+// per lookup. The formulas are fusedamp::math's (math/sparse_rows_math.h).
+// Compiled once per instruction set; see cpu_kernels.h.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <fusedamp/math/sparse_rows_math.h>
+
+#include <cstring>
+#include <vector>
+
+#include "sparse_rows.h"
+#include "vec_io.h"
+
+namespace fusedamp::cpu::CPU_CAPABILITY {
+namespace sparse_rows {
+
+// Rows stepped per parallel task: a row of 64 FP32 elements with Adam's state is ~1 KiB of
+// traffic, so a task moves ~256 KiB.
+constexpr int64_t kRowsPerTask = 256;
+
+// The scratch of summed gradient rows, reused across steps (a step's lookups rarely change in
+// number, so it is allocated once).
+std::vector<float>& summed_rows(int64_t n) {
+  thread_local std::vector<float> sums;
+  sums.assign(static_cast<size_t>(n), 0.f);
+  return sums;
+}
+
+template <typename TV>
+void sum_lookups(const SparseRowsStep& s, float* sums) {
+  const TV* values = static_cast<const TV*>(s.values);
+  const int64_t d = s.dim;
+  for (int64_t k = 0; k < s.nnz; ++k) {
+    float* acc = sums + static_cast<int64_t>(s.slot_of[k]) * d;
+    const TV* v = values + k * d;
+    for (int64_t i = 0; i < d; i += kPair) {
+      const int64_t n = d - i;
+      Vec a0, a1, v0, v1;
+      PairIO<float>::load(acc + i, n, a0, a1);
+      PairIO<TV>::load(v + i, n, v0, v1);
+      PairIO<float>::store(acc + i, n, a0 + v0, a1 + v1);
+    }
+  }
+}
+
+// Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights (the
+// master where there is one) and the gradient times grad_mult; the weights are written back
+// (rounded into the table where it is FP16/BF16).
+template <typename T, bool kMaster, typename F>
+C10_ALWAYS_INLINE void step_row(const SparseRowsStep& s, int64_t r, const float* g, const F& f) {
+  const int64_t d = s.dim;
+  T* table = static_cast<T*>(s.table) + r * d;
+  float* master = kMaster ? s.master + r * d : nullptr;
+  const Vec mult(s.grad_mult);
+  for (int64_t i = 0; i < d; i += kPair) {
+    const int64_t n = d - i;
+    Vec p0, p1, g0, g1;
+    if constexpr (kMaster) {
+      PairIO<float>::load(master + i, n, p0, p1);
+    } else {
+      PairIO<T>::load(table + i, n, p0, p1);
+    }
+    PairIO<float>::load(g + i, n, g0, g1);
+    f(i, n, p0, p1, g0 * mult, g1 * mult);
+    if constexpr (kMaster) {
+      PairIO<float>::store(master + i, n, p0, p1);
+    }
+    PairIO<T>::store(table + i, n, p0, p1);
+  }
+}
+
+// The sum of squares of a row's gradient (times grad_mult): lane-wise FMAs, then the lanes
+// added in order.
+inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
+  Vec acc0(0.f), acc1(0.f);
+  const Vec mult(grad_mult);
+  for (int64_t i = 0; i < d; i += kPair) {
+    Vec g0, g1;
+    PairIO<float>::load(g + i, d - i, g0, g1);  // the tail's missing lanes load as 0
+    g0 = g0 * mult;
+    g1 = g1 * mult;
+    acc0 = math::LaneOps<Vec>::fma(g0, g0, acc0);
+    acc1 = math::LaneOps<Vec>::fma(g1, g1, acc1);
+  }
+  float lanes[kPair];
+  acc0.store(lanes);
+  acc1.store(lanes + Vec::size());
+  float sum = 0.f;
+  for (int64_t l = 0; l < kPair; ++l) {
+    sum += lanes[l];
+  }
+  return sum;
+}
+
+template <typename T, bool kMaster>
+void step_rows(const SparseRowsStep& s, const float* sums) {
+  const int64_t d = s.dim;
+  const auto touched = [&](auto&& row_step) {
+    at::parallel_for(0, s.num_slots, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t slot = begin; slot < end; ++slot) {
+        row_step(s.rows[slot], sums + slot * d);
+      }
+    });
+  };
+  switch (s.algorithm) {
+    case SparseAlgorithm::kSgd:
+      if (s.state0 == nullptr) {
+        touched([&](int64_t r, const float* g) {
+          step_row<T, kMaster>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
+            math::sparse_sgd_update(p0, g0, s.neg_lr);
+            math::sparse_sgd_update(p1, g1, s.neg_lr);
+          });
+        });
+      } else {
+        // Every row: the buffer of a row not looked up still decays and moves the row.
+        const std::vector<float> zeros(static_cast<size_t>(d), 0.f);
+        at::parallel_for(0, s.num_rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int32_t slot = s.row_slot[r];
+            const float* g = slot >= 0 ? sums + slot * d : zeros.data();
+            float* buf = s.state0 + r * d;
+            step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+                                              Vec g1) {
+              Vec b0, b1;
+              PairIO<float>::load(buf + i, n, b0, b1);
+              math::sparse_sgd_momentum_update(p0, b0, g0, s.neg_lr, s.momentum,
+                                               s.one_minus_dampening, s.nesterov, s.first_step);
+              math::sparse_sgd_momentum_update(p1, b1, g1, s.neg_lr, s.momentum,
+                                               s.one_minus_dampening, s.nesterov, s.first_step);
+              PairIO<float>::store(buf + i, n, b0, b1);
+            });
+          }
+        });
+      }
+      break;
+    case SparseAlgorithm::kAdagrad:
+      touched([&](int64_t r, const float* g) {
+        float* sum = s.state0 + r * d;
+        step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+                                          Vec g1) {
+          Vec s0, s1;
+          PairIO<float>::load(sum + i, n, s0, s1);
+          math::sparse_adagrad_update(p0, s0, g0, s.neg_lr, s.eps);
+          math::sparse_adagrad_update(p1, s1, g1, s.neg_lr, s.eps);
+          PairIO<float>::store(sum + i, n, s0, s1);
+        });
+      });
+      break;
+    case SparseAlgorithm::kAdam:
+      touched([&](int64_t r, const float* g) {
+        float* m = s.state0 + r * d;
+        float* v = s.state1 + r * d;
+        step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+                                          Vec g1) {
+          Vec m0, m1, v0, v1;
+          PairIO<float>::load(m + i, n, m0, m1);
+          PairIO<float>::load(v + i, n, v0, v1);
+          math::sparse_adam_update(p0, m0, v0, g0, s.one_minus_beta1, s.one_minus_beta2,
+                                   s.neg_lr, s.eps);
+          math::sparse_adam_update(p1, m1, v1, g1, s.one_minus_beta1, s.one_minus_beta2,
+                                   s.neg_lr, s.eps);
+          PairIO<float>::store(m + i, n, m0, m1);
+          PairIO<float>::store(v + i, n, v0, v1);
+        });
+      });
+      break;
+    case SparseAlgorithm::kRowWiseAdagrad:
+      touched([&](int64_t r, const float* g) {
+        const float multiplier = math::rowwise_adagrad_multiplier(
+            s.state0[r], row_sum_of_squares(g, d, s.grad_mult), d, s.neg_lr, s.eps);
+        step_row<T, kMaster>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
+          math::rowwise_adagrad_update(p0, g0, multiplier);
+          math::rowwise_adagrad_update(p1, g1, multiplier);
+        });
+      });
+      break;
+  }
+}
+
+// f(T{}) for the element type of a checked FP32/FP16/BF16 tensor.
+template <typename F>
+void with_float_type(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case at::kHalf:
+      return f(c10::Half{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    default:
+      return f(float{});
+  }
+}
+
+}  // namespace sparse_rows
+
+void sparse_rows_step(const SparseRowsStep& s) {
+  using namespace sparse_rows;
+  std::vector<float>& sums = summed_rows(s.num_slots * s.dim);
+  with_float_type(s.values_dtype, [&](auto v) { sum_lookups<decltype(v)>(s, sums.data()); });
+  with_float_type(s.table_dtype, [&](auto t) {
+    if (s.master != nullptr) {
+      step_rows<decltype(t), true>(s, sums.data());
+    } else {
+      step_rows<decltype(t), false>(s, sums.data());
+    }
+  });
+}
+
+}  // namespace fusedamp::cpu::CPU_CAPABILITY

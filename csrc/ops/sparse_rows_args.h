@@ -1,0 +1,223 @@
+#pragma once
+// The row-wise sparse step operators (schemas.cpp: sparse_sgd_step_, sparse_adagrad_step_,
+// sparse_adam_step_, sparse_rowwise_adagrad_step_): their arguments gathered into one
+// declaration, checked once for every backend (before anything is touched), and registered
+// for a backend by implement_sparse_row_ops<Backend>(m), Backend::sparse_rows_step taking the
+// checked declaration.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace fusedamp::kernels {
+
+enum class SparseRowsAlgorithm { kSgd, kAdagrad, kAdam, kRowWiseAdagrad };
+
+// Every algorithm's hyper-parameters (those it does not take stay 0), in this order.
+struct SparseRowsHyper {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  double lr_decay = 0.0;
+  double eps = 0.0;
+  double beta1 = 0.0;
+  double beta2 = 0.0;
+  bool maximize = false;
+};
+
+struct SparseRowsOp {
+  const char* op;
+  SparseRowsAlgorithm algorithm;
+  at::Tensor table;
+  std::optional<at::Tensor> master;
+  at::Tensor indices;             // [nnz] or [1, nnz], int64: a sparse gradient's _indices()
+  at::Tensor values;              // [nnz, dim]: its _values(), duplicates included
+  std::vector<at::Tensor> state;  // per algorithm: [rows, dim] FP32 tensors, or [rows] (row-wise)
+  at::Tensor step;
+  std::optional<at::Tensor> inv_scale;
+  std::optional<at::Tensor> found_inf;
+  SparseRowsHyper hyper;
+
+  bool has_master() const { return master && master->defined(); }
+};
+
+inline bool given(const std::optional<at::Tensor>& t) { return t && t->defined(); }
+
+inline void check_float_scalar(const SparseRowsOp& a, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.layout() == at::kStrided && t.scalar_type() == at::kFloat && t.numel() == 1, a.op,
+              ": ", name, " must be a one-element float32 tensor, got ", t.scalar_type(),
+              " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == a.table.device(), a.op, ": ", name, " is on ", t.device(),
+              ", the table on ", a.table.device());
+}
+
+inline void check_hyper(const SparseRowsOp& a) {
+  const SparseRowsHyper& h = a.hyper;
+  const auto finite_non_negative = [&](double v, const char* name) {
+    TORCH_CHECK(std::isfinite(v) && v >= 0.0, a.op, ": invalid ", name, " ", v);
+  };
+  finite_non_negative(h.lr, "lr");
+  finite_non_negative(h.eps, "eps");
+  finite_non_negative(h.lr_decay, "lr_decay");
+  finite_non_negative(h.momentum, "momentum");
+  TORCH_CHECK(std::isfinite(h.dampening), a.op, ": invalid dampening ", h.dampening);
+  TORCH_CHECK(!h.nesterov || (h.momentum > 0.0 && h.dampening == 0.0), a.op,
+              ": Nesterov momentum requires a momentum and zero dampening");
+  if (a.algorithm == SparseRowsAlgorithm::kAdam) {
+    TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, a.op, ": invalid beta1 ", h.beta1);
+    TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, a.op, ": invalid beta2 ", h.beta2);
+  }
+}
+
+// Everything the kernels assume, checked before any of them runs. The index range is checked
+// by the backend as it buckets the lookups (also before anything is written).
+inline void check_sparse_rows(const SparseRowsOp& a) {
+  const at::Tensor& t = a.table;
+  TORCH_CHECK(t.layout() == at::kStrided && t.dim() == 2, a.op,
+              ": table must be a dense 2-D tensor [rows, dim], got ", t.layout(), " of shape ",
+              t.sizes());
+  const at::ScalarType dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, a.op,
+              ": table must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK(t.is_contiguous(), a.op, ": table must be contiguous");
+  if (a.has_master()) {
+    const at::Tensor& m = *a.master;
+    TORCH_CHECK(dt != at::kFloat, a.op, ": a float32 table takes no master");
+    TORCH_CHECK(m.layout() == at::kStrided && m.scalar_type() == at::kFloat &&
+                    m.sizes() == t.sizes() && m.is_contiguous() && m.device() == t.device(),
+                a.op, ": master must be a contiguous float32 tensor of the table's shape ",
+                t.sizes(), " on its device");
+    TORCH_CHECK(!m.is_alias_of(t), a.op, ": master shares memory with the table");
+  }
+  const at::Tensor& idx = a.indices;
+  TORCH_CHECK(idx.layout() == at::kStrided && idx.scalar_type() == at::kLong &&
+                  (idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == 1)),
+              a.op,
+              ": indices must be int64 of shape [nnz] or [1, nnz] (one sparse dimension: "
+              "the rows), got ",
+              idx.scalar_type(), " of shape ", idx.sizes());
+  const at::Tensor& v = a.values;
+  TORCH_CHECK(v.layout() == at::kStrided && v.dim() == 2, a.op,
+              ": values must be [nnz, dim] (a row-wise sparse gradient: one sparse and one "
+              "dense dimension), got shape ",
+              v.sizes());
+  const int64_t nnz = idx.size(idx.dim() - 1);
+  TORCH_CHECK(v.size(0) == nnz && v.size(1) == t.size(1), a.op, ": values must be [", nnz, ", ",
+              t.size(1), "] for ", nnz, " indices into a table of width ", t.size(1), ", got ",
+              v.sizes());
+  const at::ScalarType vt = v.scalar_type();
+  TORCH_CHECK(vt == at::kFloat || vt == at::kHalf || vt == at::kBFloat16, a.op,
+              ": values must be float32, float16 or bfloat16, got ", vt);
+  TORCH_CHECK(idx.device() == t.device() && v.device() == t.device(), a.op,
+              ": indices and values must be on the table's device ", t.device());
+  TORCH_CHECK(nnz < (int64_t{1} << 31), a.op, ": at most 2^31 - 1 lookups per step");
+  const bool row_wise = a.algorithm == SparseRowsAlgorithm::kRowWiseAdagrad;
+  for (const at::Tensor& s : a.state) {
+    const bool shape_ok =
+        row_wise ? (s.dim() == 1 && s.size(0) == t.size(0)) : s.sizes() == t.sizes();
+    TORCH_CHECK(s.layout() == at::kStrided && s.scalar_type() == at::kFloat && shape_ok &&
+                    s.is_contiguous() && s.device() == t.device(),
+                a.op, ": the state must be contiguous float32 tensors of shape ",
+                row_wise ? "[rows]" : "the table's", " (", t.sizes(), ") on its device, got ",
+                s.scalar_type(), " of shape ", s.sizes());
+    TORCH_CHECK(!s.is_alias_of(t) && !(a.has_master() && s.is_alias_of(*a.master)), a.op,
+                ": a state tensor shares memory with the table or its master");
+  }
+  for (size_t i = 0; i < a.state.size(); ++i) {
+    for (size_t j = i + 1; j < a.state.size(); ++j) {
+      TORCH_CHECK(!a.state[i].is_alias_of(a.state[j]), a.op, ": state tensors share memory");
+    }
+  }
+  check_float_scalar(a, a.step, "step");
+  if (given(a.inv_scale)) {
+    check_float_scalar(a, *a.inv_scale, "inv_scale");
+  }
+  if (given(a.found_inf)) {
+    check_float_scalar(a, *a.found_inf, "found_inf");
+  }
+  check_hyper(a);
+}
+
+template <typename Backend>
+void run_sparse_rows(const SparseRowsOp& a) {
+  check_sparse_rows(a);
+  Backend::sparse_rows_step(a);
+}
+
+template <typename Backend>
+void implement_sparse_row_ops(torch::Library& m) {
+  using OptT = const std::optional<at::Tensor>&;
+  m.impl("sparse_sgd_step_", [](const at::Tensor& table, OptT master, const at::Tensor& indices,
+                                const at::Tensor& values, OptT momentum_buffer,
+                                const at::Tensor& step, double lr, double momentum,
+                                double dampening, bool nesterov, bool maximize, OptT inv_scale,
+                                OptT found_inf) {
+    const SparseRowsHyper h{lr, momentum, dampening, nesterov, 0., 0., 0., 0., maximize};
+    TORCH_CHECK(given(momentum_buffer) == (momentum != 0.0),
+                "sparse_sgd_step_: a momentum buffer is given exactly when momentum != 0");
+    std::vector<at::Tensor> state;
+    if (given(momentum_buffer)) {
+      state.push_back(*momentum_buffer);
+    }
+    run_sparse_rows<Backend>({"sparse_sgd_step_", SparseRowsAlgorithm::kSgd, table, master, indices,
+                              values, std::move(state), step, inv_scale, found_inf, h});
+  });
+  m.impl("sparse_adagrad_step_",
+         [](const at::Tensor& table, OptT master, const at::Tensor& indices,
+            const at::Tensor& values, const at::Tensor& state_sum, const at::Tensor& step,
+            double lr, double lr_decay, double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+           const SparseRowsHyper h{lr, 0., 0., false, lr_decay, eps, 0., 0., maximize};
+           run_sparse_rows<Backend>({"sparse_adagrad_step_",
+                                     SparseRowsAlgorithm::kAdagrad,
+                                     table,
+                                     master,
+                                     indices,
+                                     values,
+                                     {state_sum},
+                                     step,
+                                     inv_scale,
+                                     found_inf,
+                                     h});
+         });
+  m.impl(
+      "sparse_adam_step_",
+      [](const at::Tensor& table, OptT master, const at::Tensor& indices, const at::Tensor& values,
+         const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& step, double lr,
+         double beta1, double beta2, double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+        const SparseRowsHyper h{lr, 0., 0., false, 0., eps, beta1, beta2, maximize};
+        run_sparse_rows<Backend>({"sparse_adam_step_",
+                                  SparseRowsAlgorithm::kAdam,
+                                  table,
+                                  master,
+                                  indices,
+                                  values,
+                                  {exp_avg, exp_avg_sq},
+                                  step,
+                                  inv_scale,
+                                  found_inf,
+                                  h});
+      });
+  m.impl("sparse_rowwise_adagrad_step_",
+         [](const at::Tensor& table, OptT master, const at::Tensor& indices,
+            const at::Tensor& values, const at::Tensor& row_sum, const at::Tensor& step, double lr,
+            double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+           const SparseRowsHyper h{lr, 0., 0., false, 0., eps, 0., 0., maximize};
+           run_sparse_rows<Backend>({"sparse_rowwise_adagrad_step_",
+                                     SparseRowsAlgorithm::kRowWiseAdagrad,
+                                     table,
+                                     master,
+                                     indices,
+                                     values,
+                                     {row_sum},
+                                     step,
+                                     inv_scale,
+                                     found_inf,
+                                     h});
+         });
+}
+
+}  // namespace fusedamp::kernels

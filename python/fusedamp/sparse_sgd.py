@@ -1,0 +1,131 @@
+"""fusedamp.optim.SGD over a model with embedding tables that have sparse gradients: the
+parameters with dense gradients step in the C++ engine as always, the tables through the
+row-wise sparse op (sparse_optim.py), and one inf/NaN flag decides for both.
+
+The order keeps a step all-or-nothing: every table gradient is checked (and, under a loss
+scaler, unscaled) first, its finding seeds the engine's step over the dense parameters, which
+adds its own, and the tables' ops read the combined flag. The tables' state (torch's keys:
+``"momentum_buffer"``, dense FP32, and ``"step"``; ``"master_param"`` for FP16/BF16 tables)
+lives beside the engine's and appears in ``state`` and ``state_dict`` under the same indices.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sparse_optim import (ALGORITHMS, apply_steps, check_values, loaded_value, new_state,
+                           sparse_work)
+
+__all__ = ["has_sparse_grads", "step", "step_without_tables", "table_states",
+           "check_table_group", "with_table_states", "without_table_states"]
+
+_WHO = "fusedamp.optim.SGD"
+
+
+def has_sparse_grads(groups):
+    return any(p.grad is not None and p.grad.is_sparse for g in groups for p in g["params"])
+
+
+def table_states(optimizer):
+    """The state of the params stepped as sparse tables, by param."""
+    return optimizer.__dict__.setdefault("_table_state", {})
+
+
+def check_table_group(group):
+    """What a group holding a sparse table must not ask for (torch refuses weight decay with
+    sparse gradients; the other storage modes have no row-wise kernels)."""
+    if group.get("weight_decay", 0) != 0:
+        raise RuntimeError(f"{_WHO}: weight_decay is not supported with sparse gradients "
+                           "(torch.optim.SGD cannot add a dense decay to them either)")
+    if group.get("master_weights", True) not in (True, False):
+        raise RuntimeError(f"{_WHO}: master_weights={group['master_weights']!r} is not "
+                           "supported for sparse tables (True or False)")
+    if group.get("state_dtype", torch.float32) not in (torch.float32, "torch.float32"):
+        raise RuntimeError(f"{_WHO}: a sparse table's momentum is float32 "
+                           f"(state_dtype={group['state_dtype']!r})")
+
+
+def step(optimizer, record_as, grad_scale, found_inf, telemetry):
+    """One step of `optimizer` (a fusedamp.optim.SGD) whose params include sparse tables."""
+    engine = optimizer._engine
+    groups = optimizer.param_groups
+    tables = [dict(g, params=[p for p in g["params"] if p.grad is not None and p.grad.is_sparse])
+              for g in groups]
+    work = sparse_work(tables, _WHO)
+    for p, group, _ in work:
+        check_table_group(group)
+        if engine.param_state(p):
+            raise RuntimeError(f"{_WHO}: a parameter of shape {tuple(p.shape)} had a dense "
+                               "gradient in an earlier step and has a sparse one now")
+    step_without_tables(optimizer)
+    known = table_states(optimizer)
+    flag = check_values(work, groups, grad_scale, found_inf)
+    if flag is None:
+        flag = torch.zeros((), dtype=torch.float32, device=work[0][0].device)
+    hidden = [(p, p.grad) for p, _, _ in work]
+    try:
+        for p, _ in hidden:
+            p.grad = None
+        if any(p.grad is not None for g in groups for p in g["params"]):
+            # The engine's scaled step: it checks the dense gradients seeded with the tables'
+            # finding and leaves the combined flag in `flag`.
+            scale = grad_scale if grad_scale is not None else torch.ones_like(flag)
+            engine.sync_changed_options(groups, optimizer._synced_options)
+            engine.step_amp(scale, flag, telemetry, record_as)
+    finally:
+        for p, g in hidden:
+            p.grad = g
+
+    def state_of(p, group):
+        if p not in known:
+            known[p] = new_state(p, group, ALGORITHMS["sgd"])
+        return known[p]
+
+    apply_steps(work, ALGORITHMS["sgd"], state_of, flag)
+
+
+def step_without_tables(optimizer):
+    """Refuses a step in which a table stepped as sparse has a dense gradient."""
+    known = table_states(optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p in known and p.grad is not None and not p.grad.is_sparse:
+                raise RuntimeError(f"{_WHO}: a parameter of shape {tuple(p.shape)} had a "
+                                   "sparse gradient in an earlier step and has a dense one now")
+
+
+# A table's entry in a state dict carries this key, so that loading gives it back to the
+# table path (torch.optim.SGD ignores it).
+_TABLE_KEY = "sparse_table"
+
+
+def _params(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def with_table_states(optimizer, state_dict):
+    known = table_states(optimizer)
+    for i, p in enumerate(_params(optimizer)):
+        if p in known:
+            state_dict["state"][i] = dict(known[p], **{_TABLE_KEY: True})
+    return state_dict
+
+
+def without_table_states(optimizer, state_dict):
+    """(state_dict less the tables' entries, the tables' state by param): the entries are ours
+    or torch's sparse momentum buffers, converted (and checked) here, before anything loads."""
+    params = _params(optimizer)
+    tables, rest = {}, {}
+    for i, entry in state_dict["state"].items():
+        buf = entry.get("momentum_buffer")
+        if entry.get(_TABLE_KEY) or (isinstance(buf, torch.Tensor) and buf.is_sparse):
+            p = params[i]
+            state = {k: loaded_value(p, k, v) for k, v in entry.items() if k != _TABLE_KEY}
+            state.setdefault("step", torch.ones((), device=p.device))  # torch's: one step
+            if "momentum_buffer" in state and state["momentum_buffer"].shape != p.shape:
+                raise ValueError(f"{_WHO}: a table's momentum_buffer has shape "
+                                 f"{tuple(state['momentum_buffer'].shape)}, the table "
+                                 f"{tuple(p.shape)}")
+            tables[p] = state
+        else:
+            rest[i] = entry
+    return dict(state_dict, state=rest), tables
