@@ -11,7 +11,8 @@
 #include <c10/util/Half.h>
 #include <fusedamp/math/sparse_rows_math.h>
 
-#include <cstring>
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "sparse_rows.h"
@@ -24,27 +25,49 @@ namespace sparse_rows {
 // traffic, so a task moves ~256 KiB.
 constexpr int64_t kRowsPerTask = 256;
 
-// The scratch of summed gradient rows, reused across steps (a step's lookups rarely change in
-// number, so it is allocated once).
-std::vector<float>& summed_rows(int64_t n) {
-  thread_local std::vector<float> sums;
-  sums.assign(static_cast<size_t>(n), 0.f);
-  return sums;
+// Rows ahead whose memory a row loop asks for: the rows a batch looks up are scattered over
+// the table, so each is a cache miss the hardware prefetchers cannot foresee.
+constexpr int64_t kRowsAhead = 4;
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(static_cast<const char*>(p) + b, 1);
+  }
 }
 
+// The scratch of summed gradient rows, reused across steps and not cleared: every slot's row
+// is first written by a copy of its first lookup.
+float* summed_rows(int64_t n) {
+  thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < n) {
+    sums.resize(static_cast<size_t>(n));
+  }
+  return sums.data();
+}
+
+// Slots are numbered in first-lookup order, so lookup k is its row's first exactly when its
+// slot is the next new one.
 template <typename TV>
 void sum_lookups(const SparseRowsStep& s, float* sums) {
   const TV* values = static_cast<const TV*>(s.values);
   const int64_t d = s.dim;
+  int32_t next_new = 0;
   for (int64_t k = 0; k < s.nnz; ++k) {
-    float* acc = sums + static_cast<int64_t>(s.slot_of[k]) * d;
+    const int32_t slot = s.slot_of[k];
+    float* acc = sums + static_cast<int64_t>(slot) * d;
     const TV* v = values + k * d;
+    const bool first = slot == next_new;
+    next_new += first ? 1 : 0;
     for (int64_t i = 0; i < d; i += kPair) {
       const int64_t n = d - i;
       Vec a0, a1, v0, v1;
-      PairIO<float>::load(acc + i, n, a0, a1);
       PairIO<TV>::load(v + i, n, v0, v1);
-      PairIO<float>::store(acc + i, n, a0 + v0, a1 + v1);
+      if (!first) {
+        PairIO<float>::load(acc + i, n, a0, a1);
+        v0 = a0 + v0;
+        v1 = a1 + v1;
+      }
+      PairIO<float>::store(acc + i, n, v0, v1);
     }
   }
 }
@@ -75,25 +98,23 @@ C10_ALWAYS_INLINE void step_row(const SparseRowsStep& s, int64_t r, const float*
   }
 }
 
-// The sum of squares of a row's gradient (times grad_mult): lane-wise FMAs, then the lanes
-// added in order.
+// The sum of squares of a row's gradient (times grad_mult) in 16 partial sums, element i in
+// sum i mod 16 (one FMA each), then the 16 added in order: the same grouping whatever the
+// vector width, so the same bits on every instruction set.
+constexpr int64_t kSquareSums = 16;
+
 inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
-  Vec acc0(0.f), acc1(0.f);
-  const Vec mult(grad_mult);
-  for (int64_t i = 0; i < d; i += kPair) {
-    Vec g0, g1;
-    PairIO<float>::load(g + i, d - i, g0, g1);  // the tail's missing lanes load as 0
-    g0 = g0 * mult;
-    g1 = g1 * mult;
-    acc0 = math::LaneOps<Vec>::fma(g0, g0, acc0);
-    acc1 = math::LaneOps<Vec>::fma(g1, g1, acc1);
+  float acc[kSquareSums] = {};
+  for (int64_t i = 0; i < d; i += kSquareSums) {
+    const int64_t n = std::min(kSquareSums, d - i);
+    for (int64_t l = 0; l < n; ++l) {
+      const float x = g[i + l] * grad_mult;
+      acc[l] = std::fma(x, x, acc[l]);
+    }
   }
-  float lanes[kPair];
-  acc0.store(lanes);
-  acc1.store(lanes + Vec::size());
   float sum = 0.f;
-  for (int64_t l = 0; l < kPair; ++l) {
-    sum += lanes[l];
+  for (int64_t l = 0; l < kSquareSums; ++l) {
+    sum += acc[l];
   }
   return sum;
 }
@@ -101,9 +122,26 @@ inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
 template <typename T, bool kMaster>
 void step_rows(const SparseRowsStep& s, const float* sums) {
   const int64_t d = s.dim;
+  // The rows' memory asked for kRowsAhead slots ahead: weights (or master and table) and the
+  // state of the table's shape.
+  const bool row_state = s.state0 != nullptr && s.algorithm != SparseAlgorithm::kRowWiseAdagrad;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(float));
   const auto touched = [&](auto&& row_step) {
     at::parallel_for(0, s.num_slots, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
+        if (slot + kRowsAhead < end) {
+          const int64_t ahead = s.rows[slot + kRowsAhead];
+          if constexpr (kMaster) {
+            prefetch_row(s.master + ahead * d, row_bytes);
+          }
+          prefetch_row(static_cast<T*>(s.table) + ahead * d, d * sizeof(T));
+          if (row_state) {
+            prefetch_row(s.state0 + ahead * d, row_bytes);
+            if (s.state1 != nullptr) {
+              prefetch_row(s.state1 + ahead * d, row_bytes);
+            }
+          }
+        }
         row_step(s.rows[slot], sums + slot * d);
       }
     });
@@ -200,13 +238,13 @@ void with_float_type(at::ScalarType dtype, const F& f) {
 
 void sparse_rows_step(const SparseRowsStep& s) {
   using namespace sparse_rows;
-  std::vector<float>& sums = summed_rows(s.num_slots * s.dim);
-  with_float_type(s.values_dtype, [&](auto v) { sum_lookups<decltype(v)>(s, sums.data()); });
+  float* sums = summed_rows(s.num_slots * s.dim);
+  with_float_type(s.values_dtype, [&](auto v) { sum_lookups<decltype(v)>(s, sums); });
   with_float_type(s.table_dtype, [&](auto t) {
     if (s.master != nullptr) {
-      step_rows<decltype(t), true>(s, sums.data());
+      step_rows<decltype(t), true>(s, sums);
     } else {
-      step_rows<decltype(t), false>(s, sums.data());
+      step_rows<decltype(t), false>(s, sums);
     }
   });
 }
