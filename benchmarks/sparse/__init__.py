@@ -1,0 +1,1 @@
+"""Parts of bench_sparse.py: the FBGEMM side (fbgemm_side.py)."""
