@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "sparse_rows.h"
@@ -33,6 +34,16 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) {
     __builtin_prefetch(static_cast<const char*>(p) + b, 1);
   }
+}
+
+inline bool all_bits_zero(const float* row, int64_t d) {
+  uint32_t bits = 0;
+  for (int64_t i = 0; i < d; ++i) {
+    uint32_t b;
+    std::memcpy(&b, row + i, sizeof(b));
+    bits |= b;
+  }
+  return bits == 0;
 }
 
 // The scratch of summed gradient rows, reused across steps and not cleared: every slot's row
@@ -156,13 +167,19 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
           });
         });
       } else {
-        // Every row: the buffer of a row not looked up still decays and moves the row.
+        // Every row: the buffer of a row not looked up still decays and moves the row. A row
+        // not looked up whose buffer is all +0 (never looked up, the long tail of a large
+        // table) would keep every bit (+0 * momentum + +0 = +0; p + -lr * +0 = p), so only its
+        // buffer is read.
         const std::vector<float> zeros(static_cast<size_t>(d), 0.f);
         at::parallel_for(0, s.num_rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const int32_t slot = s.row_slot[r];
-            const float* g = slot >= 0 ? sums + slot * d : zeros.data();
             float* buf = s.state0 + r * d;
+            if (slot < 0 && all_bits_zero(buf, d)) {
+              continue;
+            }
+            const float* g = slot >= 0 ? sums + slot * d : zeros.data();
             step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
                                               Vec g1) {
               Vec b0, b1;
