@@ -140,11 +140,14 @@ EOF
 # test names need not say cuda).
 # Without a GPU they are all skipped, so the CPU variants of the op tests run instead: what the
 # no-GPU mode can check.
+# The CUDA kernels against the CPU's, file by file (the compute-sanitizer runs pick from these).
+CUDA_KERNEL_TESTS=(tests/python/test_cuda_scaler_ops.py tests/python/test_cuda_optimizer_steps.py
+                   tests/python/test_cuda_launches.py)
 cuda_tests() {
   if (( ! BUILD_OK )); then row "pytest (CUDA tests)" "skipped (no build)"; return; fi
   local files=(tests/python) sel="cuda" name="pytest (CUDA tests)"
   if (( ! GPU )); then  # the script's own check: collection, and the bad-input cases on the CPU
-    files=(tests/python/test_cuda.py tests/python/test_cuda_same_bits.py
+    files=("${CUDA_KERNEL_TESTS[@]}" tests/python/test_cuda_same_bits.py
            tests/python/test_bad_input.py); sel="cpu or cuda"
     name="pytest (no GPU: bad input, CPU)"
   fi
@@ -194,7 +197,7 @@ sanitizer() {  # tool, selection, extra env
   log "$name"
   env $env PYTHONPATH="$PYT" timeout "$(budget 60)" \
     "$SAN" --tool "$tool" --print-limit 20 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/python/test_cuda.py -k "$sel" --junitxml="$LOGS/sanitizer-$tool.xml" \
+    "${CUDA_KERNEL_TESTS[@]}" -k "$sel" --junitxml="$LOGS/sanitizer-$tool.xml" \
     >"$LOGS/sanitizer-$tool.log" 2>&1
   local rc=$? errs P F S
   errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$LOGS/sanitizer-$tool.log" | tail -1 | grep -Eo '[0-9]+$')

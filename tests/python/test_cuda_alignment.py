@@ -4,9 +4,9 @@ identical inputs."""
 import pytest
 import torch
 
+from cuda_helpers import assert_same, on_both, state_tol, sync_forbidden
 from op_helpers import needs_cuda, randn_list
 from op_inputs import op_inputs
-from test_cuda import assert_same, on_both, state_tol, sync_forbidden
 
 ALIGN_SIZES = [(1,), (9,), (31, 7), (32769,), (100_003,)]
 EVERY_LIST_8_BYTES = {name: 2 for name in ("params", "master_params", "grads", "exp_avgs",

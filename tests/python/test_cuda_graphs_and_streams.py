@@ -1,12 +1,12 @@
 """On CUDA: unscale_and_check_ -> sgd_step_ -> update_scale_ captured in a CUDA graph and
-replayed equals the same steps run eagerly (test_cuda.py does the same for the Adam step); every
-op runs on the current stream when that is not the default one."""
+replayed equals the same steps run eagerly (test_cuda_launches.py does the same for the Adam
+step); every op runs on the current stream when that is not the default one."""
 import pytest
 import torch
 
+from cuda_helpers import capture, sync_forbidden
 from op_helpers import assert_bitwise_equal, needs_cuda, randn_list
 from op_inputs import op_inputs
-from test_cuda import capture, sync_forbidden
 
 
 def assert_all_tensors_equal(a, b):
