@@ -24,7 +24,7 @@ by that, beyond one code's spread (test_quantized_spread.py).
 """
 import torch
 
-from test_quantized_moments import ref_dequantize as adam_values
+from quantized_helpers import ref_dequantize as adam_values
 from test_quantized_momentum import ref_dequantize as momentum_values
 
 B = 32

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fusedamp
-from test_quantized_moments import _batches, _model, _train, check_skipped_step_changes_nothing
+from quantized_helpers import (_batches, _model, _train, check_initialize_takes_int8_state,
+                               check_skipped_step_changes_nothing)
 
 B = 32
 LEVELS = 127.0
@@ -322,11 +323,5 @@ def test_state_bytes_per_parameter(device):
 
 
 def test_initialize_takes_int8_state_for_sgd(device):
-    model = _model(device, torch.float32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt, scaler = fusedamp.initialize(model, opt, torch.bfloat16,
-                                             master_weights="split", state_dtype=torch.int8)
-    x, y = _batches(device, 1, torch.float32)[0]
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    assert all(opt.state[p]["momentum_buffer"].dtype == torch.int8 for p in model.parameters())
+    check_initialize_takes_int8_state(
+        device, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "momentum_buffer")
