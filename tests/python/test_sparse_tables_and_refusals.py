@@ -1,0 +1,191 @@
+"""Sparse embedding tables beside dense parameters (one skip for both, unscale_ before step,
+fusedamp.initialize) and bad input to the sparse steps: a clear error, nothing modified."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fusedamp
+from sparse_helpers import (DIM, ROWS, SPARSE_OPTIMIZERS, TablesAndHead, bag_batch, snapshot,
+                            sparse_grad, table, unchanged)
+
+
+# ---- bad input: a clear error, nothing modified ----------------------------------------------
+
+
+def test_adamw_refuses_sparse_grads(sparse_device):
+    gen = torch.Generator().manual_seed(5)
+    p = table(gen)
+    opt = fusedamp.optim.AdamW([p])
+    p.grad = sparse_grad(gen)
+    w = p.detach().clone()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("name", SPARSE_OPTIMIZERS)
+@pytest.mark.parametrize("bad", ["out_of_range", "hybrid", "fully_sparse", "dense_then_sparse"])
+def test_bad_grads_modify_nothing(sparse_device, name, bad):
+    cls, kwargs = SPARSE_OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(6)
+    good, p = table(gen), table(gen)
+    opt = cls([good, p], **kwargs)
+    good.grad, p.grad = sparse_grad(gen), sparse_grad(gen)
+    opt.step()
+    good.grad = sparse_grad(gen)  # a valid gradient beside the bad one: not stepped either
+    if bad == "out_of_range":
+        p.grad = sparse_grad(gen)
+        p.grad._indices()[0, -1] = ROWS  # past the last row, as a hand-made gradient can be
+        match = "out of range"
+    elif bad == "hybrid":  # sparse rows of a 3-D parameter: two dense dimensions
+        p = nn.Parameter(torch.randn(ROWS, 4, 5))
+        opt.add_param_group({"params": [p]})
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 4, 5),
+                                         (ROWS, 4, 5))
+        match = "row-wise"
+    elif bad == "fully_sparse":
+        p.grad = torch.randn(ROWS, DIM).to_sparse()  # sparse_dim 2: not row-wise
+        match = "row-wise"
+    else:
+        p.grad = torch.randn(ROWS, DIM)
+        match = "sparse"
+    snaps = [snapshot(q, opt) for q in (good, p)]
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    assert all(unchanged(q, opt, s) for q, s in zip((good, p), snaps))
+
+
+def test_adagrad_refuses_weight_decay():
+    with pytest.raises(ValueError, match="weight_decay"):
+        fusedamp.optim.Adagrad([nn.Parameter(torch.zeros(2, 2))], weight_decay=0.1)
+
+
+def test_op_refuses_bad_arguments_before_writing(sparse_device):
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randn(ROWS, DIM, generator=gen)
+    s = torch.zeros(ROWS, DIM)
+    step = torch.zeros(())
+    g = sparse_grad(gen)
+    idx, vals = g._indices().clone(), g._values()
+    idx[0, 7] = -1
+    before = t.clone()
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.fusedamp.sparse_adagrad_step_(t, None, idx, vals, s, step, lr=0.1)
+    with pytest.raises(RuntimeError, match="values must be"):
+        torch.ops.fusedamp.sparse_adagrad_step_(t, None, g._indices(), vals[:, :3], s, step,
+                                                lr=0.1)
+    with pytest.raises(RuntimeError, match="state"):
+        torch.ops.fusedamp.sparse_adagrad_step_(t, None, g._indices(), vals, s[:, :3], step,
+                                                lr=0.1)
+    assert torch.equal(t, before) and not s.any() and step.item() == 0
+
+
+@pytest.mark.parametrize("op,state", [
+    ("sparse_sgd_step_", 1), ("sparse_adagrad_step_", 1), ("sparse_adam_step_", 2),
+    ("sparse_rowwise_adagrad_step_", 1)])
+def test_opcheck(sparse_device, op, state):
+    gen = torch.Generator().manual_seed(8)
+    g = sparse_grad(gen, dtype=torch.float16)
+    t = torch.randn(ROWS, DIM, generator=gen).half()
+    shape = (ROWS,) if "rowwise" in op else (ROWS, DIM)
+    states = [torch.zeros(shape) for _ in range(state)]
+    kwargs = {"sparse_sgd_step_": dict(lr=0.1, momentum=0.9),
+              "sparse_adagrad_step_": dict(lr=0.1),
+              "sparse_adam_step_": dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8),
+              "sparse_rowwise_adagrad_step_": dict(lr=0.1)}[op]
+    args = (t, t.float(), g._indices(), g._values(), *states, torch.zeros(()))
+    torch.library.opcheck(getattr(torch.ops.fusedamp, op), args,
+                          dict(kwargs, inv_scale=torch.full((), 0.5),
+                               found_inf=torch.zeros(())))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_steps_tables_beside_dense_params(sparse_device, momentum):
+    """fusedamp.optim.SGD over a table (sparse gradient) and a dense layer, against torch.optim.SGD
+    on the same model; its state dict loads into torch's and back."""
+    torch.manual_seed(0)
+    ours_model = TablesAndHead()
+    ref_model = TablesAndHead()
+    ref_model.load_state_dict(ours_model.state_dict())
+    ours = fusedamp.optim.SGD(ours_model.parameters(), lr=0.05, momentum=momentum)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=momentum)
+    gen = torch.Generator().manual_seed(9)
+    for i in range(6):
+        batch = bag_batch(gen)
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            model(*batch).backward()
+            opt.step()
+        if i == 2:  # a checkpoint round trip half-way
+            ours.load_state_dict(ours.state_dict())
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+    if momentum:
+        assert not ours.state[ours_model.bag.weight]["momentum_buffer"].is_sparse
+        resumed = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=momentum)
+        resumed.load_state_dict(copy.deepcopy(ours.state_dict()))
+
+
+def test_sgd_skip_covers_tables_and_dense_params(sparse_device):
+    torch.manual_seed(0)
+    model = TablesAndHead()
+    opt = fusedamp.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 8)
+    gen = torch.Generator().manual_seed(10)
+    scaler.scale(model(*bag_batch(gen))).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(model(*bag_batch(gen))).backward()
+    model.bag.weight.grad._values()[0, 0] = float("nan")  # only the table's gradient
+    weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b)
+               for p, b in zip(model.parameters(), buffers))
+    assert scaler.get_scale() == 2.0 ** 7
+
+
+@pytest.mark.parametrize("name", SPARSE_OPTIMIZERS)
+def test_unscale_before_step_steps_the_same(sparse_device, name):
+    """scaler.unscale_(opt) (as before manual clipping), then scaler.step(opt): the step takes
+    the unscaled gradients as they are, the same step as scaler.step(opt) alone."""
+    cls, kwargs = SPARSE_OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(11)
+    a = table(gen)
+    b = nn.Parameter(a.detach().clone())
+    runs = [(a, cls([a], **kwargs), fusedamp.GradScaler("cpu", init_scale=2.0 ** 12), True),
+            (b, cls([b], **kwargs), fusedamp.GradScaler("cpu", init_scale=2.0 ** 12), False)]
+    for _ in range(3):
+        g = sparse_grad(gen, scale=2.0 ** 12)
+        for p, opt, scaler, unscale_first in runs:
+            scaler.scale(torch.ones(()))
+            p.grad = g.clone()
+            if unscale_first:
+                scaler.unscale_(opt)
+                torch.testing.assert_close(p.grad.to_dense(), g.to_dense() / 2.0 ** 12)
+            scaler.step(opt)
+            scaler.update()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_initialize_with_sgd_gives_tables_master_rows(sparse_device):
+    torch.manual_seed(0)
+    model = TablesAndHead()
+    model, opt, scaler = fusedamp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), dtype=torch.float16)
+    gen = torch.Generator().manual_seed(13)
+    start = model.bag.weight.detach().clone()
+    for _ in range(10):  # the first few overflow the head's FP16 gradient at 2^16 and skip
+        opt.zero_grad()
+        scaler.scale(model(*bag_batch(gen))).backward()
+        scaler.step(opt)
+        scaler.update()
+    state = opt.state[model.bag.weight]
+    assert model.bag.weight.dtype == torch.float16 and state["master_param"].dtype == torch.float32
+    assert torch.equal(model.bag.weight.detach(), state["master_param"].half())
+    assert state["step"].item() >= 1 and not torch.equal(model.bag.weight.detach(), start)
