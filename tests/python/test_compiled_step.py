@@ -111,23 +111,32 @@ CONFIGS += [("adamw", dict(master_weights="split", state_dtype=torch.int8)),
             ("torch_fused_adamw", {})]
 
 
-@pytest.mark.parametrize("kind,options", CONFIGS,
-                         ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items()) or 'default'}"
-                              for k, o in CONFIGS])
-def test_fullgraph_optimizer_half_equals_eager_without_recompiling(device, kind, options):
+def _eager_then_compiled(kind, device, **options):
+    """The same training eager and compiled; the compiled side in one graph, never recompiled."""
     torch._dynamo.reset()
     counters.clear()
     eager = _train(kind, device, compiled=False, **options)
     compiled = _train(kind, device, compiled=True, **options)
-
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["recompiles"].values()) == 0
-    assert sum(counters["graph_break"].values()) == 0
+    return eager, compiled
+
+
+def _assert_same_params_and_scaler(eager, compiled):
     for a, b in zip(eager[0], compiled[0], strict=True):
         assert torch.equal(a, b)
+    assert eager[2].state_dict() == compiled[2].state_dict()
+
+
+@pytest.mark.parametrize("kind,options", CONFIGS,
+                         ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in o.items()) or 'default'}"
+                              for k, o in CONFIGS])
+def test_fullgraph_optimizer_half_equals_eager_without_recompiling(device, kind, options):
+    eager, compiled = _eager_then_compiled(kind, device, **options)
+    assert sum(counters["graph_break"].values()) == 0
+    _assert_same_params_and_scaler(eager, compiled)
     for a, b in zip(_state_tensors(eager[1]), _state_tensors(compiled[1]), strict=True):
         assert torch.equal(a, b)
-    assert eager[2].state_dict() == compiled[2].state_dict()
     tel_e, tel_c = eager[2].telemetry(), compiled[2].telemetry()
     assert tel_e["scale"] == tel_c["scale"] and tel_e["found_inf"] == tel_c["found_inf"]
     # The run did what it is meant to exercise: skipped steps, backoff and growth.
@@ -141,15 +150,8 @@ def test_fullgraph_optimizer_half_equals_eager_without_recompiling(device, kind,
 
 @pytest.mark.parametrize("kind", ["adamw", "torch_fused_adamw"])
 def test_unscale_before_the_step_equals_eager(device, kind):
-    torch._dynamo.reset()
-    counters.clear()
-    eager = _train(kind, device, compiled=False, steps=30, unscale_first=True)
-    compiled = _train(kind, device, compiled=True, steps=30, unscale_first=True)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert sum(counters["recompiles"].values()) == 0
-    for a, b in zip(eager[0], compiled[0], strict=True):
-        assert torch.equal(a, b)
-    assert eager[2].state_dict() == compiled[2].state_dict()
+    eager, compiled = _eager_then_compiled(kind, device, steps=30, unscale_first=True)
+    _assert_same_params_and_scaler(eager, compiled)
 
 
 def test_reduce_overhead_mode_equals_eager(device):
@@ -162,18 +164,11 @@ def test_reduce_overhead_mode_equals_eager(device):
                       master_weights="split")
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["recompiles"].values()) == 0
-    for a, b in zip(eager[0], compiled[0], strict=True):
-        assert torch.equal(a, b)
-    assert eager[2].state_dict() == compiled[2].state_dict()
+    _assert_same_params_and_scaler(eager, compiled)
 
 
 def test_zero_grad_keeping_the_tensors_equals_eager(device):
-    torch._dynamo.reset()
-    counters.clear()
-    eager = _train("adamw", device, compiled=False, set_to_none=False, steps=20)
-    compiled = _train("adamw", device, compiled=True, set_to_none=False, steps=20)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert sum(counters["recompiles"].values()) == 0
+    eager, compiled = _eager_then_compiled("adamw", device, set_to_none=False, steps=20)
     for a, b in zip(eager[0], compiled[0], strict=True):
         assert torch.equal(a, b) and torch.equal(b.grad, torch.zeros_like(b))
 
