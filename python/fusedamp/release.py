@@ -1,6 +1,6 @@
 """fusedamp.release_gradients — each parameter's step inside backward (gradient release).
 
-Each parameter of a fusedamp AdamW/Adam/SGD gets a post-accumulate-grad hook that runs the
+Each parameter of a fusedamp AdamW/Adam/SGD/Lion gets a post-accumulate-grad hook that runs the
 engine's fused step over that parameter alone (``step_released``: unscale with the scaler's
 current scale, non-finite check, update in the group's master mode and state format) and then
 frees the gradient, so no whole set of gradients is ever held: a BF16 model with 8-bit moments
@@ -19,15 +19,11 @@ import weakref
 
 import torch
 
-from ._library import _C
 from .grad_scaler import GradScaler
 from .optim import FusedOptimizer, closure_loss
 
 __all__ = ["release_gradients", "ReleaseHandle"]
 
-# The engines whose step can run over the one parameter whose gradient just arrived: the plain
-# ones (a sharded or partitioned engine reduces its statistics over ranks, once per step).
-_RELEASABLE = (_C.Adam, _C.AdamW, _C.SGD)
 _CLIPPING = (None, "per_parameter")
 
 
@@ -37,7 +33,7 @@ def release_gradients(model, optimizer, scaler=None, *, clipping=None):
 
     model      the torch.nn.Module that holds the optimizer's parameters (names in messages and
                in ``scaler.telemetry(model)``).
-    optimizer  a fusedamp.optim.AdamW, Adam or SGD over plain tensors.
+    optimizer  a fusedamp.optim.AdamW, Adam, SGD or Lion over plain tensors.
     scaler     a fusedamp.GradScaler or None. With one, each step unscales by the scale the loss
                was multiplied by, and ``scaler.update()`` closes the iteration.
     clipping   None: a group with ``max_grad_norm`` is refused (a global norm needs every
@@ -59,10 +55,13 @@ class ReleaseHandle:
         who = "fusedamp.release_gradients"
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+        # The step runs over the one parameter whose gradient just arrived: only an optimizer's
+        # own plain engine can (a sharded or partitioned one reduces its statistics over ranks,
+        # once per step).
         if not isinstance(optimizer, FusedOptimizer) or \
-                type(getattr(optimizer, "_engine", None)) not in _RELEASABLE:
-            raise TypeError(f"{who}: the optimizer must be a fusedamp.optim.AdamW, Adam or SGD "
-                            f"over plain tensors (its fused step runs inside backward), got "
+                type(getattr(optimizer, "_engine", None)) is not optimizer._engine_cls:
+            raise TypeError(f"{who}: the optimizer must be a fusedamp.optim.AdamW, Adam, SGD or "
+                            f"Lion over plain tensors (its fused step runs inside backward), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}")
         if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"{who}: the scaler must be a fusedamp.GradScaler or None (each "

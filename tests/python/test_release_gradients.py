@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fusedamp
-from fusedamp.optim import SGD, Adam, AdamW
+from fusedamp.optim import SGD, Adam, AdamW, Lion
 
 CONFIGS = [
     pytest.param(torch.float16, AdamW, dict(master_weights=True), True, id="fp16-adamw-fp32"),
@@ -24,6 +24,8 @@ CONFIGS = [
     pytest.param(torch.float16, SGD, dict(momentum=0.9, state_dtype=torch.int8), True,
                  id="fp16-sgd-int8"),
     pytest.param(torch.float32, SGD, dict(momentum=0.9, nesterov=True), False, id="fp32-sgd"),
+    pytest.param(torch.bfloat16, Lion, dict(master_weights="split", weight_decay=0.1), True,
+                 id="bf16-lion-split"),
 ]
 
 
@@ -285,7 +287,7 @@ def test_global_clipping_is_refused_and_nothing_attached():
 
 def test_other_optimizers_scalers_and_modules_are_refused():
     model, opt, scaler = bad_combinations()
-    with pytest.raises(TypeError, match="fusedamp.optim.AdamW, Adam or SGD.*torch.optim"):
+    with pytest.raises(TypeError, match="fusedamp.optim.AdamW, Adam, SGD or Lion.*torch.optim"):
         fusedamp.release_gradients(model, torch.optim.AdamW(model.parameters()), scaler)
     with pytest.raises(TypeError, match="fusedamp.GradScaler or None"):
         fusedamp.release_gradients(model, opt, torch.amp.GradScaler("cpu"))
