@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_optim import (ALGORITHMS, apply_steps, check_values, loaded_value, new_state,
-                           sparse_work)
+from .sparse_optim import (ALGORITHMS, apply_steps, check_master_option, check_values,
+                           loaded_value, new_state, sparse_work)
 
 __all__ = ["has_sparse_grads", "step", "step_without_tables", "table_states",
            "check_table_group", "with_table_states", "without_table_states"]
@@ -36,9 +36,7 @@ def check_table_group(group):
     if group.get("weight_decay", 0) != 0:
         raise RuntimeError(f"{_WHO}: weight_decay is not supported with sparse gradients "
                            "(torch.optim.SGD cannot add a dense decay to them either)")
-    if group.get("master_weights", True) not in (True, False):
-        raise RuntimeError(f"{_WHO}: master_weights={group['master_weights']!r} is not "
-                           "supported for sparse tables (True or False)")
+    check_master_option(group, _WHO)
     if group.get("state_dtype", torch.float32) not in (torch.float32, "torch.float32"):
         raise RuntimeError(f"{_WHO}: a sparse table's momentum is float32 "
                            f"(state_dtype={group['state_dtype']!r})")

@@ -62,6 +62,17 @@ def test_adagrad_refuses_weight_decay():
         fusedamp.optim.Adagrad([nn.Parameter(torch.zeros(2, 2))], weight_decay=0.1)
 
 
+def test_sgd_refuses_a_storage_mode_tables_do_not_have(sparse_device):
+    gen = torch.Generator().manual_seed(8)
+    p = table(gen, torch.bfloat16)
+    opt = fusedamp.optim.SGD([p], lr=0.1, momentum=0.9, master_weights="split")
+    p.grad = sparse_grad(gen).to(torch.bfloat16)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="master_weights='split' is not supported for sparse"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
 def test_op_refuses_bad_arguments_before_writing(sparse_device):
     gen = torch.Generator().manual_seed(7)
     t = torch.randn(ROWS, DIM, generator=gen)
