@@ -12,6 +12,8 @@
 #include <optional>
 #include <vector>
 
+#include "check_rules.h"
+
 namespace fusedamp::kernels {
 
 enum class SparseRowsAlgorithm { kSgd, kAdagrad, kAdam, kRowWiseAdagrad };
@@ -47,29 +49,27 @@ struct SparseRowsOp {
 
 inline bool given(const std::optional<at::Tensor>& t) { return t && t->defined(); }
 
+// A one-element float32 tensor on the table's device (the dense ops' rule, check_rules.h).
 inline void check_float_scalar(const SparseRowsOp& a, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.layout() == at::kStrided && t.scalar_type() == at::kFloat && t.numel() == 1, a.op,
-              ": ", name, " must be a one-element float32 tensor, got ", t.scalar_type(),
-              " of shape ", t.sizes());
-  TORCH_CHECK(t.device() == a.table.device(), a.op, ": ", name, " is on ", t.device(),
-              ", the table on ", a.table.device());
+  checks::rules::check_scalar(a.op, name, t, at::kFloat, a.table.device());
 }
 
+// The ranges are the dense steps' (hyper_params.h); the messages name the op's arguments.
 inline void check_hyper(const SparseRowsOp& a) {
   const SparseRowsHyper& h = a.hyper;
   const auto finite_non_negative = [&](double v, const char* name) {
-    TORCH_CHECK(std::isfinite(v) && v >= 0.0, a.op, ": invalid ", name, " ", v);
+    TORCH_CHECK(hyper::finite_nonneg(v), a.op, ": invalid ", name, " ", v);
   };
   finite_non_negative(h.lr, "lr");
   finite_non_negative(h.eps, "eps");
   finite_non_negative(h.lr_decay, "lr_decay");
   finite_non_negative(h.momentum, "momentum");
-  TORCH_CHECK(std::isfinite(h.dampening), a.op, ": invalid dampening ", h.dampening);
-  TORCH_CHECK(!h.nesterov || (h.momentum > 0.0 && h.dampening == 0.0), a.op,
+  TORCH_CHECK(hyper::valid_dampening(h.dampening), a.op, ": invalid dampening ", h.dampening);
+  TORCH_CHECK(hyper::valid_nesterov(h.nesterov, h.momentum, h.dampening), a.op,
               ": Nesterov momentum requires a momentum and zero dampening");
   if (a.algorithm == SparseRowsAlgorithm::kAdam) {
-    TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, a.op, ": invalid beta1 ", h.beta1);
-    TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, a.op, ": invalid beta2 ", h.beta2);
+    TORCH_CHECK(hyper::valid_beta(h.beta1), a.op, ": invalid beta1 ", h.beta1);
+    TORCH_CHECK(hyper::valid_beta(h.beta2), a.op, ": invalid beta2 ", h.beta2);
   }
 }
 
