@@ -5,7 +5,6 @@
 
 #include <fusedamp/ops.h>
 
-#include "../ops/hyper_params.h"
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
@@ -29,15 +28,8 @@ struct AlgorithmOf<LionOptions> {
   static StateSlots slots_for(const LionOptions&) { return {StateSlot::kExpAvg}; }
 
   static void check(const LionOptions& o, size_t group) {
-    const auto [beta1, beta2] = o.betas();
-    TORCH_CHECK_VALUE(o.state_dtype() != at::kChar,
-                      "Invalid state_dtype: Lion's exp_avg has no 8-bit format (state_dtype "
-                      "int8 is for Adam/AdamW and SGD; Lion takes float32 or bfloat16) "
-                      "(fusedamp::optim::Lion, param group ", group, ")");
-    TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
-                      " (fusedamp::optim::Lion, param group ", group, ")");
-    TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
-                      " (fusedamp::optim::Lion, param group ", group, ")");
+    detail::check_lion_options(kName, std::get<0>(o.betas()), std::get<1>(o.betas()),
+                               o.state_dtype(), group);
   }
 
   static ops::LionStep args(const detail::Bucket& b, const LionOptions& o,

@@ -75,17 +75,34 @@ void check_common_options(const char* who, double lr, double weight_decay,
   }
 }
 
+namespace {
+
+void check_betas(const Where& where, double beta1, double beta2) {
+  TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
+                    where);
+  TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
+                    where);
+}
+
+}  // namespace
+
 void check_adam_options(const char* who, double beta1, double beta2, double eps, bool amsgrad,
                         at::ScalarType state_dtype, size_t group) {
   const Where where{who, group};
   TORCH_CHECK_VALUE(!(amsgrad && state_dtype == at::kChar),
                     "Invalid state_dtype: int8 moments do not keep AMSGrad's running maximum "
                     "of exp_avg_sq (amsgrad=True needs float32 or bfloat16 state)", where);
-  TORCH_CHECK_VALUE(hyper::valid_beta(beta1), "Invalid beta parameter at index 0: ", beta1,
-                    where);
-  TORCH_CHECK_VALUE(hyper::valid_beta(beta2), "Invalid beta parameter at index 1: ", beta2,
-                    where);
+  check_betas(where, beta1, beta2);
   TORCH_CHECK_VALUE(hyper::valid_eps(eps), "Invalid epsilon value: ", eps, where);
+}
+
+void check_lion_options(const char* who, double beta1, double beta2, at::ScalarType state_dtype,
+                        size_t group) {
+  const Where where{who, group};
+  TORCH_CHECK_VALUE(state_dtype != at::kChar,
+                    "Invalid state_dtype: Lion's exp_avg has no 8-bit format (state_dtype "
+                    "int8 is for Adam/AdamW and SGD; Lion takes float32 or bfloat16)", where);
+  check_betas(where, beta1, beta2);
 }
 
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,

@@ -25,6 +25,9 @@ void check_common_options(const char* who, double lr, double weight_decay,
 // amsgrad with int8 state (quantized moments keep no running maximum) is refused.
 void check_adam_options(const char* who, double beta1, double beta2, double eps, bool amsgrad,
                         at::ScalarType state_dtype, size_t group);
+// int8 state is refused (Lion's exp_avg has no 8-bit format).
+void check_lion_options(const char* who, double beta1, double beta2, at::ScalarType state_dtype,
+                        size_t group);
 void check_sgd_options(const char* who, double momentum, double dampening, bool nesterov,
                        size_t group);
 
