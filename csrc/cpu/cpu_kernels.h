@@ -84,6 +84,8 @@ struct StepKernelsOf<ops::detail::TypeList<Algorithms...>> {
 // One kernel per algorithm of ops.h's FUSEDAMP_STEP_ALGORITHMS.
 using StepKernels = typename StepKernelsOf<ops::StepAlgorithms>::type;
 
+struct SparseRowsStep;  // sparse_rows.h: one row-wise sparse step, checked and bucketed
+
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite. With sum_sq, also what
   // grad_stats adds to *sum_sq and *telemetry (optional), of the values before unscaling.
@@ -94,6 +96,8 @@ struct KernelTable {
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
                      GradTelemetry* telemetry);
   StepKernels steps;
+  // The row-wise step of an embedding table from its sparse gradient (sparse_rows_kernel.cpp).
+  void (*sparse_rows)(const SparseRowsStep& step);
 
   template <typename Algorithm>
   StepKernel<Algorithm> step() const {
@@ -118,13 +122,15 @@ struct KernelTable {
   void step(const CpuStep& s, at::ScalarType state_dtype, size_t state_lists,               \
             const typename Algorithm::Hyper& h);                                             \
   FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CPU_STEP_KERNEL)                                 \
+  void sparse_rows_step(const SparseRowsStep& step);                                         \
   /* the table's entries, in the list's order */                                             \
   template <typename... Algorithms>                                                          \
   StepKernels step_kernels(ops::detail::TypeList<Algorithms...>) {                           \
     return StepKernels{&step<Algorithms>...};                                                \
   }                                                                                          \
   inline KernelTable kernel_table() {                                                        \
-    return KernelTable{unscale_and_check, grad_stats, step_kernels(ops::StepAlgorithms{})};  \
+    return KernelTable{unscale_and_check, grad_stats, step_kernels(ops::StepAlgorithms{}),   \
+                       sparse_rows_step};                                                    \
   }                                                                                          \
   }
 

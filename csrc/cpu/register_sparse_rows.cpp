@@ -2,38 +2,17 @@
 // them): a skipped step (found_inf set) returns before anything is read or written; the
 // lookups are bucketed by row, every index checked against the table before the kernel writes
 // anything; the step count advances after the kernel.
-#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/sparse_rows_math.h>
 #include <torch/library.h>
 
-#include <string>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "sparse_rows.h"
 
 namespace fusedamp::cpu {
 namespace {
-
-using SparseRowsKernel = void (*)(const SparseRowsStep&);
-
-SparseRowsKernel sparse_rows_kernel() {
-  static const SparseRowsKernel kernel = [] {
-    const std::string cap = at::get_cpu_capability();  // honours ATEN_CPU_CAPABILITY
-#if defined(FUSEDAMP_HAVE_AVX512)
-    if (cap == "AVX512") {
-      return &AVX512::sparse_rows_step;
-    }
-#endif
-#if defined(FUSEDAMP_HAVE_AVX2)
-    if (cap == "AVX512" || cap == "AVX2") {
-      return &AVX2::sparse_rows_step;
-    }
-#endif
-    return &DEFAULT::sparse_rows_step;
-  }();
-  return kernel;
-}
 
 // The lookups grouped by row: slot_of[k] for lookup k, rows[slot] in first-lookup order, and
 // row_slot (the table's row count long, -1 where a row was not looked up) kept between steps
@@ -140,7 +119,7 @@ struct CpuSparseRows {
     }
     // torch's SparseAdam leaves a step without lookups alone (its count still advances).
     if (nnz > 0 || (a.algorithm == SparseAlgorithm::kSgd && !a.state.empty())) {
-      sparse_rows_kernel()(s);
+      kernels().sparse_rows(s);
     }
     *a.step.mutable_data_ptr<float>() = static_cast<float>(step_after);
   }

@@ -43,14 +43,4 @@ struct SparseRowsStep {
   float one_minus_beta2;
 };
 
-namespace DEFAULT {
-void sparse_rows_step(const SparseRowsStep& step);
-}
-namespace AVX2 {
-void sparse_rows_step(const SparseRowsStep& step);
-}
-namespace AVX512 {
-void sparse_rows_step(const SparseRowsStep& step);
-}
-
 }  // namespace fusedamp::cpu

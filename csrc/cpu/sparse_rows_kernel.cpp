@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "sparse_rows.h"
 #include "vec_io.h"
 
