@@ -3,7 +3,6 @@
 // lookups are bucketed by row, every index checked against the table before the kernel writes
 // anything; the step count advances after the kernel.
 #include <c10/util/Exception.h>
-#include <fusedamp/math/sparse_rows_math.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -103,20 +102,7 @@ struct CpuSparseRows {
     s.eps = static_cast<float>(h.eps);
     s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
     s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-    switch (a.algorithm) {
-      case SparseAlgorithm::kSgd:
-        s.neg_lr = static_cast<float>(-h.lr);
-        break;
-      case SparseAlgorithm::kAdagrad:
-        s.neg_lr = math::adagrad_neg_clr(h.lr, h.lr_decay, step_after);
-        break;
-      case SparseAlgorithm::kAdam:
-        s.neg_lr = math::sparse_adam_neg_step_size(h.lr, h.beta1, h.beta2, step_after);
-        break;
-      case SparseAlgorithm::kRowWiseAdagrad:
-        s.neg_lr = static_cast<float>(h.lr);
-        break;
-    }
+    s.neg_lr = kernels::step_coefficient(a.algorithm, h, step_after);
     // torch's SparseAdam leaves a step without lookups alone (its count still advances).
     if (nnz > 0 || (a.algorithm == SparseAlgorithm::kSgd && !a.state.empty())) {
       kernels().sparse_rows(s);

@@ -110,22 +110,19 @@ C10_ALWAYS_INLINE void step_row(const SparseRowsStep& s, int64_t r, const float*
   }
 }
 
-// The sum of squares of a row's gradient (times grad_mult) in 16 partial sums, element i in
-// sum i mod 16 (one FMA each), then the 16 added in order: the same grouping whatever the
-// vector width, so the same bits on every instruction set.
-constexpr int64_t kSquareSums = 16;
-
+// The sum of squares of a row's gradient (times grad_mult), grouped as
+// math::kRowSquareSums says: the same bits on every instruction set and on CUDA.
 inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
-  float acc[kSquareSums] = {};
-  for (int64_t i = 0; i < d; i += kSquareSums) {
-    const int64_t n = std::min(kSquareSums, d - i);
+  constexpr int64_t kSums = math::kRowSquareSums;
+  float acc[kSums] = {};
+  for (int64_t i = 0; i < d; i += kSums) {
+    const int64_t n = std::min(kSums, d - i);
     for (int64_t l = 0; l < n; ++l) {
-      const float x = g[i + l] * grad_mult;
-      acc[l] = std::fma(x, x, acc[l]);
+      acc[l] = math::row_square_partial(acc[l], g[i + l] * grad_mult);
     }
   }
   float sum = 0.f;
-  for (int64_t l = 0; l < kSquareSums; ++l) {
+  for (int64_t l = 0; l < kSums; ++l) {
     sum += acc[l];
   }
   return sum;

@@ -5,7 +5,9 @@
 // for a backend by implement_sparse_row_ops<Backend>(m), Backend::sparse_rows_step taking the
 // checked declaration.
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
+#include <fusedamp/math/sparse_rows_math.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -30,6 +32,23 @@ struct SparseRowsHyper {
   double beta2 = 0.0;
   bool maximize = false;
 };
+
+// The step's FP32 coefficient (math/sparse_rows_math.h), from the step count after it: SGD
+// -lr, Adagrad -clr, SparseAdam -step_size, row-wise Adagrad lr. Formed on the host by the CPU
+// and on the device by CUDA, which keeps the step count there.
+C10_HOST_DEVICE inline float step_coefficient(SparseRowsAlgorithm algorithm,
+                                              const SparseRowsHyper& h, double step_after) {
+  switch (algorithm) {
+    case SparseRowsAlgorithm::kAdagrad:
+      return math::adagrad_neg_clr(h.lr, h.lr_decay, step_after);
+    case SparseRowsAlgorithm::kAdam:
+      return math::sparse_adam_neg_step_size(h.lr, h.beta1, h.beta2, step_after);
+    case SparseRowsAlgorithm::kRowWiseAdagrad:
+      return static_cast<float>(h.lr);
+    default:
+      return static_cast<float>(-h.lr);
+  }
+}
 
 struct SparseRowsOp {
   const char* op;

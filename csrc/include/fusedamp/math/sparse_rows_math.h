@@ -14,8 +14,12 @@
 //   row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row
 //               acc = acc + (sum over the row of g * g) / dim
 //               p = fma(-(lr / (sqrt(acc) + eps)), g, p)
-// The coefficients (-lr, -clr, -step_size) are formed in double on the host and rounded once
-// to FP32, as torch passes a Python float to its kernels.
+// A row's gradient is its lookups' values summed in FP32, one addition at a time in the order
+// the lookups appear in the sparse gradient (the first one's value, plus the second's, ...):
+// the CPU kernel walks the lookups in order, the CUDA one sorts them stably by row, so the
+// same bits on both.
+// The coefficients (-lr, -clr, -step_size) are formed in double once per step and rounded
+// once to FP32, as torch passes a Python float to its kernels.
 #include <fusedamp/math/lane_ops.h>
 
 #include <cmath>
@@ -59,9 +63,18 @@ C10_HOST_DEVICE inline void sparse_adam_update(V& p, V& m, V& v, V g, float one_
   p = p + V(neg_step_size) * (m / denom);
 }
 
-// Row-wise Adagrad: the accumulator's increment is the row's sum of squares (accumulated by
-// the caller, in FP32, lane by lane then across lanes) divided by the row length; the
-// multiplier is computed once per row.
+// Row-wise Adagrad: the accumulator's increment is the row's sum of squares divided by the row
+// length; the multiplier is computed once per row. The sum of squares of a row's gradient
+// (times the inverse loss scale) is grouped the same way by every kernel, whatever its vector
+// width or warp size: element i goes into partial sum i mod kRowSquareSums (one FMA each, in
+// increasing i), then the partial sums are added in order, starting from +0.
+constexpr int kRowSquareSums = 16;
+
+template <typename V>
+C10_HOST_DEVICE inline V row_square_partial(V partial, V x) {
+  return LaneOps<V>::fma(x, x, partial);
+}
+
 C10_HOST_DEVICE inline float rowwise_adagrad_multiplier(float& acc, float row_sum_sq,
                                                         int64_t row_length, float lr, float eps) {
   acc = acc + row_sum_sq / static_cast<float>(row_length);
@@ -73,16 +86,20 @@ C10_HOST_DEVICE inline void rowwise_adagrad_update(V& p, V g, float multiplier) 
   p = LaneOps<V>::fma(V(-multiplier), g, p);
 }
 
-// Host side, once per step: the coefficients torch computes in Python floats.
-inline float adagrad_neg_clr(double lr, double lr_decay, double step_after) {
+// Once per step, in double: the coefficients torch computes in Python floats. The CPU
+// computes them on the host; CUDA in a one-thread kernel, from the step count on the device.
+// Every operation is IEEE-rounded on both but pow (glibc's against CUDA's, which may differ in
+// the last bit of the double), so the FP32 coefficient agrees unless that double lies within
+// an ulp of a tie between two floats.
+C10_HOST_DEVICE inline float adagrad_neg_clr(double lr, double lr_decay, double step_after) {
   return static_cast<float>(-(lr / (1.0 + (step_after - 1.0) * lr_decay)));
 }
 
-inline float sparse_adam_neg_step_size(double lr, double beta1, double beta2,
-                                       double step_after) {
-  const double bc1 = 1.0 - std::pow(beta1, step_after);
-  const double bc2 = 1.0 - std::pow(beta2, step_after);
-  return static_cast<float>(-(lr * std::sqrt(bc2) / bc1));
+C10_HOST_DEVICE inline float sparse_adam_neg_step_size(double lr, double beta1, double beta2,
+                                                       double step_after) {
+  const double bc1 = 1.0 - ::pow(beta1, step_after);
+  const double bc2 = 1.0 - ::pow(beta2, step_after);
+  return static_cast<float>(-(lr * ::sqrt(bc2) / bc1));
 }
 
 }  // namespace fusedamp::math
