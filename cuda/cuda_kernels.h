@@ -12,6 +12,10 @@
 #include "../csrc/ops/static_switch.h"
 #include "../csrc/ops/step_lists.h"
 
+namespace fusedamp::kernels {
+struct SparseRowsOp;  // ops/sparse_rows_args.h
+}  // namespace fusedamp::kernels
+
 namespace fusedamp::cuda {
 
 // The elements of an optional tensor argument a kernel reads, or nullptr where it is absent.
@@ -53,6 +57,9 @@ void step(const Step<typename Algorithm::Hyper>& step, const StepScalarPointers&
                              const StepScalarPointers& s);
 FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CUDA_STEP_KERNEL)
 #undef FUSEDAMP_DECLARE_CUDA_STEP_KERNEL
+// sparse_rows_kernel.cu: a row-wise sparse step (the CPU's bits, math/sparse_rows_math.h);
+// it advances the op's step count unless the step is skipped.
+void sparse_rows_step(const kernels::SparseRowsOp& op);
 // quantized_kernel.cu: the kernels for a quantized state (step.block_scales given): Adam's
 // int8 exp_avgs and uint8 exp_avg_sqs, SGD's int8 momentum buffers; step<math::Adam> and
 // step<math::Sgd> call them. They advance no step count.

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "../csrc/ops/kernel_entry.h"
+#include "../csrc/ops/sparse_rows_args.h"
 #include "cuda_kernels.h"
 
 namespace fusedamp::cuda {
@@ -50,6 +51,13 @@ struct CudaOps {
     const c10::cuda::CUDAGuard guard(step.params[0].device());
     cuda::step<Algorithm>(step, step.scalar_pointers());
   }
+
+  // The row-wise sparse steps (ops/sparse_rows_args.h has checked them). An index out of the
+  // table's range is found on the device: a device-side assert, where the CPU raises.
+  static void sparse_rows_step(const kernels::SparseRowsOp& op) {
+    const c10::cuda::CUDAGuard guard(op.table.device());
+    cuda::sparse_rows_step(op);
+  }
 };
 
 }  // namespace
@@ -57,4 +65,5 @@ struct CudaOps {
 
 TORCH_LIBRARY_IMPL(fusedamp, CUDA, m) {
   fusedamp::kernels::implement_ops<fusedamp::cuda::CudaOps>(m);
+  fusedamp::kernels::implement_sparse_row_ops<fusedamp::cuda::CudaOps>(m);
 }

@@ -2,11 +2,11 @@
 with ``sparse=True``): ``Adagrad``, ``SparseAdam``, ``RowWiseAdagrad``, and the sparse half of
 ``fusedamp.optim.SGD``.
 
-Each step is one ``torch.ops.fusedamp.sparse_*_step_`` per table (csrc/cpu/sparse_rows_kernel.cpp):
-the gradient's indices and values go in as autograd produced them, duplicates included; the op
-sums each row's lookups in FP32 and reads and writes only the rows looked up. FP16/BF16 tables
-keep an FP32 master (state ``"master_param"``) with ``master_weights=True``; the table holds its
-rounding. Before any table is written, one pass over every gradient's values checks for inf/NaN
+Each step is one ``torch.ops.fusedamp.sparse_*_step_`` per table (CPU and CUDA kernels, the
+same bits): the gradient's indices and values go in as autograd produced them, duplicates
+included; the op sums each row's lookups in FP32 and reads and writes only the rows looked
+up. FP16/BF16 tables keep an FP32 master (state ``"master_param"``) with
+``master_weights=True``; the table holds its rounding. Before any table is written, one pass over every gradient's values checks for inf/NaN
 (and, under a loss scaler, unscales them in place, as torch leaves ``.grad``); a step that finds
 one changes nothing, on the device, without a host synchronisation.
 
@@ -69,7 +69,9 @@ def row_sparse_grad(p, who):
                            f"not match its parameter ({p.dtype}, {tuple(p.shape)}, {p.device})")
     indices, values = g._indices(), g._values()
     if indices.numel() and indices.device.type == "cpu":
-        # Checked for every table before any is written (the op checks its own table only).
+        # Checked for every table before any is written (the op checks its own table only). On
+        # CUDA the indices are data on the device: the op asserts there, as torch's indexing
+        # does, where a check here would synchronise the host.
         low, high = torch.aminmax(indices)
         if low < 0 or high >= p.shape[0]:
             raise RuntimeError(f"{who}: gradient index {int(low if low < 0 else high)} is out "
