@@ -24,14 +24,6 @@ def device(request):
 
 
 @pytest.fixture
-def sparse_device(device):
-    """The device of a sparse-embedding test: the sparse row steps have CPU kernels only."""
-    if device != "cpu":
-        pytest.skip("the sparse row steps have CPU kernels only")
-    return device
-
-
-@pytest.fixture
 def one_rank_process_group(tmp_path):
     """A one-rank Gloo process group in this process (the tests that need no other ranks)."""
     import torch.distributed as dist

@@ -46,13 +46,13 @@ def table(gen, dtype=torch.float32, device="cpu"):
 
 
 def step_side_by_side(gen, pairs, steps):
-    """The same sparse gradients, `steps` times, into each (parameter, optimizer) pair."""
+    """The same sparse gradients, `steps` times, into each (parameter, optimizer) pair (on the
+    first parameter's device)."""
     for _ in range(steps):
-        g = sparse_grad(gen)
+        g = sparse_grad(gen, device=pairs[0][0].device)
         for p, opt in pairs:
             p.grad = g.clone()
             opt.step()
-
 
 
 def snapshot(p, opt):
@@ -75,6 +75,6 @@ class TablesAndHead(nn.Module):
         return self.head(self.bag(ids, offsets)).sum()
 
 
-def bag_batch(gen):
+def bag_batch(gen, device="cpu"):
     ids = (torch.rand(48, generator=gen) ** 2 * ROWS).long()
-    return ids, torch.arange(0, 48, 6)
+    return ids.to(device), torch.arange(0, 48, 6, device=device)

@@ -14,10 +14,10 @@ from sparse_helpers import (ALGORITHMS, DIM, ROWS, SPARSE_OPTIMIZERS, sparse_gra
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_trajectory_matches_torch(sparse_device, name):
+def test_trajectory_matches_torch(device, name):
     ours_cls, torch_cls, kwargs = ALGORITHMS[name]
     gen = torch.Generator().manual_seed(0)
-    a = table(gen)
+    a = table(gen, device=device)
     b = nn.Parameter(a.detach().clone())
     step_side_by_side(gen, [(a, ours_cls([a], **kwargs)), (b, torch_cls([b], **kwargs))], 12)
     # Within FP32 rounding, not bit for bit: torch adds a row's duplicate lookups (and SGD's
@@ -27,8 +27,9 @@ def test_trajectory_matches_torch(sparse_device, name):
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_sgd_without_duplicates_is_bit_exact(sparse_device):
-    """Nothing to sum and no sqrt: each lookup's row moves by one FMA, as torch's axpy does."""
+def test_sgd_without_duplicates_is_bit_exact():
+    """Nothing to sum and no sqrt: each lookup's row moves by one FMA, as torch's CPU axpy does
+    (torch's CUDA sparse add is another kernel, compared within rounding above)."""
     gen = torch.Generator().manual_seed(14)
     a = table(gen)
     b = nn.Parameter(a.detach().clone())
@@ -54,24 +55,24 @@ def rowwise_adagrad_fp64(w, acc, grads, lr, eps):
     return w, acc
 
 
-def test_rowwise_adagrad_matches_fp64_reference(sparse_device):
+def test_rowwise_adagrad_matches_fp64_reference(device):
     gen = torch.Generator().manual_seed(1)
-    p = table(gen)
-    w0 = p.detach().clone()
+    p = table(gen, device=device)
+    w0 = p.detach().cpu().clone()
     opt = fusedamp.optim.RowWiseAdagrad([p], lr=0.05, eps=1e-8)
     grads = [sparse_grad(gen) for _ in range(10)]
     for g in grads:
-        p.grad = g.clone()
+        p.grad = g.clone().to(device)
         opt.step()
     w, acc = rowwise_adagrad_fp64(w0, torch.zeros(ROWS), grads, 0.05, 1e-8)
     assert opt.state[p]["sum"].shape == (ROWS,)  # 4 bytes per row
-    torch.testing.assert_close(opt.state[p]["sum"].double(), acc, rtol=1e-6, atol=0)
-    torch.testing.assert_close(p.detach().double(), w, rtol=0, atol=1e-5)
+    torch.testing.assert_close(opt.state[p]["sum"].cpu().double(), acc, rtol=1e-6, atol=0)
+    torch.testing.assert_close(p.detach().cpu().double(), w, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", SPARSE_OPTIMIZERS)
-def test_masters_track_fp32_on_rare_rows(sparse_device, name, dtype):
+def test_masters_track_fp32_on_rare_rows(device, name, dtype):
     """Small updates of rarely looked-up rows (below half an ulp of the weights): the FP32
     masters of an FP16/BF16 table follow the FP32 run, the table stepped in its own dtype loses
     them."""
@@ -82,6 +83,7 @@ def test_masters_track_fp32_on_rare_rows(sparse_device, name, dtype):
     # ulp(4): 2^-8 in FP16, 2^-5 in BF16. All three start from the same low-precision values.
     w = (torch.randn(rows, DIM, generator=gen) + 4.0).to(dtype).float()
     runs = {"fp32": (w.clone(), True), "masters": (w.to(dtype), True), "own": (w.to(dtype), False)}
+    runs = {k: (t.to(device), mode) for k, (t, mode) in runs.items()}
     params = {k: nn.Parameter(t) for k, (t, _) in runs.items()}
     opts = {k: cls([params[k]], master_weights=runs[k][1], **kwargs) for k in runs}
     counts = torch.zeros(rows, dtype=torch.long)
@@ -89,37 +91,38 @@ def test_masters_track_fp32_on_rare_rows(sparse_device, name, dtype):
         idx = (torch.rand(256, generator=gen) ** 4 * rows).long()  # Zipf-like skew
         counts += torch.bincount(idx, minlength=rows)
         g = torch.sparse_coo_tensor(idx[None], torch.randn(256, DIM, generator=gen),
-                                    (rows, DIM))
+                                    (rows, DIM), device=device)
         for k, p in params.items():
             p.grad = g.to(p.dtype)
             opts[k].step()
     rare = (counts > 0) & (counts <= 3)
     assert rare.sum() > 50
-    ref = params["fp32"].detach()
-    master = opts["masters"].state[params["masters"]]["master_param"]
-    assert torch.equal(params["masters"].detach(), master.to(dtype))  # the table: its rounding
+    ref = params["fp32"].detach().cpu()
+    master = opts["masters"].state[params["masters"]]["master_param"].cpu()
+    assert torch.equal(params["masters"].detach().cpu(), master.to(dtype))  # its rounding
     err_masters = (master - ref)[rare].abs().mean()
-    err_own = (params["own"].detach().float() - ref)[rare].abs().mean()
+    err_own = (params["own"].detach().cpu().float() - ref)[rare].abs().mean()
     assert err_masters < 0.1 * err_own, (err_masters, err_own)
 
 
 @pytest.mark.parametrize("name", SPARSE_OPTIMIZERS)
-def test_overflow_skips_step_and_backs_off(sparse_device, name):
+def test_overflow_skips_step_and_backs_off(device, name):
     cls, kwargs = SPARSE_OPTIMIZERS[name]
     gen = torch.Generator().manual_seed(3)
-    p = table(gen, torch.float16)
+    p = table(gen, torch.float16, device)
     opt = cls([p], **kwargs)
-    scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 10)
-    scaler.scale(torch.ones(()))  # the iteration's scale(): these gradients stand for its backward
-    p.grad = sparse_grad(gen, dtype=torch.float16)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
+    # The iteration's scale(): these gradients stand for its backward.
+    scaler.scale(torch.ones((), device=device))
+    p.grad = sparse_grad(gen, dtype=torch.float16, device=device)
     scaler.step(opt)  # a finite first step: the state exists and has moved
     scaler.update()
     before = {k: v.clone() for k, v in opt.state[p].items()}
     weights = p.detach().clone()
-    g = sparse_grad(gen, dtype=torch.float16)
+    g = sparse_grad(gen, dtype=torch.float16, device=device)
     g._values()[3, 5] = float("inf")
     p.grad = g
-    scaler.scale(torch.ones(()))
+    scaler.scale(torch.ones((), device=device))
     scaler.step(opt)
     scaler.update()
     assert torch.equal(p.detach(), weights)
@@ -128,15 +131,15 @@ def test_overflow_skips_step_and_backs_off(sparse_device, name):
     assert scaler.get_scale() == 2.0 ** 9
 
 
-def test_fp16_duplicates_summed_in_fp32(sparse_device):
+def test_fp16_duplicates_summed_in_fp32(device):
     """Each lookup's scaled FP16 gradient is finite, their sum is not in FP16: the step is
     applied (summed in FP32), where coalescing in FP16 would have skipped it."""
-    p = nn.Parameter(torch.zeros(4, DIM, dtype=torch.float16))
+    p = nn.Parameter(torch.zeros(4, DIM, dtype=torch.float16, device=device))
     opt = fusedamp.optim.Adagrad([p], lr=0.1)
-    scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 15)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 15)
     values = torch.full((3, DIM), 40000.0, dtype=torch.float16)  # 3 x 40000 > 65504
-    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1, 1]]), values, (4, DIM))
-    scaler.scale(torch.ones(()))
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1, 1]]), values, (4, DIM), device=device)
+    scaler.scale(torch.ones((), device=device))
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0 ** 15
@@ -145,14 +148,14 @@ def test_fp16_duplicates_summed_in_fp32(sparse_device):
 
 
 @pytest.mark.parametrize("name", ["adagrad", "sparse_adam"])
-def test_state_dict_from_and_to_torch(sparse_device, name):
+def test_state_dict_from_and_to_torch(device, name):
     ours_cls, torch_cls, kwargs = ALGORITHMS[name]
     gen = torch.Generator().manual_seed(4)
-    a = table(gen)
+    a = table(gen, device=device)
     b = nn.Parameter(a.detach().clone())
     ref = torch_cls([b], **kwargs)
     for _ in range(3):
-        b.grad = sparse_grad(gen)
+        b.grad = sparse_grad(gen, device=device)
         ref.step()
     a.data.copy_(b.detach())
     ours = ours_cls([a], **kwargs)
@@ -186,7 +189,7 @@ print(",".join(out))
 """
 
 
-def test_same_bits_on_every_instruction_set(sparse_device):
+def test_same_bits_on_every_instruction_set():
     """The row loops in vectors of 4 (DEFAULT), 8 (AVX2) or 16 (AVX-512) lanes, and a row of 37
     with its tail: the same bits, FMAs written out and contraction off."""
     import os
