@@ -49,6 +49,12 @@ def step(optimizer, record_as, grad_scale, found_inf, telemetry):
     tables = [dict(g, params=[p for p in g["params"] if p.grad is not None and p.grad.is_sparse])
               for g in groups]
     work = sparse_work(tables, _WHO)
+    if work and any(g.get("max_grad_norm") is not None for g in groups):
+        # The fused norm is the engine's, over the dense gradients: the tables would step
+        # unclipped and leave the norm. torch's clip_grad_norm_ refuses sparse gradients too.
+        raise RuntimeError(f"{_WHO}: max_grad_norm is not supported with sparse gradients (the "
+                           "fused norm covers dense gradients only); clip without the tables or "
+                           "give them an optimizer of their own")
     for p, group, _ in work:
         check_table_group(group)
         if engine.param_state(p):

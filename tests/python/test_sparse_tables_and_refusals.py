@@ -78,6 +78,19 @@ def test_sgd_refuses_a_storage_mode_tables_do_not_have(device):
     assert torch.equal(p.detach(), before) and not opt.state[p]
 
 
+def test_sgd_refuses_clipping_with_sparse_tables(device):
+    """The fused norm covers dense gradients only: clipping would leave the table unclipped."""
+    torch.manual_seed(0)
+    model = TablesAndHead().to(device)
+    opt = fusedamp.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, max_grad_norm=1.0)
+    model(*bag_batch(torch.Generator().manual_seed(12), device)).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="max_grad_norm is not supported with sparse"):
+        opt.step()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+    assert not opt.state
+
+
 def test_op_refuses_bad_arguments_before_writing(device):
     gen = torch.Generator().manual_seed(7)
     t = torch.randn(ROWS, DIM, generator=gen).to(device)
