@@ -17,7 +17,8 @@ import torch
 from torch.testing._internal.common_optimizers import TensorTracker, optim_db
 
 from torch_grad_scaler_port import (  # noqa: F401 (tc, _seed: fixtures)
-    _create_scaling_case, _create_scaling_models_optimizers, _run_scaling_case, _seed, cases, tc)
+    _control_step, _create_scaling_case, _create_scaling_models_optimizers, _iterations,
+    _run_scaling_case, _scaled_step, _seed, cases, tc)
 
 
 # ---- test/test_torch.py ---------------------------------------------------------------------
@@ -33,24 +34,17 @@ def test_grad_scaling_autocast(tc, variant, device, optimizer_ctor, foreach_fuse
     try_pickle = False
 
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
-        for i, (input, target) in enumerate(data):
-            optimizer.zero_grad()
-            with torch.autocast(device_type=device, dtype=torch.half, enabled=try_scaling_api):
-                output = model(input)
-                loss = loss_fn(output, target)
+        autocast = partial(torch.autocast, device_type=device, dtype=torch.half,
+                           enabled=try_scaling_api)
+        for i, loss in _iterations(data, model, optimizer, loss_fn, autocast):
             if try_scaling_api:
                 scaler.scale(loss).backward()
-                if i == skip_iter and scaler.is_enabled():
-                    with torch.no_grad():
-                        model[1].weight.grad.fill_(float('inf'))
-                scaler.step(optimizer)
-                scaler.update()
+                _scaled_step(scaler, optimizer, model, i, skip_iter)
                 if try_pickle:
                     scaler = pickle.loads(pickle.dumps(scaler))
             else:
                 loss.backward()
-                if (not scaler.is_enabled()) or (i != skip_iter):
-                    optimizer.step()
+                _control_step(scaler, optimizer, i, skip_iter)
         return scaler
 
     # Compares no scaling + no autocasting against scaling + autocasting.
@@ -77,22 +71,15 @@ def test_grad_scaling_autocast(tc, variant, device, optimizer_ctor, foreach_fuse
 def test_grad_scaling_clipping(tc, variant, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         max_norm = 0.2  # A reasonable value that actually has an effect, based on printouts of grads
-        for i, (input, target) in enumerate(data):
-            optimizer.zero_grad()
-            output = model(input)
-            loss = loss_fn(output, target)
+        for i, loss in _iterations(data, model, optimizer, loss_fn):
             if try_scaling_api:
                 scaler.scale(loss).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
-                if i == skip_iter and scaler.is_enabled():
-                    model[1].weight.grad.data.fill_(float('inf'))
-                scaler.step(optimizer)
-                scaler.update()
+                _scaled_step(scaler, optimizer, model, i, skip_iter)
             else:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if (not scaler.is_enabled()) or (i != skip_iter):
-                    optimizer.step()
+                _control_step(scaler, optimizer, i, skip_iter)
 
     _run_scaling_case(tc, variant, device, run, unskipped=3, skipped=1, atol=1e-5)
 
@@ -101,23 +88,19 @@ def test_grad_scaling_clipping(tc, variant, device):
 def test_grad_scaling_clipping_separate_unscale(tc, variant, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         max_norm = 0.2  # A reasonable value that actually has an effect, based on printouts of grads
-        for i, (input, target) in enumerate(data):
-            optimizer.zero_grad()
-            output = model(input)
-            loss = loss_fn(output, target)
+
+        def unscale_and_clip():
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
+
+        for i, loss in _iterations(data, model, optimizer, loss_fn):
             if try_scaling_api:
                 scaler.scale(loss).backward()
-                if i == skip_iter and scaler.is_enabled():
-                    model[1].weight.grad.data.fill_(float('inf'))
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
-                scaler.step(optimizer)
-                scaler.update()
+                _scaled_step(scaler, optimizer, model, i, skip_iter, before_step=unscale_and_clip)
             else:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if (not scaler.is_enabled()) or (i != skip_iter):
-                    optimizer.step()
+                _control_step(scaler, optimizer, i, skip_iter)
 
     _run_scaling_case(tc, variant, device, run, unskipped=3, skipped=1)
 
@@ -125,11 +108,7 @@ def test_grad_scaling_clipping_separate_unscale(tc, variant, device):
 @pytest.mark.parametrize("variant", cases("test_grad_scaling_penalty"))
 def test_grad_scaling_penalty(tc, variant, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
-        for i, (input, target) in enumerate(data):
-            optimizer.zero_grad()
-            output = model(input)
-            loss = loss_fn(output, target)
-
+        for i, loss in _iterations(data, model, optimizer, loss_fn):
             if try_scaling_api:
                 grad_params = torch.autograd.grad(scaler.scale(loss),
                                                   model.parameters(), create_graph=True)
@@ -146,14 +125,10 @@ def test_grad_scaling_penalty(tc, variant, device):
 
             if try_scaling_api:
                 scaler.scale(loss).backward()
-                if i == skip_iter and scaler.is_enabled():
-                    model[1].weight.grad.data.fill_(float('inf'))
-                scaler.step(optimizer)
-                scaler.update()
+                _scaled_step(scaler, optimizer, model, i, skip_iter)
             else:
                 loss.backward()
-                if (not scaler.is_enabled()) or (i != skip_iter):
-                    optimizer.step()
+                _control_step(scaler, optimizer, i, skip_iter)
 
     _run_scaling_case(tc, variant, device, run, unskipped=3, skipped=1)
 

@@ -67,10 +67,15 @@ Private attributes of torch's scaler, restated with public API:
 Other adaptations: test_grad_scaler_pass_itself checks ``isinstance(grad_scaler, <the
 variant's GradScaler class>)`` instead of ``torch.amp.GradScaler``; assertions use torch's
 own ``TestCase.assertEqual`` (the ``tc`` fixture), so tolerances and comparisons are torch's.
+The single-optimizer training loops share three helpers for what each of torch's loops spells
+out (``_iterations``: zero_grad, forward, loss; ``_scaled_step``: the inf injected at
+skip_iter, step, update; ``_control_step``: the control's matching skip); what each test does
+between backward and step, and in which order, is torch's.
 
 Failing cases are ``xfail(strict=True)`` with the cause (table XFAIL below); once fusedamp is
 fixed the strict xfail fails and its entry must be removed.
 """
+import contextlib
 import fnmatch
 import itertools
 from functools import partial
@@ -232,6 +237,40 @@ def _run_scaling_case(tc, variant, device, run, unskipped, skipped, atol=1e-7,
                 tc.assertEqual(c_state[k], s_state[k], atol=atol, rtol=1e-05, msg=k)
 
             tc.assertEqual(c, s, atol=atol, rtol=1e-05)
+
+
+# ---- the iteration every single-optimizer training loop of torch's tests writes out ---------
+# torch's tests spell these steps out in each loop; they are written once here, each test's
+# loop keeping what it does to the gradients between backward and step.
+def _iterations(data, model, optimizer, loss_fn, forward_context=None):
+    """Each (i, loss) of a loop over ``data``, the gradients zeroed first; the forward pass runs
+    inside ``forward_context()`` where one is given (autocast)."""
+    for i, (input, target) in enumerate(data):
+        optimizer.zero_grad()
+        with forward_context() if forward_context else contextlib.nullcontext():
+            output = model(input)
+            loss = loss_fn(output, target)
+        yield i, loss
+
+
+def _scaled_step(scaler, optimizer, model, i, skip_iter, before_step=None):
+    """The scaling run's step: iteration ``skip_iter`` gets an inf in one gradient, so an enabled
+    scaler must skip it (and back off); ``before_step`` is what the test does with the
+    gradients after that (unscale_ and clip), then step and update."""
+    if i == skip_iter and scaler.is_enabled():
+        with torch.no_grad():
+            model[1].weight.grad.fill_(float('inf'))
+    if before_step is not None:
+        before_step()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _control_step(scaler, optimizer, i, skip_iter):
+    """The control run's step: it leaves out the step the scaling run is made to skip, so the two
+    runs' parameters and states can be compared."""
+    if (not scaler.is_enabled()) or (i != skip_iter):
+        optimizer.step()
 
 
 def _scaler_for_unscale(GradScaler, device):
