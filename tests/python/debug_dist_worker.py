@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, HERE)
 import fusedamp  # noqa: E402
+import rank_process  # noqa: E402
 from debug_models import Fault, Residual  # noqa: E402
 
 AT = 2
@@ -68,14 +69,10 @@ def run(how, mesh, rank):
 
 
 def main():
-    import torch.distributed as dist
     from fsdp_worker import join
 
     rank, _, out_dir, mesh = join(sys.argv[1:])
-    out = {how: run(how, mesh, rank) for how in WRAPPINGS}
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    rank_process.finish({how: run(how, mesh, rank) for how in WRAPPINGS}, out_dir, rank)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import fusedamp  # noqa: E402
+import rank_process  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3
 STEPS = 6
@@ -160,10 +161,7 @@ def main(argv):
     dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.use_deterministic_algorithms(True, warn_only=True)
-    result = {"ddp": run_ddp(device, rank, world, out_dir)}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    rank_process.finish({"ddp": run_ddp(device, rank, world, out_dir)}, out_dir, rank)
 
 
 if __name__ == "__main__":

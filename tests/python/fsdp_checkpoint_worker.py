@@ -18,7 +18,6 @@ so every world size and a single process compute the same bits.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import fusedamp  # noqa: E402
+import rank_process  # noqa: E402
 
 TRAIN_STEPS = 3  # with backward, before the checkpoint
 INF_STEP = 1  # an inf on one rank: every rank skips, skipped_steps is 1 at the checkpoint
@@ -304,11 +304,8 @@ def main():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world, init_file, backend, out_dir, peer_dir = sys.argv[1:7]
-    rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=PEER_WAIT_S))
+    rank, world = rank_process.join(*sys.argv[1:5], timeout_s=PEER_WAIT_S)
+    out_dir, peer_dir = sys.argv[5:7]
     mesh = init_device_mesh("cpu", (world,))
     ckpt_dir = os.path.join(out_dir, "ckpt")
     out = {"saved": {case: save_case(case, mesh, rank, world, ckpt_dir) for case in CASES},
@@ -320,9 +317,7 @@ def main():
     _wait_for_peer(peer_dir)
     peer_ckpt = os.path.join(peer_dir, "ckpt")
     out["loaded"] = {case: load_case(case, mesh, peer_ckpt) for case in CASES}
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    rank_process.finish(out, out_dir, rank)
 
 
 # ---------------------------------------------------------------------------- reference

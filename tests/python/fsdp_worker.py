@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import os
 import sys
 
@@ -22,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import fusedamp  # noqa: E402
+import rank_process  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 6
@@ -209,20 +209,13 @@ def run_resume(mesh, rank, world, via):
 def join(argv):
     """Joins the process group named by argv (RANK WORLD INIT_FILE BACKEND OUT_DIR), one torch
     thread per rank; returns rank, world, out_dir and a 1-D CPU mesh over the ranks."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    rank, world, init_file, backend, out_dir = argv[:5]
-    rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    return rank, world, out_dir, init_device_mesh("cpu", (world,))
+    rank, world = rank_process.join(*argv[:4])
+    return rank, world, argv[4], init_device_mesh("cpu", (world,))
 
 
 def main():
-    import torch.distributed as dist
-
     rank, world, out_dir, mesh = join(sys.argv[1:])
     out = {name: run_scenario(name, mesh, rank, world) for name in SCENARIOS}
     for via in ("optim", "dcp"):
@@ -234,14 +227,9 @@ def main():
     model = shard(make_model(), mesh, None)
     opt, scaler = torch.optim.AdamW(model.parameters()), make_scaler(True)
     scaler.scale(loss_of(model(global_batch(0)[0]), global_batch(0)[1])).backward()
-    try:
-        scaler.step(opt)
-        out["plain_step_error"] = None
-    except NotImplementedError as e:
-        out["plain_step_error"] = str(e)
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    out["plain_step_error"] = rank_process.error_text(lambda: scaler.step(opt),
+                                                      NotImplementedError)
+    rank_process.finish(out, out_dir, rank)
 
 
 # ---------------------------------------------------------------------------- references

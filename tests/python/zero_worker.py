@@ -11,7 +11,6 @@ which a launch given CHECKPOINT_DIR (another world size's OUT_DIR) resumes.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -21,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import fusedamp  # noqa: E402
+import rank_process  # noqa: E402
 from distributed_worker import (MODE_ADAM, MODES, STEPS, global_batch, local_rows,  # noqa: E402
                                 make_model, mode_name, train_full_batch)
 
@@ -177,14 +177,9 @@ def torch_zero_load(rank):
 
 
 def main():
-    import torch.distributed as dist
-
-    rank, world, init_file, backend, out_dir = sys.argv[1:6]
+    rank, world = rank_process.join(*sys.argv[1:5])
+    out_dir = sys.argv[5]
     load_path = sys.argv[6] if len(sys.argv) > 6 else ""
-    rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     out = {"modes": modes_runs(rank),
            "sgd_int8": sgd_int8_run(rank),
            "clipped": clipped_run(fusedamp.distributed.ZeroRedundancyOptimizer),
@@ -203,15 +198,11 @@ def main():
                    os.path.join(out_dir, "checkpoint.pt"))
     if load_path:  # the folder of another world size's checkpoint
         out["resumed"] = resume_run(os.path.join(load_path, "checkpoint.pt"))
-    try:
-        fusedamp.distributed.ZeroRedundancyOptimizer(make_model("cpu").parameters(),
-                                                     optimizer_class=torch.optim.AdamW)
-        out["torch_class_error"] = None
-    except TypeError as e:
-        out["torch_class_error"] = str(e)
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    out["torch_class_error"] = rank_process.error_text(
+        lambda: fusedamp.distributed.ZeroRedundancyOptimizer(make_model("cpu").parameters(),
+                                                             optimizer_class=torch.optim.AdamW),
+        TypeError)
+    rank_process.finish(out, out_dir, rank)
 
 
 if __name__ == "__main__":
