@@ -3,9 +3,12 @@ of m, square-root companded, and uint8 codes of v's fourth root, in blocks of 32
 FP32 block scales: csrc/include/fusedamp/math/quantized_moments_math.h) written from the
 formats' definitions, and the small model the optimizer tests of Adam's moments and SGD's
 momentum buffer train, with the checks both run: a skipped step changes nothing, and
-fusedamp.initialize takes int8 state."""
+fusedamp.initialize takes int8 state; and the checks of both ops: a step against the FP64
+reference of its algorithm, a skipped step touches nothing, the refusals of bad block scales,
+and a refused call changes nothing."""
 import copy
 
+import pytest
 import torch
 
 import fusedamp
@@ -113,6 +116,76 @@ def check_skipped_step_changes_nothing(device, make_opt):
     for w, p in zip(weights, model.parameters()):
         assert torch.equal(w, p)
     assert opt.skipped_steps == 1
+
+
+def check_op_skipped_step_touches_nothing(device, random_state, step_op):
+    """A step with found_inf set leaves the BF16 weights, their FP32 masters, the quantized state
+    (random_state(n, device, gen): its codes and scales) and the step count as they were.
+    step_op(p, master, g, state, step, **scalars) runs the op on one tensor."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(70, generator=gen).to(device).bfloat16()
+    master = p.float()
+    g = torch.full_like(p, float("inf"))
+    state = random_state(70, device, gen)
+    before = [t.clone() for t in (p, master, *state)]
+    step = torch.tensor(3.0, device=device)
+    step_op(p, master, g, state, step,
+            found_inf=torch.ones(1, device=device), inv_scale=torch.ones(1, device=device))
+    for a, b in zip((p, master, *state), before):
+        assert torch.equal(a, b)
+    assert step.item() == 3.0
+
+
+def check_step_against_fp64(record_diff, what, lr, p, ref_p, scales, ref_scales, codes):
+    """An op's quantized step against the FP64 reference of its algorithm (record_diff states
+    each error, named by `what`): the weights to their FP32 rounding plus FP32 arithmetic on an
+    update of about lr, the block scales to 1e-6, and every code of `codes` ((got, reference)
+    pairs) at most one apart, and rarely: FP32 arithmetic may put a value on the other side of
+    a rounding boundary."""
+    dp = ((p.double().cpu() - ref_p).abs() / (ref_p.abs() + lr)).max().item()
+    record_diff(f"{what}: weights vs FP64 (rel to |p| + lr)", dp)
+    assert dp < 1e-6
+    ds = ((scales.double().cpu() - ref_scales).abs() / ref_scales.clamp_min(1e-30)).max().item()
+    record_diff(f"{what}: block scales vs FP64 (rel)", ds)
+    assert ds < 1e-6
+    for got, want in codes:
+        diff = (got.double().cpu() - want).abs()
+        assert diff.max().item() <= 1
+        assert (diff != 0).double().mean().item() < 0.01
+
+
+# The refusals of a quantized state's block scales, one check for adam_step_'s moment_scales
+# and sgd_step_'s momentum_scales (ops/step_checks.cpp, with the op's name of its scales).
+SCALES_FLAWS = ("no_scales", "scales_dtype", "length")
+
+
+def scales_flaw_cases(scales):
+    """(flaw, message) of each of SCALES_FLAWS for an op whose scales argument is `scales`."""
+    return [("no_scales", f"need their {scales}"),
+            ("scales_dtype", "must be a contiguous float32 tensor of shape"),
+            ("length", f"{scales} has")]
+
+
+def spoil_scales(args, scales, flaw):
+    """Makes args' list `scales` bad as flaw (one of SCALES_FLAWS) says: absent, FP64, or one
+    tensor per parameter too many."""
+    if flaw == "no_scales":
+        del args[scales]
+    elif flaw == "scales_dtype":
+        args[scales] = [t.double() for t in args[scales]]
+    elif flaw == "length":
+        args[scales] = args[scales] * 2
+
+
+def check_op_refuses_and_changes_nothing(op, args, message, **hyper):
+    """op(**args, **hyper) raises a RuntimeError matching message, and every tensor of args (a
+    dict of tensor lists) is as it was."""
+    before = {k: [t.clone() for t in v] for k, v in args.items()}
+    with pytest.raises(RuntimeError, match=message):
+        op(**{k: list(v) for k, v in args.items()}, **hyper)
+    for k, ts in args.items():
+        for t, b in zip(ts, before[k]):
+            assert torch.equal(t, b), k
 
 
 def check_initialize_takes_int8_state(device, make_torch_opt, state_key):

@@ -6,8 +6,11 @@ quantized state. The optimizer over these codes: test_quantized_moments_optimize
 import pytest
 import torch
 
-from quantized_helpers import (B, random_quantized_state, ref_adamw_step, ref_dequantize,
-                               ref_quantize)
+from quantized_helpers import (SCALES_FLAWS, B, check_op_refuses_and_changes_nothing,
+                               check_op_skipped_step_touches_nothing, check_step_against_fp64,
+                               random_quantized_state,
+                               ref_adamw_step, ref_dequantize, ref_quantize, scales_flaw_cases,
+                               spoil_scales)
 
 
 @pytest.mark.parametrize("numel", [1, 31, 32, 33, 100, 20000, 40000])
@@ -32,19 +35,8 @@ def test_op_step_matches_fp64_reference_of_the_quantized_algorithm(device, numel
         [p], [], [g], [mq], [vq], [step], lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
         weight_decay=wd, decoupled_weight_decay=True, moment_scales=[scales])
     assert step.item() == 5.0
-    # Against the weight's FP32 rounding plus FP32 arithmetic on an update of about lr.
-    dp = ((p.double().cpu() - ref_p).abs() / (ref_p.abs() + lr)).max().item()
-    record_diff("int8 moments: weights vs FP64 (rel to |p| + lr)", dp)
-    assert dp < 1e-6
-    ds = ((scales.double().cpu() - ref_scales).abs() / ref_scales.clamp_min(1e-30)).max().item()
-    record_diff("int8 moments: block scales vs FP64 (rel)", ds)
-    assert ds < 1e-6
-    # FP32 arithmetic may put a value on the other side of a rounding boundary: one code apart
-    # at most, and rarely.
-    for got, want in ((mq, ref_qm), (vq, ref_qv)):
-        diff = (got.double().cpu() - want).abs()
-        assert diff.max().item() <= 1
-        assert (diff != 0).double().mean().item() < 0.01
+    check_step_against_fp64(record_diff, "int8 moments", lr, p, ref_p, scales, ref_scales,
+                            [(mq, ref_qm), (vq, ref_qv)])
     if numel >= 64:
         assert (mq[32:64] == 0).all() and (vq[32:64] == 0).all()
         assert scales[1].tolist() == [0.0, 0.0]
@@ -74,21 +66,13 @@ def test_op_codes_a_block_of_subnormal_moments_by_their_companding(device):
 
 
 def test_op_skipped_step_touches_nothing(device):
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(70, generator=gen).to(device).bfloat16()
-    master = p.float()
-    g = torch.full_like(p, float("inf"))
-    mq, vq, scales = random_quantized_state(70, device, gen)
-    before = [t.clone() for t in (p, master, mq, vq, scales)]
-    step = torch.tensor(3.0, device=device)
-    torch.ops.fusedamp.adam_step_(
-        [p], [master], [g], [mq], [vq], [step], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.0, decoupled_weight_decay=True,
-        found_inf=torch.ones(1, device=device), inv_scale=torch.ones(1, device=device),
-        moment_scales=[scales])
-    for a, b in zip((p, master, mq, vq, scales), before):
-        assert torch.equal(a, b)
-    assert step.item() == 3.0
+    def step_op(p, master, g, state, step, **scalars):
+        mq, vq, scales = state
+        torch.ops.fusedamp.adam_step_(
+            [p], [master], [g], [mq], [vq], [step], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0, decoupled_weight_decay=True, moment_scales=[scales], **scalars)
+
+    check_op_skipped_step_touches_nothing(device, random_quantized_state, step_op)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -159,24 +143,19 @@ def _quantized_args(device, n=40):
                 moment_scales=[torch.zeros((n + 31) // 32, 2, device=device)])
 
 
-@pytest.mark.parametrize("flaw, message", [
-    ("no_scales", "need their moment_scales"),
+@pytest.mark.parametrize("flaw, message", scales_flaw_cases("moment_scales") + [
     ("scales_shape", "must be a contiguous float32 tensor of shape"),
-    ("scales_dtype", "must be a contiguous float32 tensor of shape"),
     ("sq_dtype", "quantized state"),
     ("float_moments", "exp_avgs must be int8 codes"),
     ("amsgrad", "without AMSGrad"),
-    ("length", "moment_scales has"),
 ])
 def test_op_refuses_bad_quantized_state_and_changes_nothing(device, flaw, message):
     a = _quantized_args(device)
     n = a["params"][0].numel()
-    if flaw == "no_scales":
-        del a["moment_scales"]
+    if flaw in SCALES_FLAWS:
+        spoil_scales(a, "moment_scales", flaw)
     elif flaw == "scales_shape":
         a["moment_scales"] = [torch.zeros(3, 2, device=device)]
-    elif flaw == "scales_dtype":
-        a["moment_scales"] = [torch.zeros(2, 2, device=device, dtype=torch.float64)]
     elif flaw == "sq_dtype":
         a["exp_avg_sqs"] = [torch.zeros(n, dtype=torch.int8, device=device)]
     elif flaw == "float_moments":
@@ -184,15 +163,6 @@ def test_op_refuses_bad_quantized_state_and_changes_nothing(device, flaw, messag
         a["exp_avg_sqs"] = [torch.zeros(n, device=device)]
     elif flaw == "amsgrad":
         a["max_exp_avg_sqs"] = [torch.zeros(n, dtype=torch.uint8, device=device)]
-    elif flaw == "length":
-        a["moment_scales"] = a["moment_scales"] * 2
-    given = {k: list(v) for k, v in a.items()}
-    before = {k: [t.clone() for t in v] for k, v in given.items()}
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.fusedamp.adam_step_(
-            a.pop("params"), a.pop("master_params"), a.pop("grads"), a.pop("exp_avgs"),
-            a.pop("exp_avg_sqs"), a.pop("steps"), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.0, decoupled_weight_decay=True, **a)
-    for k, ts in given.items():
-        for t, b in zip(ts, before[k]):
-            assert torch.equal(t, b), k
+    check_op_refuses_and_changes_nothing(
+        torch.ops.fusedamp.adam_step_, a, message, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        weight_decay=0.0, decoupled_weight_decay=True)

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 import fusedamp
-from quantized_helpers import (_batches, _model, _train, check_initialize_takes_int8_state,
-                               check_skipped_step_changes_nothing)
+from quantized_helpers import (SCALES_FLAWS, _batches, _model, _train,
+                               check_initialize_takes_int8_state,
+                               check_op_refuses_and_changes_nothing,
+                               check_op_skipped_step_touches_nothing,
+                               check_skipped_step_changes_nothing, check_step_against_fp64,
+                               scales_flaw_cases,
+                               spoil_scales)
 
 B = 32
 LEVELS = 127.0
@@ -86,17 +91,8 @@ def test_op_step_matches_fp64_reference_of_the_quantized_algorithm(device, numel
     sgd_op(p, g, codes, scales, step, lr=lr, momentum=momentum, dampening=dampening,
            weight_decay=wd, nesterov=nesterov)
     assert step.item() == (1.0 if first else 5.0)
-    dp = ((p.double().cpu() - ref_p).abs() / (ref_p.abs() + lr)).max().item()
-    record_diff("int8 momentum: weights vs FP64 (rel to |p| + lr)", dp)
-    assert dp < 1e-6
-    ds = ((scales.double().cpu() - ref_scales).abs() / ref_scales.clamp_min(1e-30)).max().item()
-    record_diff("int8 momentum: block scales vs FP64 (rel)", ds)
-    assert ds < 1e-6
-    # FP32 arithmetic may put a value on the other side of a rounding boundary: one code apart
-    # at most, and rarely.
-    diff = (codes.double().cpu() - ref_q).abs()
-    assert diff.max().item() <= 1
-    assert (diff != 0).double().mean().item() < 0.01
+    check_step_against_fp64(record_diff, "int8 momentum", lr, p, ref_p, scales, ref_scales,
+                            [(codes, ref_q)])
     if numel >= 64 and not wd:
         assert (codes[32:64] == 0).all() and scales[1].item() == 0.0
 
@@ -137,18 +133,10 @@ def test_op_weight_stores_update_the_weights_alike(device, master_weights):
 
 
 def test_op_skipped_step_touches_nothing(device):
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(70, generator=gen).to(device).bfloat16()
-    master = p.float()
-    g = torch.full_like(p, float("inf"))
-    codes, scales = random_quantized_buffer(70, device, gen)
-    before = [t.clone() for t in (p, master, codes, scales)]
-    step = torch.tensor(3.0, device=device)
-    sgd_op(p, g, codes, scales, step, master_params=[master],
-           found_inf=torch.ones(1, device=device), inv_scale=torch.ones(1, device=device))
-    for a, b in zip((p, master, codes, scales), before):
-        assert torch.equal(a, b)
-    assert step.item() == 3.0
+    check_op_skipped_step_touches_nothing(
+        device, random_quantized_buffer,
+        lambda p, master, g, state, step, **scalars: sgd_op(p, g, *state, step,
+                                                            master_params=[master], **scalars))
 
 
 def test_op_blocks_follow_each_parameter_not_the_call(device):
@@ -182,41 +170,27 @@ def _args(device, n=40):
                 momentum_scales=[torch.zeros((n + 31) // 32, 1, device=device)])
 
 
-@pytest.mark.parametrize("flaw, message", [
-    ("no_scales", "need their momentum_scales"),
+@pytest.mark.parametrize("flaw, message", scales_flaw_cases("momentum_scales") + [
     ("two_columns", r"shape \[\.\.\., 1\]"),
-    ("scales_dtype", "must be a contiguous float32 tensor of shape"),
     ("float_buffer", "momentum_buffers must be int8 codes"),
     ("no_momentum", "without a state to quantize"),
-    ("length", "momentum_scales has"),
 ])
 def test_op_refuses_bad_quantized_buffer_and_changes_nothing(device, flaw, message):
     a = _args(device)
     n = a["params"][0].numel()
     momentum = 0.9
-    if flaw == "no_scales":
-        del a["momentum_scales"]
+    if flaw in SCALES_FLAWS:
+        spoil_scales(a, "momentum_scales", flaw)
     elif flaw == "two_columns":
         a["momentum_scales"] = [torch.zeros(2, 2, device=device)]
-    elif flaw == "scales_dtype":
-        a["momentum_scales"] = [torch.zeros(2, 1, device=device, dtype=torch.float64)]
     elif flaw == "float_buffer":
         a["momentum_buffers"] = [torch.zeros(n, device=device)]
     elif flaw == "no_momentum":
         momentum = 0.0
         a["momentum_buffers"] = []
-    elif flaw == "length":
-        a["momentum_scales"] = a["momentum_scales"] * 2
-    given = {k: list(v) for k, v in a.items()}
-    before = {k: [t.clone() for t in v] for k, v in given.items()}
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.fusedamp.sgd_step_(
-            a.pop("params"), a.pop("master_params"), a.pop("grads"), a.pop("momentum_buffers"),
-            a.pop("steps"), lr=1e-2, momentum=momentum, dampening=0.0, weight_decay=0.0,
-            nesterov=False, **a)
-    for k, ts in given.items():
-        for t, b in zip(ts, before[k]):
-            assert torch.equal(t, b), k
+    check_op_refuses_and_changes_nothing(
+        torch.ops.fusedamp.sgd_step_, a, message, lr=1e-2, momentum=momentum, dampening=0.0,
+        weight_decay=0.0, nesterov=False)
 
 
 # ---------------------------------------------------------------- the optimizer
