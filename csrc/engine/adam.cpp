@@ -13,8 +13,6 @@
 
 namespace fusedamp::optim {
 
-AdamOptions::AdamOptions(double lr) : lr_(lr) {}
-
 AdamWOptions::AdamWOptions(double lr) : AdamOptions(lr) {
   weight_decay(1e-2);
   decoupled_weight_decay(true);

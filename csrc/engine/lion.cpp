@@ -13,8 +13,6 @@
 
 namespace fusedamp::optim {
 
-LionOptions::LionOptions(double lr) : lr_(lr) {}
-
 template <>
 struct AlgorithmOf<LionOptions> {
   static constexpr const char* kName = "Lion";

@@ -13,8 +13,6 @@
 
 namespace fusedamp::optim {
 
-SGDOptions::SGDOptions(double lr) : lr_(lr) {}
-
 template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";

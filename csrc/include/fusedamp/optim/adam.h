@@ -9,8 +9,7 @@
 namespace fusedamp::optim {
 
 struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {
-  AdamOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor): as torch::optim
-  TORCH_ARG(double, lr) = 1e-3;
+  FUSEDAMP_LR_OPTION(AdamOptions, 1e-3);
   using betas_t = std::tuple<double, double>;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
   TORCH_ARG(double, eps) = 1e-8;

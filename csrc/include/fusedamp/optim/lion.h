@@ -11,8 +11,7 @@
 namespace fusedamp::optim {
 
 struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions> {
-  LionOptions(double lr = 1e-4);  // NOLINT(google-explicit-constructor): as torch::optim
-  TORCH_ARG(double, lr) = 1e-4;
+  FUSEDAMP_LR_OPTION(LionOptions, 1e-4);
   using betas_t = std::tuple<double, double>;
   TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
   TORCH_ARG(double, weight_decay) = 0.0;  // decoupled: p *= 1 - lr * wd

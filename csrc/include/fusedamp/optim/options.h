@@ -86,6 +86,12 @@ struct EngineGroupOptions {
   TORCH_ARG(bool, write_back_grads) = true;                      \
   TORCH_ARG(at::Tensor, lr_tensor)
 
+// The learning rate, every options struct's first constructor argument as in torch::optim
+// (SGDOptions(lr)): the constructor and the field, with the algorithm's default once.
+#define FUSEDAMP_LR_OPTION(Options, default_lr)                                      \
+  Options(double lr = default_lr) : lr_(lr) {} /* NOLINT(google-explicit-constructor) */ \
+  TORCH_ARG(double, lr) = default_lr
+
 // The torch::optim::OptimizerOptions overrides every fusedamp options struct has (the struct
 // names its learning rate lr_; serialize() is defined next to the algorithm).
 #define FUSEDAMP_OPTIONS_OVERRIDES                                                 \

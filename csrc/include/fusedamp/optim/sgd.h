@@ -7,8 +7,7 @@
 namespace fusedamp::optim {
 
 struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
-  SGDOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor): as torch::optim
-  TORCH_ARG(double, lr) = 1e-3;
+  FUSEDAMP_LR_OPTION(SGDOptions, 1e-3);
   TORCH_ARG(double, momentum) = 0.0;
   TORCH_ARG(double, dampening) = 0.0;
   TORCH_ARG(double, weight_decay) = 0.0;
