@@ -19,6 +19,7 @@
 #include "adam_block.cuh"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
+#include "step_op.cuh"
 #include "step_weights.cuh"
 
 namespace fusedamp::cuda {
@@ -34,28 +35,47 @@ struct AdamPositions : StepPositions<kStore, 2, kAmsgrad ? 1 : 0> {
   static constexpr int kVMax = AdamPositions::kLate;  // valid if kAmsgrad
 };
 
-template <WeightStore kStore, bool kAmsgrad>
-using AdamBatch = StepBatch<AdamPositions<kStore, kAmsgrad>>;
-
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-struct AdamOp {
-  StepWeights<TP, kStore> weights;
-  StepGrads<TG> grads;
+// Adam's part of the dense step (step_op.cuh): the moments, and AMSGrad's running maximum.
+// 8 elements of 4-6 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
+// Up to 128 registers (2 blocks per SM) for the split8 store and AMSGrad: ptxas's default
+// target for the split8 weight store (the extra rounding to 24 bits) was 80 registers with an
+// 8-byte spill; asked for at least one block per SM instead, it took 122. AMSGrad (a third
+// moment list) with FP32 masters or split remainders spilled 8-16 bytes at 80 registers once
+// every product and sum rounds on its own (--fmad=false: the bits of math/, not of the
+// compiler).
+template <typename TS, WeightStore kStore, bool kAmsgrad>
+struct AdamRule : StepRule<math::AdamHyper, AdamPositions<kStore, kAmsgrad>, TS,
+                           kAdamElemsPerThread, kStore == WeightStore::kSplit8 || kAmsgrad> {
   TS* m;
   TS* v;
   TS* v_max;  // AMSGrad's running maximum of v; nullptr without
   math::AdamHyper h;
   math::AdamCoeffs c;
-  float mult;
 
   template <int L>
-  struct Regs {
-    float p[L], g[L], m[L], v[L], v_max[kAmsgrad ? L : 1];
+  struct State {
+    float m[L], v[L], v_max[kAmsgrad ? L : 1];
   };
+  // The block's start holds its bias corrections (adam_block.cuh).
+  using Start = AdamBlockStart;
+  static __device__ __forceinline__ AdamBlockStart begin(
+      const StepBatch<typename AdamRule::Pos>& b, const math::AdamHyper& h,
+      const StepScalarPointers& s) {
+    return adam_block_start(b, h, s);
+  }
+  static __device__ __forceinline__ AdamRule at(const StepBatch<typename AdamRule::Pos>& b,
+                                                const AdamBlockStart& start,
+                                                const math::AdamHyper& h) {
+    using Pos = typename AdamRule::Pos;
+    return {{},
+            list_at<TS>(b, start.ch, true, Pos::kM),
+            list_at<TS>(b, start.ch, true, Pos::kV),
+            list_at<TS>(b, start.ch, kAmsgrad, Pos::kVMax),
+            h,
+            start.coeffs};
+  }
   template <int L>
-  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
-    grads.load(i, r.g);
-    weights.load(i, r.p);
+  __device__ __forceinline__ void load(int i, State<L>& r) const {
     load_lanes<L>(m + i, r.m);
     load_lanes<L>(v + i, r.v);
     if constexpr (kAmsgrad) {
@@ -63,79 +83,18 @@ struct AdamOp {
     }
   }
   template <int L>
-  __device__ __forceinline__ void apply(int i, Regs<L>& r) const {
-    grads.multiply_and_write_back(i, r.g, mult);
-#pragma unroll
-    for (int l = 0; l < L; ++l) {
-      math::adam_update(r.p[l], r.m[l], r.v[l], r.g[l], h, c,
-                        kAmsgrad ? &r.v_max[kAmsgrad ? l : 0] : nullptr);
-    }
+  __device__ __forceinline__ void update(int l, float& p, float g, State<L>& r) const {
+    math::adam_update(p, r.m[l], r.v[l], g, h, c, kAmsgrad ? &r.v_max[kAmsgrad ? l : 0] : nullptr);
   }
   template <int L>
-  __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
+  __device__ __forceinline__ void store(int i, const State<L>& r) const {
     store_lanes<L>(m + i, r.m);
     store_lanes<L>(v + i, r.v);
     if constexpr (kAmsgrad) {
       store_lanes<L>(v_max + i, r.v_max);
     }
-    weights.store(i, r.p);
   }
 };
-
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-__device__ __forceinline__ void adam_body(const AdamBatch<kStore, kAmsgrad>& b,
-                                          const math::AdamHyper& h, const StepScalarPointers& s,
-                                          bool write_back_grads) {
-  using Pos = AdamPositions<kStore, kAmsgrad>;
-  if (s.skipped()) {
-    return;  // skipped step: nothing is read or written
-  }
-  const AdamBlockStart start = adam_block_start(b, h, s);
-  const ChunkRef& ch = start.ch;
-  const float step_before = start.step_before;
-  AdamOp<TP, TG, kStore, kAmsgrad, TS> op{
-      step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG), write_back_grads},
-      list_at<TS>(b, ch, true, Pos::kM),
-      list_at<TS>(b, ch, true, Pos::kV),
-      list_at<TS>(b, ch, kAmsgrad, Pos::kVMax),
-      h,
-      start.coeffs,
-      start.mult};
-  constexpr int W = vec_width_of<TP, TG, TS>();
-  // 8 elements of 4-6 lists in flight per thread: ~64 registers of data, 2+ blocks per SM.
-  chunk_loop<W, kAdamElemsPerThread>(op, ch.n, ch.aligned);
-}
-
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-__global__ void __launch_bounds__(kThreads)
-    adam_kernel(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b, math::AdamHyper h,
-                StepScalarPointers s, bool write_back_grads) {
-  adam_body<TP, TG, kStore, kAmsgrad, TS>(b, h, s, write_back_grads);
-}
-
-// The same kernel allowed up to 128 registers (2 blocks per SM): ptxas's default target for
-// the split8 weight store (the extra rounding to 24 bits) was 80 registers with an 8-byte
-// spill; asked for at least one block per SM instead, it took 122. AMSGrad (a third moment
-// list) with FP32 masters or split remainders spilled 8-16 bytes at 80 registers once every
-// product and sum rounds on its own (--fmad=false: the bits of math/, not of the compiler).
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-__global__ void __launch_bounds__(kThreads, 2)
-    adam_kernel_two_blocks(const __grid_constant__ AdamBatch<kStore, kAmsgrad> b,
-                           math::AdamHyper h, StepScalarPointers s, bool write_back_grads) {
-  adam_body<TP, TG, kStore, kAmsgrad, TS>(b, h, s, write_back_grads);
-}
-
-template <typename TP, typename TG, WeightStore kStore, bool kAmsgrad, typename TS>
-void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
-  using Pos = AdamPositions<kStore, kAmsgrad>;
-  // Only the kernel launched is instantiated (the other would be compiled for nothing).
-  if constexpr (kStore == WeightStore::kSplit8 || kAmsgrad) {
-    launch_step<Pos, TP, TG, TS>(step, s, &adam_kernel_two_blocks<TP, TG, kStore, kAmsgrad, TS>);
-  } else {
-    launch_step<Pos, TP, TG, TS>(step, s, &adam_kernel<TP, TG, kStore, kAmsgrad, TS>);
-  }
-}
 
 }  // namespace
 
@@ -143,18 +102,7 @@ void launch(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
 // moment_scales, the two moments as int8 / uint8 codes (quantized_kernel.cu).
 template <>
 void step<math::Adam>(const Step<math::AdamHyper>& step, const StepScalarPointers& s) {
-  if (!step.block_scales.empty()) {
-    adam_quantized(step, s);
-  } else {
-    step_switch(
-        step.params, step.grads, step.weight_store(),
-        [&](auto param, auto grad, auto kept, auto amsgrad, auto state) {
-          launch<decltype(param), decltype(grad), kept, amsgrad, decltype(state)>(step, s);
-        },
-        BoolSwitch{step.state.count == 3},
-        DtypeSwitch<float, c10::BFloat16>{step.state.lists[0][0].scalar_type()});
-  }
-  advance_steps(step.steps, s.found_inf);
+  dense_or_quantized_step<AdamRule>(step, s, &adam_quantized, BoolSwitch{step.state.count == 3});
 }
 
 }  // namespace fusedamp::cuda

@@ -18,6 +18,7 @@
 #include "../csrc/ops/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
+#include "step_op.cuh"
 #include "step_weights.cuh"
 
 namespace fusedamp::cuda {
@@ -33,104 +34,83 @@ constexpr int kGenericElemsPerThread = 8;
 template <typename Algorithm, WeightStore kStore>
 struct GenericPositions : StepPositions<kStore, Algorithm::kStateLists> {};
 
-template <typename Algorithm, WeightStore kStore>
-using GenericBatch = StepBatch<GenericPositions<Algorithm, kStore>>;
-
-template <typename Algorithm, typename TP, typename TG, WeightStore kStore, typename TS>
-struct GenericOp {
+// The descriptor's part of the dense step (step_op.cuh): its state lists and its update.
+template <typename Algorithm, typename TS, WeightStore kStore>
+struct GenericRule : StepRule<typename Algorithm::Hyper, GenericPositions<Algorithm, kStore>, TS,
+                              kGenericElemsPerThread> {
   static constexpr int kLists = Algorithm::kStateLists;
   static constexpr int kArray = kLists > 0 ? kLists : 1;
-  StepWeights<TP, kStore> weights;
-  StepGrads<TG> grads;
   TS* state[kArray];
   typename Algorithm::Hyper h;
   typename Algorithm::Coeffs c;
-  float mult;
 
   template <int L>
-  struct Regs {
-    float p[L], g[L], s[kArray][L];
+  struct State {
+    float s[kArray][L];
   };
+  // The block's start with the descriptor's per-tensor coefficients, formed by every thread.
+  struct Start : StepBlock {
+    typename Algorithm::Coeffs coeffs;
+  };
+  static __device__ __forceinline__ Start begin(const StepBatch<typename GenericRule::Pos>& b,
+                                                const typename Algorithm::Hyper& h,
+                                                const StepScalarPointers& s) {
+    const ChunkRef ch = this_chunk(b);
+    const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
+    const auto coeffs = Algorithm::template coeffs<double>(h, s.learning_rate(), step_before);
+    return {{ch, step_before, s.grad_multiplier()}, coeffs};
+  }
+  static __device__ __forceinline__ GenericRule at(
+      const StepBatch<typename GenericRule::Pos>& b, const Start& start,
+      const typename Algorithm::Hyper& h) {
+    GenericRule rule{{}, {}, h, start.coeffs};
+#pragma unroll
+    for (int k = 0; k < kLists; ++k) {
+      rule.state[k] = list_at<TS>(b, start.ch, true, GenericRule::Pos::kState + k);
+    }
+    return rule;
+  }
   template <int L>
-  __device__ __forceinline__ void load(int i, Regs<L>& r) const {
-    grads.load(i, r.g);
-    weights.load(i, r.p);
+  __device__ __forceinline__ void load(int i, State<L>& r) const {
 #pragma unroll
     for (int k = 0; k < kLists; ++k) {
       load_lanes<L>(state[k] + i, r.s[k]);
     }
   }
   template <int L>
-  __device__ __forceinline__ void apply(int i, Regs<L>& r) const {
-    grads.multiply_and_write_back(i, r.g, mult);
+  __device__ __forceinline__ void update(int l, float& p, float g, State<L>& r) const {
+    float s[kArray];
 #pragma unroll
-    for (int l = 0; l < L; ++l) {
-      float s[kArray];
+    for (int k = 0; k < kLists; ++k) {
+      s[k] = r.s[k][l];
+    }
+    Algorithm::update(p, s, g, h, c);
 #pragma unroll
-      for (int k = 0; k < kLists; ++k) {
-        s[k] = r.s[k][l];
-      }
-      Algorithm::update(r.p[l], s, r.g[l], h, c);
-#pragma unroll
-      for (int k = 0; k < kLists; ++k) {
-        r.s[k][l] = s[k];
-      }
+    for (int k = 0; k < kLists; ++k) {
+      r.s[k][l] = s[k];
     }
   }
   template <int L>
-  __device__ __forceinline__ void store(int i, const Regs<L>& r) const {
+  __device__ __forceinline__ void store(int i, const State<L>& r) const {
 #pragma unroll
     for (int k = 0; k < kLists; ++k) {
       store_lanes<L>(state[k] + i, r.s[k]);
     }
-    weights.store(i, r.p);
   }
 };
 
-template <typename Algorithm, typename TP, typename TG, WeightStore kStore, typename TS>
-__global__ void __launch_bounds__(kThreads)
-    generic_step_kernel(const __grid_constant__ GenericBatch<Algorithm, kStore> b,
-                        typename Algorithm::Hyper h, StepScalarPointers s,
-                        bool write_back_grads) {
-  using Pos = GenericPositions<Algorithm, kStore>;
-  if (s.skipped()) {
-    return;  // skipped step: nothing is read or written
-  }
-  const ChunkRef ch = this_chunk(b);
-  const float step_before = *static_cast<const float*>(b.extra[0][ch.t]);
-  GenericOp<Algorithm, TP, TG, kStore, TS> op{
-      step_weights_at<TP, kStore>(b, ch, Pos::kP, Pos::kStore, step_before),
-      {list_at<TG>(b, ch, true, Pos::kG), write_back_grads},
-      {},
-      h,
-      Algorithm::template coeffs<double>(h, s.learning_rate(), step_before),
-      s.grad_multiplier()};
-#pragma unroll
-  for (int k = 0; k < Algorithm::kStateLists; ++k) {
-    op.state[k] = list_at<TS>(b, ch, true, Pos::kState + k);
-  }
-  constexpr int W = vec_width_of<TP, TG, TS>();
-  chunk_loop<W, kGenericElemsPerThread>(op, ch.n, ch.aligned);
-}
-
-template <typename Algorithm, typename TP, typename TG, WeightStore kStore, typename TS>
-void launch(const Step<typename Algorithm::Hyper>& step, const StepScalarPointers& s) {
-  launch_step<GenericPositions<Algorithm, kStore>, TP, TG, TS>(
-      step, s, &generic_step_kernel<Algorithm, TP, TG, kStore, TS>);
-}
+// GenericRule as dense_step takes a rule (its flags: none).
+template <typename Algorithm>
+struct GenericRuleOf {
+  template <typename TS, WeightStore kStore, bool... kNoFlags>
+  using Rule = GenericRule<Algorithm, TS, kStore>;
+};
 
 // The state lists are all of one dtype, FP32 or BF16 (the checks refuse 8-bit codes for an
 // algorithm without block scales).
 template <typename Algorithm>
 void generic_step(const Step<typename Algorithm::Hyper>& step, const StepScalarPointers& s) {
-  const auto state_dtype =
-      step.state.count != 0 ? step.state.lists[0][0].scalar_type() : at::kFloat;
-  step_switch(
-      step.params, step.grads, step.weight_store(),
-      [&](auto param, auto grad, auto kept, auto state) {
-        launch<Algorithm, decltype(param), decltype(grad), kept, decltype(state)>(step, s);
-      },
-      DtypeSwitch<float, c10::BFloat16>{state_dtype});
+  dense_step<GenericRuleOf<Algorithm>::template Rule>(step, s);
   advance_steps(step.steps, s.found_inf);
 }
 
