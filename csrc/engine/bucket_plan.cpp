@@ -139,8 +139,12 @@ void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
         prefetch_row_state(seen + kRowStateAhead, /*with_storages=*/false);
         prefetch_row_state(seen + kRowStateAhead / 2, /*with_storages=*/true);
       }
-      const bool clean = on_plan && seen < param_keys_.size() &&
-                         reads_clean(param_keys_[seen], p, g, dtype_fits);
+      // Where the row of this parameter is checked in this walk, one read of its tensors
+      // serves both the walk's checks and the row's (checks::clean_step_row).
+      bool row_taken = false;
+      const bool clean =
+          on_plan && seen < param_keys_.size() &&
+          reads_clean(seen, p, g, dtype_fits, row_taken);
       if (clean) {
         param_keys.push_back(param_keys_[seen]);
       } else {
@@ -158,16 +162,29 @@ void BucketPlan::walk(const char* who, const std::vector<Group>& groups,
       grads_seen_.push_back(&g);
       on_plan = on_plan && seen < param_keys_.size() && param_keys.back() == param_keys_[seen];
       if (on_plan) {
-        place_grad(seen, g, devices);
+        place_grad(seen, g, devices, row_taken);
       }
     }
   }
 }
 
-bool BucketPlan::reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
-                             DtypeFits dtype_fits) {
+bool BucketPlan::reads_clean(size_t seen, const at::Tensor& p, const at::Tensor& g,
+                             DtypeFits dtype_fits, bool& row_taken) {
+  const ParamKey& key = param_keys_[seen];
   if (p.unsafeGetTensorImpl() != key.param) {
     return false;
+  }
+  Bucket& b = buckets_[bucket_of_seen_[seen]];
+  if (b.checking_rows) {
+    // The row is checked against the bucket's facts: they must be the key's for its read to
+    // answer for the walk's checks too.
+    const StepFacts& f = b.rows.facts;
+    row_taken = f.param_dtype == key.param_dtype && f.grad_dtype == key.grad_dtype &&
+                f.device == key.device && dtype_fits(key.param_dtype) &&
+                checks::clean_step_row(b.row_lists, position_of_seen_[seen], g, b.rows);
+    if (row_taken) {
+      return true;
+    }
   }
   checks::TensorFacts param, grad;
   checks::read_facts(p, key.device, /*with_span=*/true, param);
@@ -176,11 +193,12 @@ bool BucketPlan::reads_clean(const ParamKey& key, const at::Tensor& p, const at:
          grad.dtype == key.grad_dtype && dtype_fits(param.dtype);
 }
 
-void BucketPlan::place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices) {
+void BucketPlan::place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices,
+                            bool row_taken) {
   Bucket& b = buckets_[bucket_of_seen_[seen]];
   const size_t k = position_of_seen_[seen];
   devices.set_grad(b.device_slot, b.stats_position + k, g);
-  if (b.checking_rows) {
+  if (b.checking_rows && !row_taken) {
     checks::step_row(b.row_lists, k, g, b.rows);
   }
 }

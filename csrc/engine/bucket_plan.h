@@ -126,16 +126,17 @@ class BucketPlan {
       return t == at::kHalf ? half : t == at::kBFloat16 ? bfloat16 : true;
     }
   };
-  // Whether p, the parameter `key` names, and its gradient g read as clean (one read of each
-  // one's facts: tensor_facts.h clean_param_and_grad) with key's dtypes, in a weight mode that
-  // takes them: every check of the walk passes on such a pair, so the walk skips the
-  // message-raising ones. Where not, those checks decide.
-  static bool reads_clean(const ParamKey& key, const at::Tensor& p, const at::Tensor& g,
-                          DtypeFits dtype_fits);
+  // Whether p, the parameter the `seen`-th key names, and its gradient g read as clean with
+  // the key's dtypes, in a weight mode that takes them: every check of the walk passes on such
+  // a pair, so the walk skips the message-raising ones. Where not, those checks decide. Where
+  // the bucket's rows are checked, the read is the row's (checks::clean_step_row), which then
+  // is taken (row_taken); otherwise that of p and g (tensor_facts.h clean_param_and_grad).
+  bool reads_clean(size_t seen, const at::Tensor& p, const at::Tensor& g, DtypeFits dtype_fits,
+                   bool& row_taken);
   // update()'s walk, while the parameters match the previous step's plan: the gradient of the
   // `seen`-th parameter with one goes to its place at once (see update()), and its row is
-  // checked where its bucket's rows are.
-  void place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices);
+  // checked where its bucket's rows are (unless reads_clean took it).
+  void place_grad(size_t seen, const at::Tensor& g, DeviceStats& devices, bool row_taken);
   // Starts loading the state tensors' metadata of the `seen`-th parameter's row, for a walk
   // that checks rows (with_storages: their storages', once the tensors are in cache).
   void prefetch_row_state(size_t seen, bool with_storages) const;

@@ -49,6 +49,10 @@ void begin_rows(const StepLists& lists, const StepFacts& facts, StepRows& rows);
 // Row i (params[i], grad, and lists' other tensors at i) checked as the op checks it, its
 // addresses into rows.rows[i] and its tensors' dispatch keys into rows.keys.
 void step_row(const StepLists& lists, size_t i, const at::Tensor& grad, StepRows& rows);
+// step_row's work in one read of row i's tensors (clean_step_row.cpp), where that read shows
+// every check of the row passing: true, with the row and its keys taken. False where it does
+// not (nothing is written then): step_row decides such a row, with the op's messages.
+bool clean_step_row(const StepLists& lists, size_t i, const at::Tensor& grad, StepRows& rows);
 // Starts loading row i's state tensors' metadata (their storages': with storages).
 void prefetch_row(const StepLists& lists, size_t i, bool storages);
 

@@ -144,6 +144,92 @@ def test_a_state_tensor_given_memory_of_another_shape_is_refused(device, kind):
             assert torch.equal(value, st[name]), name
 
 
+# The second FP32 state tensor of each kind beside its moment, for a row whose two state
+# tensors share memory.
+OTHER_FP32_STATE = {"AdamW": "exp_avg_sq", "SGD": "master_param"}
+
+
+def _break_row(opt, param, kind, how):
+    """State of `param` given memory that breaks its step's row, as `how` says; the message the
+    step op gives for it."""
+    moment = MOMENT[kind]
+    state = opt.state[param]
+    other = OTHER_FP32_STATE[kind]
+    names = {"exp_avg": "exp_avgs", "momentum_buffer": "momentum_buffers",
+             "exp_avg_sq": "exp_avg_sqs", "master_param": "master_params"}
+    with torch.no_grad():
+        if how == "shared":
+            state[other].set_(state[moment])
+            return rf"{names[moment]}\[1\] and {names[other]}\[1\] share memory"
+        if how == "dtype":
+            state[moment].data = state[moment].double()
+            return rf"{names[moment]}\[1\] has dtype Double"
+        if how == "not dense":
+            state[moment].set_(torch.zeros(2 * param.numel(), device=param.device)[::2])
+            return rf"{names[moment]}\[1\] must be non-overlapping and dense"
+        state["step"].set_(torch.zeros(2, device=param.device))
+        return r"steps\[i\] must have exactly one element, got 2"
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+@pytest.mark.parametrize("how", ["shared", "dtype", "not dense", "two-element step"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_row_broken_between_steps_is_refused_with_the_ops_message(device, kind, how, scaled):
+    """A row of the step made invalid between steps through the state the optimizer hands out
+    (two state tensors sharing memory, a state tensor of another dtype or not dense, a step count
+    of two elements): the engine's next step, plain or through the scaler, refuses it with the
+    step op's message and modifies nothing, parameters, state and gradients alike."""
+    params, opt = _fp16_optimizer(device, kind, [(5,)] * 3)
+    if kind == "SGD":
+        opt.param_groups[0]["momentum"] = 0.9
+    scaler = fusedamp.GradScaler(device, init_scale=4.0)
+    for p in params:
+        p.grad = torch.randn(5, device=device).half()
+    opt.step()
+    if how == "two-element step" and "step" not in opt.state[params[1]]:
+        pytest.skip(f"{kind} keeps no step count")
+    message = _break_row(opt, params[1], kind, how)
+    weights = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(RuntimeError, match=message):
+        if scaled:
+            scaler.scale(torch.ones((), device=device))
+            scaler.step(opt)
+        else:
+            opt.step()
+    for p, w, g, st in zip(params, weights, grads, states):
+        assert torch.equal(p.detach(), w) and torch.equal(p.grad, g)
+        for name, value in opt.state[p].items():
+            assert torch.equal(value, st[name]), name
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_state_tensor_given_copy_on_write_memory_keeps_its_source(device, kind):
+    """A state tensor given copy-on-write memory (a lazy clone) between steps: the step gives it
+    its own copy before writing, so the tensor it was cloned from keeps its values, and the
+    results are those of a twin given plain memory of the same values."""
+    (kept, opt), (fresh, twin) = (_fp16_optimizer(device, kind, [(5,)] * 3) for _ in range(2))
+    moment = MOMENT[kind]
+    gen = torch.Generator().manual_seed(4)
+    source = values = None
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in kept]
+        for params, o in ((kept, opt), (fresh, twin)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        if step == 1:
+            source = opt.state[kept[1]][moment].detach().clone()
+            values = source.clone()
+            with torch.no_grad():
+                opt.state[kept[1]][moment].set_(torch._lazy_clone(source))
+        opt.step()
+        twin.step()
+        _assert_same(step, kept, opt, fresh, twin)
+    assert torch.equal(source, values)
+    assert not torch.equal(opt.state[kept[1]][moment], values)  # the steps wrote the clone
+
+
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_a_state_entry_assigned_like_torchs_dict_reaches_the_engine(device, kind):
     """`opt.state[p] = {...}` as torch.optim's dict takes it (torch's ZeroRedundancyOptimizer
