@@ -5,6 +5,8 @@
 // and dispatch modes see them only through their caller.
 #include <fusedamp/ops.h>
 
+#include <vector>
+
 #include "../ops/step_lists.h"
 
 namespace fusedamp::cpu {
@@ -12,5 +14,19 @@ namespace fusedamp::cpu {
 // Defined for every operator of ops.h's FUSEDAMP_STEP_ALGORITHMS.
 template <typename Op>
 void step_on_checked_rows(const Op& args, StepRows& rows);
+
+// A gradient of checked rows as a statistics pass reads it: its elements (StepRow::grad and
+// numel) and their dtype.
+struct GradSpan {
+  const void* data;
+  int64_t numel;
+  at::ScalarType dtype;  // FP32, FP16 or BF16
+};
+
+// grad_stats_ over gradients of rows checked this step (the engine's statistics pass, which
+// would otherwise read every gradient's metadata again), in `grads`' order: op's other
+// arguments checked as the op checks them (its grads list is empty), then the same pass, with
+// the same results, as the op's over those gradients.
+void grad_stats_on_checked_rows(const ops::GradStats& op, const std::vector<GradSpan>& grads);
 
 }  // namespace fusedamp::cpu

@@ -14,6 +14,7 @@
 #include "../ops/static_switch.h"
 #include "../ops/step_lists.h"
 #include "../ops/tensor_prefetch.h"
+#include "checked_rows.h"
 
 namespace fusedamp::cpu {
 
@@ -95,6 +96,9 @@ struct KernelTable {
   // fills *telemetry when given. Returns true if any element was non-finite.
   bool (*grad_stats)(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
                      GradTelemetry* telemetry);
+  // grad_stats over gradients given by their elements (no flags), with the same results.
+  bool (*grad_stats_spans)(const GradSpan* grads, size_t count, double* sum_sq,
+                           GradTelemetry* telemetry);
   StepKernels steps;
   // The row-wise step of an embedding table from its sparse gradient (sparse_rows_kernel.cpp).
   void (*sparse_rows)(const SparseRowsStep& step);
@@ -118,6 +122,8 @@ struct KernelTable {
                          GradTelemetry* telemetry);                                          \
   bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,           \
                   GradTelemetry* telemetry);                                                 \
+  bool grad_stats_spans(const GradSpan* grads, size_t count, double* sum_sq,                \
+                        GradTelemetry* telemetry);                                           \
   template <typename Algorithm>                                                              \
   void step(const CpuStep& s, at::ScalarType state_dtype, size_t state_lists,               \
             const typename Algorithm::Hyper& h);                                             \
@@ -129,8 +135,8 @@ struct KernelTable {
     return StepKernels{&step<Algorithms>...};                                                \
   }                                                                                          \
   inline KernelTable kernel_table() {                                                        \
-    return KernelTable{unscale_and_check, grad_stats, step_kernels(ops::StepAlgorithms{}),   \
-                       sparse_rows_step};                                                    \
+    return KernelTable{unscale_and_check, grad_stats, grad_stats_spans,                     \
+                       step_kernels(ops::StepAlgorithms{}), sparse_rows_step};               \
   }                                                                                          \
   }
 

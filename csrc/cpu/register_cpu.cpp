@@ -243,6 +243,20 @@ void step_on_checked_rows(const Op& args, StepRows& rows) {
   kernels::run_step_on_checked_rows(args, rows, &CpuOps::step<AlgorithmOf<Op>>);
 }
 
+void grad_stats_on_checked_rows(const ops::GradStats& op, const std::vector<GradSpan>& grads) {
+  TORCH_INTERNAL_ASSERT(op.grads.empty() && !(op.tensor_flags && op.tensor_flags->defined()));
+  checks::grad_stats(op);
+  const bool want_telemetry = op.telemetry && op.telemetry->defined();
+  double sq = 0.0;
+  GradTelemetry telemetry;
+  const bool any = kernels().grad_stats_spans(grads.data(), grads.size(), &sq,
+                                              want_telemetry ? &telemetry : nullptr);
+  write_stats(sq, op.sum_sq, want_telemetry ? &telemetry : nullptr, op.telemetry);
+  if (any) {
+    *op.found_inf.data_ptr<float>() = 1.f;
+  }
+}
+
 #define FUSEDAMP_CPU_STEP_ON_CHECKED_ROWS(Algorithm, Op, op, kernels) \
   template void step_on_checked_rows(const ops::Op& args, StepRows& rows);
 FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_CPU_STEP_ON_CHECKED_ROWS)

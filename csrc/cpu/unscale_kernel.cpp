@@ -198,37 +198,30 @@ void for_each_grad_chunk(at::TensorList grads, const ChunkPlan& plan, const F& f
   });
 }
 
-// grad_stats over `grads`, unscaling them too when inv_scale is given (see cpu_kernels.h).
-bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
-                std::vector<char>* flags, GradTelemetry* telemetry) {
-  const ChunkPlan plan(grads);
+// The statistics of every chunk of `plan`'s gradients (unscaling them too when inv_scale is
+// given): for_each(chunk) calls chunk(c, i, dtype, elements, n) for every chunk c (of gradient
+// i, its n elements from `elements` on) on all threads; then the chunks' results combined.
+template <typename ForEach>
+bool stats_chunks(const ChunkPlan& plan, size_t count, const float* inv_scale, double* sum_sq,
+                  std::vector<char>* flags, GradTelemetry* telemetry, const ForEach& for_each) {
   ScratchVector<char> chunk_bad(plan.total, 0);
   ScratchVector<float> chunk_sq(plan.total, 0.f);
   ScratchVector<ChunkTelemetry> chunk_tele(telemetry != nullptr ? plan.total : 0);
   const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
-  for_each_grad_chunk(grads, plan, [&](int64_t c, int64_t i, const at::Tensor& g,
-                                       int64_t begin, int64_t end) {
-    FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
-      // Read-only unless unscaling: grad_stats_ may be given tensors it must not write (the
-      // const accessor), while unscaling writes them (the mutable one, which gives
-      // copy-on-write memory its own copy first). TensorImpl's inline accessors: the Tensor
-      // ones are calls into torch, one per tensor.
-      const c10::TensorImpl& impl = *g.unsafeGetTensorImpl();
-      scalar_t* p = (inv_scale != nullptr
-                         ? elements_of<scalar_t>(g)
-                         : const_cast<scalar_t*>(impl.data_dtype_initialized<scalar_t>())) +
-                    begin;
+  for_each([&](int64_t c, int64_t /*i*/, at::ScalarType dtype, void* elements, int64_t n) {
+    FUSEDAMP_DISPATCH_FLOAT_TYPES(dtype, "grad_stats", [&] {
+      auto* p = static_cast<scalar_t*>(elements);
       ChunkTelemetry* tele = telemetry != nullptr ? &chunk_tele[c] : nullptr;
       static_switch(
           [&](auto unscale, auto with_telemetry) {
             constexpr bool kUnscale = decltype(unscale)::value;
             constexpr bool kTelemetry = decltype(with_telemetry)::value;
             if constexpr (sizeof(scalar_t) == 2) {
-              chunk_bad[c] = stats_range_16<scalar_t, kUnscale, kTelemetry>(
-                  p, end - begin, inv, &chunk_sq[c], tele);
+              chunk_bad[c] =
+                  stats_range_16<scalar_t, kUnscale, kTelemetry>(p, n, inv, &chunk_sq[c], tele);
             } else {
-              chunk_bad[c] = stats_range<scalar_t, kUnscale, kTelemetry>(p, end - begin, inv,
-                                                                         &chunk_sq[c], tele);
+              chunk_bad[c] =
+                  stats_range<scalar_t, kUnscale, kTelemetry>(p, n, inv, &chunk_sq[c], tele);
             }
           },
           BoolSwitch{inv_scale != nullptr}, BoolSwitch{telemetry != nullptr});
@@ -241,7 +234,7 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
   }
   *sum_sq += total;
   bool any = false;
-  for (size_t i = 0; i < grads.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     for (int64_t c = plan.first_chunk[i]; c < plan.first_chunk[i + 1]; ++c) {
       if (chunk_bad[c]) {
         if (telemetry != nullptr && !any) {
@@ -260,6 +253,29 @@ bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
     telemetry->n_zero += static_cast<double>(t.n_zero);
   }
   return any;
+}
+
+// grad_stats over `grads`, unscaling them too when inv_scale is given (see cpu_kernels.h).
+bool stats_pass(at::TensorList grads, const float* inv_scale, double* sum_sq,
+                std::vector<char>* flags, GradTelemetry* telemetry) {
+  const ChunkPlan plan(grads);
+  return stats_chunks(plan, grads.size(), inv_scale, sum_sq, flags, telemetry,
+                      [&](const auto& chunk) {
+    for_each_grad_chunk(grads, plan, [&](int64_t c, int64_t i, const at::Tensor& g,
+                                         int64_t begin, int64_t end) {
+      FUSEDAMP_DISPATCH_FLOAT_TYPES(g.scalar_type(), "grad_stats", [&] {
+        // Read-only unless unscaling: grad_stats_ may be given tensors it must not write (the
+        // const accessor), while unscaling writes them (the mutable one, which gives
+        // copy-on-write memory its own copy first). TensorImpl's inline accessors: the Tensor
+        // ones are calls into torch, one per tensor.
+        const c10::TensorImpl& impl = *g.unsafeGetTensorImpl();
+        scalar_t* p = inv_scale != nullptr
+                          ? elements_of<scalar_t>(g)
+                          : const_cast<scalar_t*>(impl.data_dtype_initialized<scalar_t>());
+        chunk(c, i, g.scalar_type(), p + begin, end - begin);
+      });
+    });
+  });
 }
 
 }  // namespace
@@ -283,6 +299,22 @@ bool unscale_and_check(at::TensorList grads, float inv_scale, double* sum_sq,
 bool grad_stats(at::TensorList grads, double* sum_sq, std::vector<char>* flags,
                 GradTelemetry* telemetry) {
   return stats_pass(grads, nullptr, sum_sq, flags, telemetry);
+}
+
+bool grad_stats_spans(const GradSpan* grads, size_t count, double* sum_sq,
+                      GradTelemetry* telemetry) {
+  const ChunkPlan plan(count, [&](size_t i) { return grads[i].numel; });
+  return stats_chunks(plan, count, nullptr, sum_sq, nullptr, telemetry, [&](const auto& chunk) {
+    for_each_chunk(plan, [&](int64_t c, int64_t i, int64_t begin, int64_t end) {
+      const GradSpan& g = grads[i];
+      if (begin == 0 && static_cast<size_t>(i) + kDataAhead < count) {
+        __builtin_prefetch(grads[i + kDataAhead].data);
+      }
+      const int64_t item = static_cast<int64_t>(c10::elementSize(g.dtype));
+      chunk(c, i, g.dtype, const_cast<char*>(static_cast<const char*>(g.data)) + begin * item,
+            end - begin);
+    });
+  });
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

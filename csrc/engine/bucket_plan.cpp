@@ -13,6 +13,7 @@
 #include "grad_lookahead.h"
 #include "master_weights.h"
 #include "param_state_store.h"
+#include "step_call.h"
 
 namespace fusedamp::optim::detail {
 namespace {
@@ -291,6 +292,35 @@ void BucketPlan::finish_collect(DeviceStats& devices) {
     // On the plan, every position was placed: every row was checked.
     b.rows_checked = b.checking_rows;
     b.checking_rows = false;
+  }
+  take_checked_grads(devices);
+}
+
+void BucketPlan::take_checked_grads(DeviceStats& devices) const {
+  std::vector<char> all_checked;  // per device slot
+  for (const auto& b : buckets_) {
+    if (all_checked.size() <= b.device_slot) {
+      all_checked.resize(b.device_slot + 1, 1);
+    }
+    all_checked[b.device_slot] &= static_cast<char>(
+        b.rows_checked && !b.rows.needs_mutable_access && plain_cpu_call(b.rows.keys));
+  }
+  for (size_t slot = 0; slot < all_checked.size(); ++slot) {
+    // Those of an earlier step are gone in any case (one that failed after this walk keeps
+    // them until here).
+    auto& spans = devices.checked_grads(slot);
+    spans.clear();
+    if (!all_checked[slot]) {
+      continue;
+    }
+    // The slot's gradients are its buckets' in the plan's order (rebuild: add_params).
+    for (const auto& b : buckets_) {
+      if (b.device_slot == slot) {
+        for (const auto& row : b.rows.rows) {
+          spans.push_back({row.grad, row.numel, b.grad_dtype});
+        }
+      }
+    }
   }
 }
 

@@ -142,6 +142,10 @@ class BucketPlan {
   void prefetch_row_state(size_t seen, bool with_storages) const;
   // The lists' views of this step's gradients, once `devices` holds them all.
   void finish_collect(DeviceStats& devices);
+  // Where every gradient of a device is in rows checked this step (and the CPU kernel is what
+  // the op would run), the device's statistics pass gets them as the rows give them
+  // (DeviceStats::checked_grads).
+  void take_checked_grads(DeviceStats& devices) const;
 
   std::vector<Bucket> buckets_;
   std::vector<GroupKey> group_keys_;

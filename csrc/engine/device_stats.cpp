@@ -2,6 +2,7 @@
 #include "device_stats.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <fusedamp/ops.h>
 
 #include "small_writes.h"
@@ -25,6 +26,7 @@ size_t DeviceStats::slot_of(const c10::Device& device) {
 
 void DeviceStats::clear_params() {
   for (auto& d : devices_) {
+    d.checked.clear();
     d.grads.clear();
     d.params.clear();
   }
@@ -32,6 +34,7 @@ void DeviceStats::clear_params() {
 
 void DeviceStats::release_grads() {
   for (auto& d : devices_) {
+    d.checked.clear();
     for (auto& g : d.grads) {
       g.reset();
     }
@@ -74,7 +77,20 @@ void DeviceStats::run_pass(const at::Tensor& seed_found_inf, GradTelemetrySink* 
     if (d.grads.empty()) {
       continue;
     }
-    if (sink != nullptr) {
+    if (!d.checked.empty()) {
+      // The gradients of rows checked this step, read through the rows (checked_rows.h).
+      const auto pass = [&](const std::optional<at::Tensor>& telemetry) {
+        RECORD_FUNCTION(ops::GradStats::kName, std::vector<c10::IValue>());
+        cpu::grad_stats_on_checked_rows({at::TensorList(), found_inf(i), sum_sq(i), std::nullopt,
+                                         telemetry},
+                                        d.checked);
+      };
+      if (sink != nullptr) {
+        sink->grad_stats_by(d.params, d.grads, found_inf(i), sum_sq(i), pass);
+      } else {
+        pass(std::nullopt);
+      }
+    } else if (sink != nullptr) {
       sink->grad_stats(d.params, d.grads, found_inf(i), sum_sq(i));
     } else {
       ops::grad_stats_({d.grads, found_inf(i), sum_sq(i)});

@@ -8,6 +8,8 @@
 
 #include <vector>
 
+#include "../cpu/checked_rows.h"
+
 namespace fusedamp::optim::detail {
 
 class DeviceStats {
@@ -32,6 +34,10 @@ class DeviceStats {
   }
   // Drops this step's gradient handles (see BucketPlan::release_grads).
   void release_grads();
+  // The slot's gradients as this step's checked rows give them, in the slot's order (set by
+  // the bucket plan where every gradient of the slot is in such rows; emptied with the
+  // handles): run_pass then reads them there instead of through their metadata.
+  std::vector<cpu::GradSpan>& checked_grads(size_t slot) { return devices_[slot].checked; }
 
   // found_inf = seed (or 0) and sum_sq = 0 everywhere, without a pass (the flag is known).
   void seed(const at::Tensor& seed_found_inf);
@@ -60,6 +66,7 @@ class DeviceStats {
     at::Tensor found_inf, sum_sq;
     std::vector<at::Tensor> grads;
     std::vector<at::Tensor> params;  // of grads, same order (what a sink records)
+    std::vector<cpu::GradSpan> checked;
   };
   void combine();
 

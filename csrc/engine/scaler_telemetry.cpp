@@ -80,6 +80,17 @@ void ScalerTelemetry::grad_stats(at::TensorList params, at::TensorList grads,
   });
 }
 
+void ScalerTelemetry::grad_stats_by(
+    at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
+    const at::Tensor& sum_sq, c10::function_ref<void(const std::optional<at::Tensor>&)> pass) {
+  if (!open_ || grads.empty()) {
+    pass(std::nullopt);
+    return;
+  }
+  record_pass(params, grads, found_inf, sum_sq,
+              [&](const at::Tensor& telemetry) { pass(telemetry); });
+}
+
 void ScalerTelemetry::unscale_and_check(at::TensorList params, at::TensorList grads,
                                         const at::Tensor& found_inf,
                                         const at::Tensor& inv_scale) {

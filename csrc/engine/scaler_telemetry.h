@@ -22,6 +22,9 @@ class ScalerTelemetry final : public GradTelemetrySink {
   void begin_iteration(const c10::Device& device);
   void grad_stats(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
                   const at::Tensor& sum_sq) override;
+  void grad_stats_by(at::TensorList params, at::TensorList grads, const at::Tensor& found_inf,
+                     const at::Tensor& sum_sq,
+                     c10::function_ref<void(const std::optional<at::Tensor>&)> pass) override;
   void unscale_and_check(at::TensorList params, at::TensorList grads,
                          const at::Tensor& found_inf, const at::Tensor& inv_scale) override;
   void add_pass(at::TensorList params, at::TensorList grads, const at::Tensor& slots,

@@ -65,6 +65,57 @@ def test_engine_step_ops_are_seen_by_dispatch_modes_and_the_profiler(device, kin
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_scaled_step_through_the_dispatcher_has_the_same_bits(device, kind):
+    """A scaled, clipped step whose ops go through the dispatcher (a __torch_dispatch__ mode sees
+    the statistics pass and the step op) against the same steps where the engine calls its CPU
+    kernels on the rows it checked: parameters, state, the record and the norm bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def make():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, device=device).half()) for n in (5, 40, 3)]
+        params.append(torch.nn.Parameter(torch.randn(7, device=device)))  # a bucket of its own
+        opt = getattr(fusedamp.optim, kind)(params, lr=1e-2, max_grad_norm=0.5,
+                                            **({"momentum": 0.9} if kind == "SGD" else {}))
+        return params, opt, fusedamp.GradScaler(device, init_scale=64.0)
+
+    direct, seen = make(), make()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=gen).to(device, p.dtype) for p in direct[0]]
+        if step == 2:
+            grads[1][7] = float("inf")
+        for (params, opt, scaler), through in ((direct, False), (seen, True)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            scaler.scale(torch.ones((), device=device))
+            if through:
+                with SeenOps() as mode:
+                    scaler.step(opt)
+                assert {"fusedamp.grad_stats_.default",
+                        f"fusedamp.{'adam' if kind == 'AdamW' else 'sgd'}_step_.default"} <= \
+                    mode.names, mode.names
+            else:
+                scaler.step(opt)
+            scaler.update()
+        for a, b in zip(direct[0], seen[0]):
+            assert torch.equal(a, b) and torch.equal(a.grad, b.grad), step
+            for name, value in direct[1].state[a].items():
+                assert torch.equal(value, seen[1].state[b][name]), (step, name)
+    assert direct[2].telemetry() == seen[2].telemetry()
+    assert direct[2].telemetry()["first_nonfinite"][2] is not None
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
 def test_the_profiler_sees_the_step_scope_around_the_engine_ops(device, kind):
     """torch.optim's profiler scope "Optimizer.step#<class>.step" (opened by the engine's call
     when no hook runs, by torch's wrapper when one does) encloses the step op, plain or scaled."""

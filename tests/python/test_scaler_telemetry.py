@@ -103,6 +103,34 @@ def test_record_matches_reference(device, path):
     assert log["dtype_max"] == float(torch.finfo(dtype).max) and log["amax_target"] is None
 
 
+@pytest.mark.parametrize("poisoned", ["0.weight", "2.weight", "4.weight"])
+def test_record_of_a_step_over_several_buckets_matches_reference(device, poisoned):
+    """A fusedamp step whose parameters fall into several buckets on one device (FP32 and FP16
+    parameters in one group): its statistics pass walks the gradients bucket by bucket, and the
+    record names the first non-finite gradient by the parameter it belongs to, whichever bucket
+    holds it; every other value as the reference computes it."""
+    model = make_model(device, torch.float16)
+    model[2].float()  # the middle layer in FP32: a bucket of its own between the FP16 ones
+    opt = fusedamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 10)
+    wants = []
+    for step in range(4):
+        x, y, f = batch(device, torch.float16, step)
+        h = model[2](model[1](model[0](x)).float())
+        out = model[4](model[3](h.half()))
+        scaler.scale(((out.float() - y.float()) ** 2).mean() * f).backward()
+        poison(model, step, 2, poisoned)
+        wants.append(reference([(n, p.grad) for n, p in model.named_parameters()],
+                               scaler.get_scale()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    log = scaler.telemetry(model)
+    assert [w["found_inf"] for w in wants] == [False, False, True, False]
+    for k, want in enumerate(wants):
+        check_record(log, k, want)
+
+
 def test_unscale_then_a_clipping_step_records_the_gradients_once(device):
     """A clipping optimizer's step reads the gradients again after scaler.unscale_ (for the
     norm); the record keeps the pass unscale_ made, of the scaled gradients. At scale 1 a

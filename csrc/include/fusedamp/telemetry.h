@@ -6,8 +6,10 @@
 // synchronisation.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/FunctionRef.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace fusedamp {
@@ -21,6 +23,15 @@ class GradTelemetrySink {
   // (same order), adding what it sees to this iteration's record.
   virtual void grad_stats(at::TensorList params, at::TensorList grads,
                           const at::Tensor& found_inf, const at::Tensor& sum_sq) = 0;
+  // grad_stats() where the caller runs the pass itself: pass(telemetry) writes found_inf,
+  // sum_sq and (given a telemetry tensor) its slots as grad_stats_ over `grads` would. A sink
+  // that records nothing of its own may leave it to grad_stats().
+  virtual void grad_stats_by(at::TensorList params, at::TensorList grads,
+                             const at::Tensor& found_inf, const at::Tensor& sum_sq,
+                             c10::function_ref<void(const std::optional<at::Tensor>&)> pass) {
+    (void)pass;
+    grad_stats(params, grads, found_inf, sum_sq);
+  }
   // fusedamp::unscale_and_check_(grads, found_inf, inv_scale), recording the gradients as they
   // were before unscaling, in the same pass.
   virtual void unscale_and_check(at::TensorList params, at::TensorList grads,
