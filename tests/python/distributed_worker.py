@@ -10,7 +10,6 @@ below.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -149,8 +148,6 @@ def run_ddp(device, rank, world, out_dir):
 
 
 def main(argv):
-    import torch.distributed as dist
-
     rank, world, init_file, backend, out_dir = (int(argv[1]), int(argv[2]), argv[3], argv[4],
                                                 argv[5])
     if backend == "nccl":
@@ -158,8 +155,7 @@ def main(argv):
         device = f"cuda:{rank}"
     else:
         device = "cpu"
-    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    rank_process.join(rank, world, init_file, backend, one_thread=False)
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank_process.finish({"ddp": run_ddp(device, rank, world, out_dir)}, out_dir, rank)
 

@@ -11,14 +11,15 @@ import os
 import torch
 
 
-def join(rank, world, init_file, backend, timeout_s=60):
-    """Joins the process group through INIT_FILE (the launcher's file:// rendezvous) with one
-    torch thread per rank, so that ranks sharing a few cores compute as one process would;
-    returns rank and world as ints."""
+def join(rank, world, init_file, backend, timeout_s=60, one_thread=True):
+    """Joins the process group through INIT_FILE (the launcher's file:// rendezvous), by default
+    with one torch thread per rank, so that ranks sharing a few cores compute as one process
+    would; returns rank and world as ints."""
     import torch.distributed as dist
 
     rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world
