@@ -41,6 +41,26 @@ def _fused_arguments(optimizer, fused_cls, engine_args):
     return kwargs
 
 
+def _check_no_sparse_tables(model, optimizer, fused_cls):
+    """Only fusedamp.optim.SGD steps tables with sparse gradients beside dense parameters; the
+    others refuse them at their first step. Said here, before anything is touched, with the
+    way to give the tables their own optimizer."""
+    if fused_cls is SGD:
+        return
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, module in model.named_modules():
+        if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+                and id(module.weight) in held):
+            raise ValueError(
+                f"fusedamp.initialize: {type(optimizer).__name__} takes no sparse gradients, "
+                f"and the optimizer holds the weight of {name or 'the model'} "
+                f"({type(module).__name__} with sparse=True). Pass initialize an optimizer "
+                "over the other parameters, then step the tables with fusedamp.optim."
+                "SparseAdam, Adagrad or RowWiseAdagrad (created after initialize, master_weights"
+                "=True for FP16/BF16 tables) under the same scaler: scaler.step(optimizer); "
+                "scaler.step(table_optimizer); scaler.update(); or use torch.optim.SGD")
+
+
 def _has_lr_scheduler(optimizer):
     # torch's LR schedulers wrap optimizer.step when they are created (to warn on a wrong
     # call order); a scheduler made before initialize would keep driving the old optimizer.
@@ -85,6 +105,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if not params <= {id(p) for p in model.parameters()}:
         raise ValueError("fusedamp.initialize: the optimizer holds tensors that are not "
                          "parameters of the model")
+    _check_no_sparse_tables(model, optimizer, fused_cls)
     check_convertible(model, dtype, keep_fp32)
     if not _C.master_weights_fit(master_weights, dtype):
         raise ValueError(f"fusedamp.initialize: master_weights={master_weights!r} keeps "

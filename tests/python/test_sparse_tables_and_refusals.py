@@ -203,6 +203,13 @@ def test_unscale_before_step_steps_the_same(device, name):
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
+def _assert_stepped_with_master_rows(weight, state, start):
+    """An FP16 table that moved, holding its FP32 master rows' rounding."""
+    assert weight.dtype == torch.float16 and state["master_param"].dtype == torch.float32
+    assert torch.equal(weight.detach(), state["master_param"].half())
+    assert state["step"].item() >= 1 and not torch.equal(weight.detach(), start)
+
+
 def test_initialize_with_sgd_gives_tables_master_rows(device):
     torch.manual_seed(0)
     model = TablesAndHead().to(device)
@@ -215,7 +222,35 @@ def test_initialize_with_sgd_gives_tables_master_rows(device):
         scaler.scale(model(*bag_batch(gen, device))).backward()
         scaler.step(opt)
         scaler.update()
-    state = opt.state[model.bag.weight]
-    assert model.bag.weight.dtype == torch.float16 and state["master_param"].dtype == torch.float32
-    assert torch.equal(model.bag.weight.detach(), state["master_param"].half())
-    assert state["step"].item() >= 1 and not torch.equal(model.bag.weight.detach(), start)
+    _assert_stepped_with_master_rows(model.bag.weight, opt.state[model.bag.weight], start)
+
+
+def test_initialize_refuses_tables_in_an_optimizer_without_sparse_steps(device):
+    model = TablesAndHead().to(device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"bag \(EmbeddingBag with sparse=True\).*SparseAdam"):
+        fusedamp.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_initialize_with_the_tables_own_optimizer_as_the_error_says(device):
+    """The recipe of the refusal above: initialize over the dense part, SparseAdam over the
+    (converted) table with FP32 master rows, one scaler stepping both."""
+    torch.manual_seed(0)
+    model = TablesAndHead().to(device)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("bag.")]
+    model, opt, scaler = fusedamp.initialize(model, torch.optim.Adam(dense, lr=1e-2),
+                                             dtype=torch.float16)
+    tables = fusedamp.optim.SparseAdam(model.bag.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(13)
+    start = model.bag.weight.detach().clone()
+    for _ in range(10):
+        opt.zero_grad()
+        tables.zero_grad()
+        scaler.scale(model(*bag_batch(gen, device))).backward()
+        scaler.step(opt)
+        scaler.step(tables)
+        scaler.update()
+    _assert_stepped_with_master_rows(model.bag.weight, tables.state[model.bag.weight], start)
+    assert int(opt.skipped_steps) < 10
