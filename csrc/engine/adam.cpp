@@ -8,7 +8,6 @@
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
-#include "options_io.h"
 #include "step_call.h"
 
 namespace fusedamp::optim {
@@ -22,18 +21,14 @@ template <>
 struct AlgorithmOf<AdamOptions> {
   static constexpr const char* kName = "Adam";
 
-  // Its options beyond the shared ones (option_table.h); amsgrad is absent from older
-  // archives (off).
+  // Its options beyond the shared ones (shared_options.h), as rows of option_table.h;
+  // amsgrad is absent from older archives (off).
   static constexpr detail::OptionRow<AdamOptions> kOptions[] = {
       detail::beta_row<AdamOptions, 0>(),
       detail::beta_row<AdamOptions, 1>(),
-      {"eps", false, [](const AdamOptions& o) { return o.eps(); },
-       [](AdamOptions& o, double v) { o.eps(v); }},
-      {"decoupled_weight_decay", true,
-       [](const AdamOptions& o) { return o.decoupled_weight_decay() ? 1.0 : 0.0; },
-       [](AdamOptions& o, double v) { o.decoupled_weight_decay(v != 0.0); }},
-      {"amsgrad", true, [](const AdamOptions& o) { return o.amsgrad() ? 1.0 : 0.0; },
-       [](AdamOptions& o, double v) { o.amsgrad(v != 0.0); }, /*optional_in_archives=*/true},
+      FUSEDAMP_OPTION_ROW(AdamOptions, eps, OptionForm::kNumber),
+      FUSEDAMP_OPTION_ROW(AdamOptions, decoupled_weight_decay, OptionForm::kFlag),
+      FUSEDAMP_OPTION_ROW(AdamOptions, amsgrad, OptionForm::kFlag, /*optional_in_archives=*/true),
   };
 
   static StateSlots known_slots() {

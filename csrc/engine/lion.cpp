@@ -8,7 +8,6 @@
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
-#include "options_io.h"
 #include "step_call.h"
 
 namespace fusedamp::optim {
@@ -17,7 +16,7 @@ template <>
 struct AlgorithmOf<LionOptions> {
   static constexpr const char* kName = "Lion";
 
-  // Its options beyond the shared ones (option_table.h).
+  // Its options beyond the shared ones (shared_options.h), as rows of option_table.h.
   static constexpr detail::OptionRow<LionOptions> kOptions[] = {
       detail::beta_row<LionOptions, 0>(), detail::beta_row<LionOptions, 1>()};
 

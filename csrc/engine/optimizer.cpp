@@ -356,6 +356,10 @@ bool Optimizer::has_group_option(size_t group, const std::string& name) const {
   return own_option(checked_group(group), name).has_value();
 }
 
+std::vector<OptionValue> Optimizer::default_option_values() const {
+  return option_values(defaults());
+}
+
 void Optimizer::set_group_lr(size_t group, double lr) {
   checked_group(group).set_lr(lr);
 }

@@ -12,6 +12,7 @@
 //   };
 //   FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(MyOptions)              // serialize() from the rows
 //   template class OptimizerOf<MyOptions>;
+// kOptions are rows of option_table.h; the options every kind shares are shared_options.h's.
 #include <fusedamp/optim/optimizer_of.h>
 
 #include <c10/util/Exception.h>
@@ -19,11 +20,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bucket_plan.h"
 #include "option_checks.h"
 #include "option_table.h"
-#include "options_io.h"
+#include "shared_options.h"
 #include "step_call.h"
 
 namespace fusedamp::optim {
@@ -108,47 +110,28 @@ template <typename Options>
 bool OptimizerOf<Options>::set_own_option(torch::optim::OptimizerOptions& base,
                                           const std::string& name, double value) const {
   auto& o = detail::as<Options>(base);
-  if (name == "lr") {
-    o.lr(value);
-  } else if (name == "weight_decay") {
-    o.weight_decay(value);
-  } else if (name == "max_grad_norm") {
-    o.max_grad_norm(value);  // checked by check_options(); "off" is set_group_max_grad_norm
-  } else if (name == "maximize") {
-    o.maximize(detail::flag_option(name, value));
-  } else if (name == "master_weights") {
-    o.master_weights(MasterWeights::from_code(value));
-  } else if (name == "state_dtype") {
-    o.state_dtype(detail::state_dtype_option(value));
-  } else if (name == "rounding_seed") {
-    o.rounding_seed(detail::seed_option(name, value));
-  } else if (name == "skip_nonfinite") {
-    o.skip_nonfinite(detail::flag_option(name, value));
-  } else if (name == "adopt_param_edits") {
-    o.adopt_param_edits(detail::flag_option(name, value));
-  } else if (name == "write_back_grads") {
-    o.write_back_grads(detail::flag_option(name, value));
-  } else {
-    return detail::set_table_option(AlgorithmOf<Options>::kOptions, o, name, value);
-  }
-  return true;
+  return detail::set_table_option(detail::SharedOptions<Options>::kRows, o, name, value) ||
+         detail::set_table_option(AlgorithmOf<Options>::kOptions, o, name, value);
 }
 
 template <typename Options>
 std::optional<double> OptimizerOf<Options>::own_option(const torch::optim::OptimizerOptions& base,
                                                        const std::string& name) const {
   const auto& o = detail::as<Options>(base);
-  if (name == "lr") return o.lr();
-  if (name == "weight_decay") return o.weight_decay();
-  if (name == "max_grad_norm") return o.max_grad_norm().value_or(0.0);
-  if (name == "maximize") return o.maximize() ? 1.0 : 0.0;
-  if (name == "master_weights") return static_cast<double>(o.master_weights().kind());
-  if (name == "state_dtype") return static_cast<double>(o.state_dtype());
-  if (name == "rounding_seed") return static_cast<double>(o.rounding_seed());
-  if (name == "skip_nonfinite") return o.skip_nonfinite() ? 1.0 : 0.0;
-  if (name == "adopt_param_edits") return o.adopt_param_edits() ? 1.0 : 0.0;
-  if (name == "write_back_grads") return o.write_back_grads() ? 1.0 : 0.0;
+  if (auto v = detail::table_option(detail::SharedOptions<Options>::kRows, o, name)) {
+    return v;
+  }
   return detail::table_option(AlgorithmOf<Options>::kOptions, o, name);
+}
+
+template <typename Options>
+std::vector<OptionValue> OptimizerOf<Options>::option_values(
+    const torch::optim::OptimizerOptions& base) const {
+  const auto& o = detail::as<Options>(base);
+  std::vector<OptionValue> out;
+  detail::append_table_values(detail::SharedOptions<Options>::kRows, o, out);
+  detail::append_table_values(AlgorithmOf<Options>::kOptions, o, out);
+  return out;
 }
 
 template <typename Options>
@@ -183,14 +166,14 @@ StepLists OptimizerOf<Options>::row_lists(const detail::Bucket& b,
 
 }  // namespace fusedamp::optim
 
-// Options::serialize: the options every kind carries (options_io.h), then the algorithm's
+// Options::serialize: the options every kind carries (shared_options.h), then the algorithm's
 // rows (AlgorithmOf<Options>::kOptions), after its specialisation.
 #define FUSEDAMP_OPTIONS_SERIALIZED_BY_TABLE(Options)                             \
   void Options::serialize(torch::serialize::OutputArchive& a) const {            \
-    detail::write_common_options(*this, a);                                       \
+    detail::write_table_options(detail::SharedOptions<Options>::kRows, *this, a); \
     detail::write_table_options(AlgorithmOf<Options>::kOptions, *this, a);        \
   }                                                                               \
   void Options::serialize(torch::serialize::InputArchive& a) {                    \
-    detail::read_common_options(*this, a);                                        \
+    detail::read_table_options(detail::SharedOptions<Options>::kRows, *this, a);  \
     detail::read_table_options(AlgorithmOf<Options>::kOptions, *this, a);         \
   }

@@ -8,7 +8,6 @@
 #include "bucket_plan.h"
 #include "optimizer_of_impl.h"
 #include "option_checks.h"
-#include "options_io.h"
 #include "step_call.h"
 
 namespace fusedamp::optim {
@@ -17,14 +16,11 @@ template <>
 struct AlgorithmOf<SGDOptions> {
   static constexpr const char* kName = "SGD";
 
-  // Its options beyond the shared ones (option_table.h).
+  // Its options beyond the shared ones (shared_options.h), as rows of option_table.h.
   static constexpr detail::OptionRow<SGDOptions> kOptions[] = {
-      {"momentum", false, [](const SGDOptions& o) { return o.momentum(); },
-       [](SGDOptions& o, double v) { o.momentum(v); }},
-      {"dampening", false, [](const SGDOptions& o) { return o.dampening(); },
-       [](SGDOptions& o, double v) { o.dampening(v); }},
-      {"nesterov", true, [](const SGDOptions& o) { return o.nesterov() ? 1.0 : 0.0; },
-       [](SGDOptions& o, double v) { o.nesterov(v != 0.0); }},
+      FUSEDAMP_OPTION_ROW(SGDOptions, momentum, OptionForm::kNumber),
+      FUSEDAMP_OPTION_ROW(SGDOptions, dampening, OptionForm::kNumber),
+      FUSEDAMP_OPTION_ROW(SGDOptions, nesterov, OptionForm::kFlag),
   };
 
   static StateSlots known_slots() {

@@ -4,8 +4,10 @@
 // tensors.
 #include <ATen/ATen.h>
 #include <fusedamp/fusedamp.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
+#include <sstream>
 #include <vector>
 
 namespace optim_test {
@@ -50,6 +52,13 @@ void step_both(int i, const std::vector<Tensor>& ps, A& opt, const std::vector<T
   }
   opt.step();
   other.step();
+}
+
+// What `out` holds, into `in` as a load from a file reads it.
+inline void read_back(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+  std::stringstream buffer;
+  out.save_to(buffer);
+  in.load_from(buffer);
 }
 
 inline bool bits_equal(const Tensor& a, const Tensor& b) {

@@ -368,10 +368,8 @@ void check_options_survive_an_archive(
   }
   torch::serialize::OutputArchive out;
   saved.save(out);
-  std::stringstream buffer;
-  out.save_to(buffer);
   torch::serialize::InputArchive in;
-  in.load_from(buffer);
+  read_back(out, in);
   Kind loaded(make_params(at::kFloat));
   loaded.load(in);
   for (const auto& [name, value] : options) {

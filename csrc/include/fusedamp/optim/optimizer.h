@@ -138,6 +138,10 @@ class Optimizer : public torch::optim::Optimizer {
   // Undefined tensor: back to the numeric lr.
   void set_group_lr_tensor(size_t group, const at::Tensor& lr);
   size_t num_groups() const { return param_groups_.size(); }
+  // Every option a param group of this kind takes (the ones every kind shares, then its
+  // algorithm's), in the order archives hold them, with its value in this optimizer's
+  // defaults: what fusedamp.optim's constructors are held to.
+  std::vector<OptionValue> default_option_values() const;
   // Throws c10::ValueError naming the group and the value for any invalid hyper-parameter.
   void check_options() const;
   // How often the buckets were (re)built: once, plus once per change of the set of params
@@ -185,6 +189,8 @@ class Optimizer : public torch::optim::Optimizer {
                               double value) const = 0;
   virtual std::optional<double> own_option(const torch::optim::OptimizerOptions& o,
                                            const std::string& name) const = 0;
+  virtual std::vector<OptionValue> option_values(
+      const torch::optim::OptimizerOptions& o) const = 0;
   virtual void set_lr_tensor(torch::optim::OptimizerOptions& o, const at::Tensor& lr) const = 0;
   virtual void set_max_grad_norm(torch::optim::OptimizerOptions& o,
                                  std::optional<double> max_norm) const = 0;

@@ -31,6 +31,7 @@ class OptimizerOf : public Optimizer {
                       double value) const final;
   std::optional<double> own_option(const torch::optim::OptimizerOptions& o,
                                    const std::string& name) const final;
+  std::vector<OptionValue> option_values(const torch::optim::OptimizerOptions& o) const final;
   void set_lr_tensor(torch::optim::OptimizerOptions& o, const at::Tensor& lr) const final;
   void set_max_grad_norm(torch::optim::OptimizerOptions& o,
                          std::optional<double> max_norm) const final;

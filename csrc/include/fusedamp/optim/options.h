@@ -74,6 +74,25 @@ struct EngineGroupOptions {
   bool write_back_grads = true;
 };
 
+// What an option's number (set_group_option, group_option) stands for: how archives keep it
+// and Python spells it.
+enum class OptionForm : uint8_t {
+  kNumber,         // a float (a double in archives)
+  kFlag,           // True/False as 1/0 (a bool in archives)
+  kInteger,        // a whole number (an int64 in archives)
+  kMasterWeights,  // a MasterWeights mode's code (an int64 in archives)
+  kDtype,          // an at::ScalarType's code (an int64 in archives)
+  kNumberOrNone,   // a float or none (absent from archives; 0 to group_option)
+};
+
+// An option of a param group and its value in some options (none: a kNumberOrNone holding
+// none).
+struct OptionValue {
+  const char* name;
+  OptionForm form;
+  std::optional<double> value;
+};
+
 }  // namespace fusedamp::optim
 
 #define FUSEDAMP_ENGINE_OPTION_FIELDS                            \
