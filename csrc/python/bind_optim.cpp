@@ -216,6 +216,20 @@ void validate_groups(const py::list& groups) {
   opt.check_options();
 }
 
+// Optimizer `Kind` under `name`: built from lists of parameters (one per param group), its
+// validate() and option_table() (option_table_of: its options with the kind's defaults).
+template <typename Kind, typename Base>
+void bind_kind(py::module_& m, const char* name) {
+  py::class_<Kind, Base>(m, name)
+      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
+        return std::make_unique<Kind>(make_groups(groups));
+      }))
+      .def_static("validate", &validate_groups<Kind>)
+      .def_static("option_table", [] {
+        return option_table_of(Kind(make_groups(std::vector<std::vector<at::Tensor>>(1))));
+      });
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -315,26 +329,10 @@ void bind_optim(py::module_& m) {
   m.def("moment_scales_shape", &optim::moment_scales_shape, py::arg("param"));
   m.def("momentum_scales_shape", &optim::momentum_scales_shape, py::arg("param"));
 
-  py::class_<optim::Adam, Optimizer>(m, "Adam")
-      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
-        return std::make_unique<optim::Adam>(make_groups(groups));
-      }))
-      .def_static("validate", &validate_groups<optim::Adam>);
-  py::class_<optim::AdamW, optim::Adam>(m, "AdamW")
-      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
-        return std::make_unique<optim::AdamW>(make_groups(groups));
-      }))
-      .def_static("validate", &validate_groups<optim::AdamW>);
-  py::class_<optim::SGD, Optimizer>(m, "SGD")
-      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
-        return std::make_unique<optim::SGD>(make_groups(groups));
-      }))
-      .def_static("validate", &validate_groups<optim::SGD>);
-  py::class_<optim::Lion, Optimizer>(m, "Lion")
-      .def(py::init([](const std::vector<std::vector<at::Tensor>>& groups) {
-        return std::make_unique<optim::Lion>(make_groups(groups));
-      }))
-      .def_static("validate", &validate_groups<optim::Lion>);
+  bind_kind<optim::Adam, Optimizer>(m, "Adam");
+  bind_kind<optim::AdamW, optim::Adam>(m, "AdamW");
+  bind_kind<optim::SGD, Optimizer>(m, "SGD");
+  bind_kind<optim::Lion, Optimizer>(m, "Lion");
 }
 
 }  // namespace fusedamp::python

@@ -5,3 +5,15 @@ namespace fusedamp::python {
 // Each bind_*.cpp adds its classes; bind_all calls them in dependency order.
 void bind_all(pybind11::module_& m);
 }  // namespace fusedamp::python
+
+namespace fusedamp::optim {
+class Optimizer;
+}
+
+namespace fusedamp::python {
+// The options of `opt`'s kind with the values of its defaults, as fusedamp.optim reads them:
+// [(name, default, form)] in the engine's order (its shared options, then its algorithm's;
+// beta1 and beta2 apart), form one of "number", "flag", "integer", "master_weights", "dtype",
+// "number_or_none" (the default None where none is held).
+pybind11::list option_table_of(const optim::Optimizer& opt);
+}  // namespace fusedamp::python

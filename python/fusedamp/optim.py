@@ -78,6 +78,9 @@ class FusedOptimizer(StepResults, torch.optim.Optimizer):
     """Common machinery; see AdamW, Adam, SGD and Lion."""
 
     _engine_cls = None  # set by subclasses
+    # Engine options a class sets whatever its arguments (the rest of its kind's table are its
+    # keyword arguments).
+    _fixed_options = {}
     _step_supports_amp_scaling = True
     _step_checks_nonfinite = True
 
@@ -288,15 +291,16 @@ class AdamW(Adam):
     module doc.""" + _EXTRAS_DOC
 
     _engine_cls = _C.AdamW
+    # Adam's decoupled weight decay, recorded in the defaults as torch's AdamW records it.
+    _fixed_options = {"decoupled_weight_decay": True}
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
                  capturable=False, differentiable=False, fused=None, master_weights=True,
                  state_dtype=torch.float32, rounding_seed=0, max_grad_norm=None,
                  skip_nonfinite=True, adopt_param_edits=True, write_back_grads=True):
-        # Adam's defaults with decoupled weight decay, as torch's AdamW records them.
         FusedOptimizer.__init__(self, params,
-                                dict(defaults_of(locals()), decoupled_weight_decay=True))
+                                dict(defaults_of(locals()), **self._fixed_options))
 
 
 class SGD(FusedOptimizer):
