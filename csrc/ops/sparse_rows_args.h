@@ -18,20 +18,8 @@
 
 namespace fusedamp::kernels {
 
-enum class SparseRowsAlgorithm { kSgd, kAdagrad, kAdam, kRowWiseAdagrad };
-
-// Every algorithm's hyper-parameters (those it does not take stay 0), in this order.
-struct SparseRowsHyper {
-  double lr = 0.0;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  bool nesterov = false;
-  double lr_decay = 0.0;
-  double eps = 0.0;
-  double beta1 = 0.0;
-  double beta2 = 0.0;
-  bool maximize = false;
-};
+using math::SparseRowsAlgorithm;
+using math::SparseRowsHyper;
 
 // The step's FP32 coefficient (math/sparse_rows_math.h), from the step count after it: SGD
 // -lr, Adagrad -clr, SparseAdam -step_size, row-wise Adagrad lr. Formed on the host by the CPU

@@ -2,18 +2,20 @@
 with ``sparse=True``): ``Adagrad``, ``SparseAdam``, ``RowWiseAdagrad``, and the sparse half of
 ``fusedamp.optim.SGD``.
 
-Each step is one ``torch.ops.fusedamp.sparse_*_step_`` per table (CPU and CUDA kernels, the
-same bits): the gradient's indices and values go in as autograd produced them, duplicates
-included; the op sums each row's lookups in FP32 and reads and writes only the rows looked
-up. FP16/BF16 tables keep an FP32 master (state ``"master_param"``) with
-``master_weights=True``; the table holds its rounding. Before any table is written, one pass over every gradient's values checks for inf/NaN
-(and, under a loss scaler, unscales them in place, as torch leaves ``.grad``); a step that finds
-one changes nothing, on the device, without a host synchronisation.
+A step is the C++ engine's (``fusedamp::optim::sparse_step``): it checks every table, checks
+every table's gradient values for inf/NaN in one pass (under a loss scaler it unscales them in
+place, as torch leaves ``.grad``), then runs one ``torch.ops.fusedamp.sparse_*_step_`` per
+table, each of which returns before writing anything when the flag is set: a step that finds
+an inf/NaN changes nothing, without a host synchronisation. The ops take the gradient's indices
+and values as autograd produced them, duplicates included, sum each row's lookups in FP32 and
+read and write only the rows looked up (CPU and CUDA kernels, the same bits). FP16/BF16 tables
+keep an FP32 master (state ``"master_param"``) with ``master_weights=True``; the table holds its
+rounding. This module owns the state, as torch's optimizers do, and relays it with the
+group's options.
 
 The state keys are torch's (``"step"``, ``"sum"``, ``"exp_avg"``, ``"exp_avg_sq"``,
 ``"momentum_buffer"``), so torch.optim.Adagrad / SparseAdam state dicts load into these and
-back. These optimizers run their per-table loop in Python rather than in the C++ engine: a model
-has a handful of tables, so that loop is a few op calls per step.
+back.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from . import ops
+from ._library import _C
 from .optim_options import defaults_of
 
 __all__ = ["Adagrad", "SparseAdam", "RowWiseAdagrad", "SparseRowOptimizer", "ALGORITHMS"]
@@ -52,33 +54,6 @@ ALGORITHMS = {
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def row_sparse_grad(p, who):
-    """p.grad as (indices, values) of a row-wise sparse gradient, or a clear error."""
-    g = p.grad
-    if not g.is_sparse:
-        raise RuntimeError(f"{who} takes sparse gradients (nn.Embedding/EmbeddingBag with "
-                           f"sparse=True); a parameter of shape {tuple(p.shape)} has a dense "
-                           "one (a parameter's gradient must stay sparse from step to step)")
-    if p.dim() != 2 or g.sparse_dim() != 1 or g.dense_dim() != 1:
-        raise RuntimeError(f"{who}: only row-wise sparse gradients of 2-D tables are supported "
-                           f"(sparse_dim 1, dense_dim 1, as nn.Embedding's); got a gradient with "
-                           f"sparse_dim {g.sparse_dim()}, dense_dim {g.dense_dim()} for a "
-                           f"parameter of shape {tuple(p.shape)}")
-    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-        raise RuntimeError(f"{who}: the gradient ({g.dtype}, {tuple(g.shape)}, {g.device}) does "
-                           f"not match its parameter ({p.dtype}, {tuple(p.shape)}, {p.device})")
-    indices, values = g._indices(), g._values()
-    if indices.numel() and indices.device.type == "cpu":
-        # Checked for every table before any is written (the op checks its own table only). On
-        # CUDA the indices are data on the device: the op asserts there, as torch's indexing
-        # does, where a check here would synchronise the host.
-        low, high = torch.aminmax(indices)
-        if low < 0 or high >= p.shape[0]:
-            raise RuntimeError(f"{who}: gradient index {int(low if low < 0 else high)} is out "
-                               f"of range for a table of {p.shape[0]} rows; nothing was modified")
-    return indices, values
-
-
 def check_master_option(group, who):
     mode = group.get("master_weights", True)
     if mode not in (True, False):
@@ -86,62 +61,30 @@ def check_master_option(group, who):
                          "(True: an FP32 master; False: the table stepped in its own dtype)")
 
 
-def sparse_work(groups, who):
-    """(param, group, (indices, values)) for each param of `groups` with a gradient, every
-    one checked before anything is written."""
-    work = []
-    for group in groups:
-        if group["lr"] < 0:
-            raise ValueError(f"{who}: invalid learning rate {group['lr']}")
-        for p in group["params"]:
-            if p.grad is not None:
-                work.append((p, group, row_sparse_grad(p, who)))
-    return work
+def table_options(algorithm, group):
+    """The options of `group` that `algorithm` takes, by torch.optim's names, as numbers."""
+    options = {"lr": float(group["lr"]), "maximize": bool(group.get("maximize", False))}
+    for name in algorithm.options:
+        if name == "betas":
+            options["betas"] = tuple(float(b) for b in group["betas"])
+        elif name not in options:
+            options[name] = group[name]
+    return options
 
 
-def check_values(work, groups, grad_scale, found_inf):
-    """One pass over every table's gradient values, before any table is written: inf/NaN
-    recorded in the returned flag (found_inf where a scaler gave one), the values unscaled in
-    place under a scaler. Each lookup is checked on its own; the op sums duplicates in FP32,
-    where finite FP16/BF16 values cannot overflow."""
-    device = work[0][0].device
-    values = [w[2][1] for w in work]
-    flag = found_inf
-    if flag is None and (grad_scale is not None or
-                         any(group.get("skip_nonfinite", True) for group in groups)):
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-    if grad_scale is not None:
-        inv_scale = grad_scale.double().reciprocal().float()
-        ops.unscale_and_check_(values, flag, inv_scale)  # .grad unscaled, as torch leaves it
-    elif flag is not None:
-        ops.grad_stats_(values, flag, torch.zeros(1, device=device))
-    return flag
-
-
-def apply_steps(work, algorithm, state_of, flag):
-    """The op of `algorithm` on each table; all skip on the device if flag is set."""
-    op = getattr(torch.ops.fusedamp, algorithm.op)
-    for p, group, (indices, values) in work:
-        state = state_of(p, group)
-        kwargs = {"lr": float(group["lr"]), "maximize": bool(group.get("maximize", False)),
-                  "found_inf": flag}
-        for name in algorithm.options:
-            if name == "betas":
-                kwargs["beta1"], kwargs["beta2"] = (float(b) for b in group["betas"])
-            elif name not in kwargs:
-                kwargs[name] = group[name]
-        state_args = [state.get(key) for key, _ in algorithm.state]
-        op(p.data, state.get("master_param"), indices, values, *state_args, state["step"],
-           **kwargs)
-
-
-def sparse_step(groups, algorithm, state_of, grad_scale, found_inf, who):
-    """One step of `algorithm` over the params of `groups` that have gradients. state_of(p,
-    group) gives p's state dict, created on first use."""
-    work = sparse_work(groups, who)
-    if work:
-        apply_steps(work, algorithm, state_of, check_values(work, groups, grad_scale,
-                                                            found_inf))
+def engine_step(algorithm, entries, state_of, groups, grad_scale, found_inf, who, dense=None,
+                telemetry=None, record_as=None):
+    """Relays one step of the tables in `entries` ((param, group) pairs, each with a gradient)
+    to the C++ engine (fusedamp::optim::sparse_step: every table checked, one inf/NaN flag,
+    `dense`'s step seeded with it, then the tables). state_of(p, group) gives p's state dict.
+    Returns the flag (None where nothing was checked)."""
+    states = [state_of(p, group) for p, group in entries]
+    return _C.sparse_step(
+        algorithm.name, [p for p, _ in entries], [s.get("master_param") for s in states],
+        [[s[key] for key, _ in algorithm.state if key in s] for s in states],
+        [s["step"] for s in states], [table_options(algorithm, group) for _, group in entries],
+        grad_scale, found_inf, any(group.get("skip_nonfinite", True) for group in groups), who,
+        dense, telemetry, record_as)
 
 
 def new_state(p, group, algorithm, initial=0.0):
@@ -181,11 +124,13 @@ class SparseRowOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             check_master_option(group, type(self).__name__)
 
+    def _new_state(self, p, group):
+        return new_state(p, group, self._algorithm, group.get(self._initial_accumulator, 0.0))
+
     def _state_of(self, p, group):
         state = self.state[p]
         if not state:
-            state.update(new_state(p, group, self._algorithm,
-                                   group.get(self._initial_accumulator, 0.0)))
+            state.update(self._new_state(p, group))
         return state
 
     @torch.no_grad()
@@ -194,9 +139,23 @@ class SparseRowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sparse_step(self.param_groups, self._algorithm, self._state_of,
-                    getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
-                    f"fusedamp.optim.{type(self).__name__}")
+        entries = [(p, group) for group in self.param_groups for p in group["params"]
+                   if p.grad is not None]
+        if entries:
+            # State made for a table's first step is kept once the engine took the step (or
+            # skipped it), so that a refused step leaves no state behind.
+            fresh = {}
+
+            def state_of(p, group):
+                if self.state.get(p):
+                    return self.state[p]
+                return fresh.setdefault(p, self._new_state(p, group))
+
+            engine_step(self._algorithm, entries, state_of, self.param_groups,
+                        getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
+                        f"fusedamp.optim.{type(self).__name__}")
+            for p, state in fresh.items():
+                self.state[p] = state
         return loss
 
     def load_state_dict(self, state_dict):

@@ -2,18 +2,19 @@
 parameters with dense gradients step in the C++ engine as always, the tables through the
 row-wise sparse op (sparse_optim.py), and one inf/NaN flag decides for both.
 
-The order keeps a step all-or-nothing: every table gradient is checked (and, under a loss
-scaler, unscaled) first, its finding seeds the engine's step over the dense parameters, which
-adds its own, and the tables' ops read the combined flag. The tables' state (torch's keys:
-``"momentum_buffer"``, dense FP32, and ``"step"``; ``"master_param"`` for FP16/BF16 tables)
-lives beside the engine's and appears in ``state`` and ``state_dict`` under the same indices.
+The C++ engine keeps a step all-or-nothing (fusedamp::optim::sparse_step): every table
+gradient is checked (and, under a loss scaler, unscaled) first, its finding seeds the engine's
+step over the dense parameters, which adds its own, and the tables' ops read the combined flag.
+The tables' state (torch's keys: ``"momentum_buffer"``, dense FP32, and ``"step"``;
+``"master_param"`` for FP16/BF16 tables) lives here, beside the engine's, and appears in
+``state`` and ``state_dict`` under the same indices.
 """
 from __future__ import annotations
 
 import torch
 
-from .sparse_optim import (ALGORITHMS, apply_steps, check_master_option, check_values,
-                           loaded_value, new_state, sparse_work)
+from .sparse_optim import (ALGORITHMS, check_master_option, engine_step, loaded_value,
+                           new_state)
 
 __all__ = ["has_sparse_grads", "step", "step_without_tables", "table_states",
            "check_table_group", "with_table_states", "without_table_states"]
@@ -43,48 +44,35 @@ def check_table_group(group):
 
 
 def step(optimizer, record_as, grad_scale, found_inf, telemetry):
-    """One step of `optimizer` (a fusedamp.optim.SGD) whose params include sparse tables."""
+    """One step of `optimizer` (a fusedamp.optim.SGD) whose params include sparse tables: the
+    engine checks the tables, seeds its step over the dense parameters with their inf/NaN flag,
+    then steps the tables with the combined one."""
     engine = optimizer._engine
     groups = optimizer.param_groups
-    tables = [dict(g, params=[p for p in g["params"] if p.grad is not None and p.grad.is_sparse])
-              for g in groups]
-    work = sparse_work(tables, _WHO)
-    if work and any(g.get("max_grad_norm") is not None for g in groups):
+    entries = [(p, g) for g in groups for p in g["params"]
+               if p.grad is not None and p.grad.is_sparse]
+    if entries and any(g.get("max_grad_norm") is not None for g in groups):
         # The fused norm is the engine's, over the dense gradients: the tables would step
         # unclipped and leave the norm. torch's clip_grad_norm_ refuses sparse gradients too.
         raise RuntimeError(f"{_WHO}: max_grad_norm is not supported with sparse gradients (the "
                            "fused norm covers dense gradients only); clip without the tables or "
                            "give them an optimizer of their own")
-    for p, group, _ in work:
+    for _, group in entries:
         check_table_group(group)
-        if engine.param_state(p):
-            raise RuntimeError(f"{_WHO}: a parameter of shape {tuple(p.shape)} had a dense "
-                               "gradient in an earlier step and has a sparse one now")
     step_without_tables(optimizer)
+    if any(p.grad is not None and not p.grad.is_sparse for g in groups for p in g["params"]):
+        engine.sync_changed_options(groups, optimizer._synced_options)
     known = table_states(optimizer)
-    flag = check_values(work, groups, grad_scale, found_inf)
-    if flag is None:
-        flag = torch.zeros((), dtype=torch.float32, device=work[0][0].device)
-    hidden = [(p, p.grad) for p, _, _ in work]
-    try:
-        for p, _ in hidden:
-            p.grad = None
-        if any(p.grad is not None for g in groups for p in g["params"]):
-            # The engine's scaled step: it checks the dense gradients seeded with the tables'
-            # finding and leaves the combined flag in `flag`.
-            scale = grad_scale if grad_scale is not None else torch.ones_like(flag)
-            engine.sync_changed_options(groups, optimizer._synced_options)
-            engine.step_amp(scale, flag, telemetry, record_as)
-    finally:
-        for p, g in hidden:
-            p.grad = g
+    fresh = {}  # kept once the engine took (or skipped) the step, not on a refusal
 
     def state_of(p, group):
-        if p not in known:
-            known[p] = new_state(p, group, ALGORITHMS["sgd"])
-        return known[p]
+        if p in known:
+            return known[p]
+        return fresh.setdefault(p, new_state(p, group, ALGORITHMS["sgd"]))
 
-    apply_steps(work, ALGORITHMS["sgd"], state_of, flag)
+    engine_step(ALGORITHMS["sgd"], entries, state_of, groups, grad_scale, found_inf, _WHO,
+                engine, telemetry, record_as)
+    known.update(fresh)
 
 
 def step_without_tables(optimizer):

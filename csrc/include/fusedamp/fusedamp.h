@@ -7,6 +7,7 @@
 #include <fusedamp/optim/lion.h>
 #include <fusedamp/optim/optimizer.h>
 #include <fusedamp/optim/sgd.h>
+#include <fusedamp/optim/sparse_step.h>
 #include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/sharded_grad_stats.h>
 #include <fusedamp/telemetry.h>

@@ -26,6 +26,21 @@
 
 namespace fusedamp::math {
 
+enum class SparseRowsAlgorithm { kSgd, kAdagrad, kAdam, kRowWiseAdagrad };
+
+// Every algorithm's hyper-parameters (those it does not take stay 0), in this order.
+struct SparseRowsHyper {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  double lr_decay = 0.0;
+  double eps = 0.0;
+  double beta1 = 0.0;
+  double beta2 = 0.0;
+  bool maximize = false;
+};
+
 // torch.optim.SGD on a sparse gradient: without momentum the rows looked up move by -lr * g.
 template <typename V>
 C10_HOST_DEVICE inline void sparse_sgd_update(V& p, V g, float neg_lr) {

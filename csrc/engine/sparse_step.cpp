@@ -1,0 +1,255 @@
+// fusedamp::optim::sparse_step: the order of a step over embedding tables with sparse
+// gradients (fusedamp/optim/sparse_step.h): every table checked, one inf/NaN flag over all of
+// them, the dense parameters' step seeded with it, then one row-wise operator per table.
+#include <fusedamp/optim/sparse_step.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <fusedamp/ops.h>
+#include <fusedamp/optim/optimizer.h>
+
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+namespace fusedamp::optim {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Shapes and dtypes as the Python user writes them ((2, 3), torch.float16): the messages
+// name the tensors of a torch.optim-style optimizer.
+std::string python_shape(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out << (i ? ", " : "") << sizes[i];
+  }
+  out << (sizes.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+std::string python_dtype(at::ScalarType dtype) {
+  return "torch." + c10::getDtypeNames(dtype).first;
+}
+
+// The number of state tensors each algorithm's operator takes (SGD: its momentum buffer
+// exactly where momentum is not 0).
+size_t state_count(SparseAlgorithm algorithm, const SparseHyper& h) {
+  switch (algorithm) {
+    case SparseAlgorithm::kSgd:
+      return h.momentum != 0.0 ? 1 : 0;
+    case SparseAlgorithm::kAdam:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::string& who) {
+  const at::Tensor& p = t.param;
+  TORCH_CHECK_VALUE(t.hyper.lr >= 0.0, who, ": invalid learning rate ", t.hyper.lr);
+  const size_t states = state_count(algorithm, t.hyper);
+  TORCH_CHECK(t.state.size() == states, who, ": expected ", states,
+              " state tensors for a table, got ", t.state.size());
+  const at::Tensor& g = p.grad();
+  TORCH_CHECK(g.defined(), who, ": a parameter of shape ", python_shape(p.sizes()),
+              " has no gradient");
+  TORCH_CHECK(g.is_sparse(), who,
+              " takes sparse gradients (nn.Embedding/EmbeddingBag with sparse=True); a "
+              "parameter of shape ",
+              python_shape(p.sizes()),
+              " has a dense one (a parameter's gradient must stay sparse from step to step)");
+  TORCH_CHECK(p.dim() == 2 && g.sparse_dim() == 1 && g.dense_dim() == 1, who,
+              ": only row-wise sparse gradients of 2-D tables are supported (sparse_dim 1, "
+              "dense_dim 1, as nn.Embedding's); got a gradient with sparse_dim ",
+              g.sparse_dim(), ", dense_dim ", g.dense_dim(), " for a parameter of shape ",
+              python_shape(p.sizes()));
+  TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type() &&
+                  g.device() == p.device(),
+              who, ": the gradient (", python_dtype(g.scalar_type()), ", ",
+              python_shape(g.sizes()), ", ", g.device(), ") does not match its parameter (",
+              python_dtype(p.scalar_type()), ", ", python_shape(p.sizes()), ", ", p.device(),
+              ")");
+  const at::Tensor indices = g._indices();
+  if (indices.numel() > 0 && indices.device().is_cpu()) {
+    // Every table before any is written (the operator checks its own table only). On CUDA the
+    // indices are data on the device: the operator asserts there, as torch's indexing does,
+    // where a check here would synchronise the host.
+    const auto [low_t, high_t] = at::aminmax(indices);
+    const int64_t low = low_t.item<int64_t>();
+    const int64_t high = high_t.item<int64_t>();
+    TORCH_CHECK(low >= 0 && high < p.size(0), who, ": gradient index ", low < 0 ? low : high,
+                " is out of range for a table of ", p.size(0), " rows; nothing was modified");
+  }
+}
+
+// One inf/NaN pass over every table's values into one flag (created where the caller gave
+// none and a check is asked for), the values unscaled in place under a loss scale. Each lookup
+// is checked on its own: the operators sum a row's lookups in FP32, where finite FP16/BF16
+// values cannot overflow.
+at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStepOptions& o) {
+  at::Tensor flag = o.found_inf;
+  const at::Tensor& first = tables.front().param;
+  if (!flag.defined() && (o.grad_scale.defined() || o.skip_nonfinite)) {
+    flag = at::zeros({}, first.options().dtype(at::kFloat));
+  }
+  if (!flag.defined()) {
+    return flag;
+  }
+  std::vector<at::Tensor> values;
+  values.reserve(tables.size());
+  for (const SparseTable& t : tables) {
+    values.push_back(t.param.grad()._values());
+  }
+  if (o.grad_scale.defined()) {
+    const at::Tensor inv_scale = o.grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+    ops::unscale_and_check_({values, flag, inv_scale});  // .grad unscaled, as torch leaves it
+  } else {
+    ops::grad_stats_({values, flag, at::zeros({1}, flag.options())});
+  }
+  return flag;
+}
+
+// The row-wise operators, called through the dispatcher (CPU, CUDA and Meta alike).
+template <typename Signature>
+auto typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using SgdSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                          const at::Tensor&, const OptTensor&, const at::Tensor&, double, double,
+                          double, bool, bool, const OptTensor&, const OptTensor&);
+using AdagradSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              double, double, bool, const OptTensor&, const OptTensor&);
+using AdamSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, double, double, double, double, bool,
+                           const OptTensor&, const OptTensor&);
+using RowWiseSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              double, bool, const OptTensor&, const OptTensor&);
+
+// The table's operator; it returns before writing anything where `flag` is set.
+void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const OptTensor& flag) {
+  // Stepped through a view of its data (Python's p.data), as torch's optimizers step under
+  // no_grad: the parameter's autograd history is not touched.
+  const at::Tensor table = t.param.variable_data();
+  const at::Tensor& g = t.param.grad();
+  const at::Tensor indices = g._indices();
+  const at::Tensor values = g._values();
+  const SparseHyper& h = t.hyper;
+  const OptTensor none;
+  switch (algorithm) {
+    case SparseAlgorithm::kSgd: {
+      static const auto op = typed_op<SgdSignature>("fusedamp::sparse_sgd_step_");
+      const OptTensor buffer = t.state.empty() ? none : OptTensor(t.state[0]);
+      op.call(table, t.master, indices, values, buffer, t.step, h.lr, h.momentum, h.dampening,
+              h.nesterov, h.maximize, none, flag);
+      return;
+    }
+    case SparseAlgorithm::kAdagrad: {
+      static const auto op = typed_op<AdagradSignature>("fusedamp::sparse_adagrad_step_");
+      op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.lr_decay, h.eps,
+              h.maximize, none, flag);
+      return;
+    }
+    case SparseAlgorithm::kAdam: {
+      static const auto op = typed_op<AdamSignature>("fusedamp::sparse_adam_step_");
+      op.call(table, t.master, indices, values, t.state[0], t.state[1], t.step, h.lr, h.beta1,
+              h.beta2, h.eps, h.maximize, none, flag);
+      return;
+    }
+    case SparseAlgorithm::kRowWiseAdagrad: {
+      static const auto op =
+          typed_op<RowWiseSignature>("fusedamp::sparse_rowwise_adagrad_step_");
+      op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.eps, h.maximize,
+              none, flag);
+      return;
+    }
+  }
+}
+
+// The tables' gradients taken off their parameters while the dense engine steps (it would
+// refuse them), and given back however that step ends.
+class HiddenGrads {
+ public:
+  explicit HiddenGrads(const std::vector<SparseTable>& tables) {
+    for (const SparseTable& t : tables) {
+      hidden_.emplace_back(t.param, t.param.grad());
+      t.param.mutable_grad() = at::Tensor();
+    }
+  }
+  ~HiddenGrads() {
+    for (auto& [param, grad] : hidden_) {
+      param.mutable_grad() = std::move(grad);
+    }
+  }
+  HiddenGrads(const HiddenGrads&) = delete;
+  HiddenGrads& operator=(const HiddenGrads&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> hidden_;
+};
+
+void check_with_dense(const std::vector<SparseTable>& tables, const Optimizer& dense,
+                      const std::string& who) {
+  for (const SparseTable& t : tables) {
+    TORCH_CHECK(dense.param_state(t.param).empty(), who, ": a parameter of shape ",
+                python_shape(t.param.sizes()),
+                " had a dense gradient in an earlier step and has a sparse one now");
+  }
+}
+
+}  // namespace
+
+void check_sparse_tables(const std::vector<SparseTable>& tables,
+                         const SparseStepOptions& options) {
+  for (const SparseTable& t : tables) {
+    check_table(options.algorithm, t, options.who);
+  }
+}
+
+at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepOptions& options,
+                       Optimizer* dense, GradTelemetrySink* telemetry) {
+  at::NoGradGuard no_grad;
+  if (tables.empty()) {
+    return options.found_inf;
+  }
+  check_sparse_tables(tables, options);
+  if (dense != nullptr) {
+    check_with_dense(tables, *dense, options.who);
+  }
+  at::Tensor flag = check_values(tables, options);
+  if (dense != nullptr) {
+    if (!flag.defined()) {
+      flag = at::zeros({}, tables.front().param.options().dtype(at::kFloat));
+    }
+    const HiddenGrads hidden(tables);
+    bool dense_grads = false;
+    for (const at::Tensor& p : dense->all_params()) {
+      dense_grads = dense_grads || p.grad().defined();
+    }
+    if (dense_grads) {
+      // Its scaled step checks the dense gradients seeded with the tables' finding and leaves
+      // the combined flag in `flag`.
+      const at::Tensor scale =
+          options.grad_scale.defined() ? options.grad_scale : at::ones_like(flag);
+      dense->step_amp(scale, flag, telemetry);
+    }
+  }
+  const OptTensor flag_arg = flag.defined() ? OptTensor(flag) : std::nullopt;
+  for (const SparseTable& t : tables) {
+    apply_table(options.algorithm, t, flag_arg);
+  }
+  return flag;
+}
+
+}  // namespace fusedamp::optim

@@ -1,0 +1,110 @@
+// fusedamp::optim::sparse_step from C++: the tables stepped as their operators step them, one
+// inf/NaN anywhere skips every table, and a bad table is refused before any is written.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <catch2/catch.hpp>
+#include <fusedamp/fusedamp.h>
+
+#include <limits>
+#include <vector>
+
+namespace {
+
+namespace fo = fusedamp::optim;
+using at::Tensor;
+
+constexpr int64_t kRows = 50;
+constexpr int64_t kDim = 8;
+
+// A table whose gradient looks rows up with duplicates, as nn.Embedding(sparse=True) gives.
+Tensor table_with_grad(uint64_t seed) {
+  at::manual_seed(seed);
+  Tensor p = at::randn({kRows, kDim}).set_requires_grad(true);
+  const Tensor indices = at::randint(kRows, {1, 30}, at::kLong);
+  p.mutable_grad() = at::sparse_coo_tensor(indices, at::randn({30, kDim}), {kRows, kDim});
+  return p;
+}
+
+fo::SparseTable adagrad_table(const Tensor& p) {
+  fo::SparseHyper h;
+  h.lr = 0.1;
+  h.eps = 1e-10;
+  return {p, std::nullopt, {at::zeros({kRows, kDim})}, at::zeros({}), h};
+}
+
+fo::SparseStepOptions adagrad() {
+  fo::SparseStepOptions o;
+  o.algorithm = fo::SparseAlgorithm::kAdagrad;
+  return o;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return at::equal(a.view(at::kInt), b.view(at::kInt));
+}
+
+}  // namespace
+
+TEST_CASE("sparse_step steps each table as its operator does") {
+  const std::vector<fo::SparseTable> tables = {adagrad_table(table_with_grad(1)),
+                                               adagrad_table(table_with_grad(2))};
+  std::vector<Tensor> want;
+  for (const auto& t : tables) {
+    Tensor w = t.param.detach().clone();
+    Tensor sum = at::zeros({kRows, kDim});
+    const Tensor g = t.param.grad();
+    c10::Dispatcher::singleton()
+        .findSchemaOrThrow("fusedamp::sparse_adagrad_step_", "")
+        .typed<void(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                    const Tensor&, const Tensor&, double, double, double, bool,
+                    const std::optional<Tensor>&, const std::optional<Tensor>&)>()
+        .call(w, std::nullopt, g._indices(), g._values(), sum, at::zeros({}), 0.1, 0.0, 1e-10,
+              false, std::nullopt, std::nullopt);
+    want.push_back(w);
+  }
+  const Tensor flag = fo::sparse_step(tables, adagrad());
+  REQUIRE(flag.defined());
+  CHECK(flag.item<float>() == 0.f);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    CHECK(same_bits(tables[i].param.detach(), want[i]));
+    CHECK(tables[i].step.item<float>() == 1.f);
+  }
+}
+
+TEST_CASE("sparse_step: an inf in one table's gradient skips every table") {
+  const std::vector<fo::SparseTable> tables = {adagrad_table(table_with_grad(3)),
+                                               adagrad_table(table_with_grad(4))};
+  tables[1].param.grad()._values()[5][2] = std::numeric_limits<float>::infinity();
+  const Tensor before = tables[0].param.detach().clone();
+  const Tensor flag = fo::sparse_step(tables, adagrad());
+  CHECK(flag.item<float>() != 0.f);
+  CHECK(same_bits(tables[0].param.detach(), before));
+  for (const auto& t : tables) {
+    CHECK(t.step.item<float>() == 0.f);
+    CHECK(!t.state[0].any().item<bool>());
+  }
+}
+
+TEST_CASE("sparse_step refuses a bad table before writing any") {
+  std::vector<fo::SparseTable> tables = {adagrad_table(table_with_grad(5)),
+                                         adagrad_table(table_with_grad(6))};
+  const Tensor before = tables[0].param.detach().clone();
+  SECTION("an index out of range") {
+    tables[1].param.grad()._indices()[0][3] = kRows;
+    CHECK_THROWS_WITH(fo::sparse_step(tables, adagrad()), Catch::Contains("out of range"));
+  }
+  SECTION("a dense gradient") {
+    tables[1].param.mutable_grad() = at::ones({kRows, kDim});
+    CHECK_THROWS_WITH(fo::sparse_step(tables, adagrad()),
+                      Catch::Contains("takes sparse gradients"));
+  }
+  SECTION("a missing state tensor") {
+    tables[1].state.clear();
+    CHECK_THROWS_WITH(fo::sparse_step(tables, adagrad()), Catch::Contains("state tensors"));
+  }
+  SECTION("a negative learning rate") {
+    tables[1].hyper.lr = -1.0;
+    CHECK_THROWS_AS(fo::sparse_step(tables, adagrad()), c10::ValueError);
+  }
+  CHECK(same_bits(tables[0].param.detach(), before));
+  CHECK(tables[0].step.item<float>() == 0.f);
+}
