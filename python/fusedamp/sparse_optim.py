@@ -31,24 +31,22 @@ __all__ = ["Adagrad", "SparseAdam", "RowWiseAdagrad", "SparseRowOptimizer", "ALG
 
 
 class Algorithm(NamedTuple):
-    """One row-wise sparse step: its operator, its state (key, "table" for a tensor of the
-    table's shape or "rows" for one value per row) and the group options it takes."""
+    """One row-wise sparse step: its name in the engine, its state (key, "table" for a tensor
+    of the table's shape or "rows" for one value per row) in the operator's order, and the
+    group options it takes."""
     name: str
-    op: str
     state: tuple
     options: tuple
 
 
 ALGORITHMS = {
-    "sgd": Algorithm("sgd", "sparse_sgd_step_", (("momentum_buffer", "table"),),
+    "sgd": Algorithm("sgd", (("momentum_buffer", "table"),),
                      ("lr", "momentum", "dampening", "nesterov", "maximize")),
-    "adagrad": Algorithm("adagrad", "sparse_adagrad_step_", (("sum", "table"),),
-                         ("lr", "lr_decay", "eps", "maximize")),
-    "sparse_adam": Algorithm("sparse_adam", "sparse_adam_step_",
-                             (("exp_avg", "table"), ("exp_avg_sq", "table")),
+    "adagrad": Algorithm("adagrad", (("sum", "table"),), ("lr", "lr_decay", "eps", "maximize")),
+    "sparse_adam": Algorithm("sparse_adam", (("exp_avg", "table"), ("exp_avg_sq", "table")),
                              ("lr", "betas", "eps", "maximize")),
-    "rowwise_adagrad": Algorithm("rowwise_adagrad", "sparse_rowwise_adagrad_step_",
-                                 (("sum", "rows"),), ("lr", "eps", "maximize")),
+    "rowwise_adagrad": Algorithm("rowwise_adagrad", (("sum", "rows"),),
+                                 ("lr", "eps", "maximize")),
 }
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
