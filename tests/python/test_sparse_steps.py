@@ -191,7 +191,10 @@ print(",".join(out))
 
 def test_same_bits_on_every_instruction_set():
     """The row loops in vectors of 4 (DEFAULT), 8 (AVX2) or 16 (AVX-512) lanes, and a row of 37
-    with its tail: the same bits, FMAs written out and contraction off."""
+    with its tail: the same bits, FMAs written out and contraction off. The machine's best
+    instruction set runs here, each lesser one in a subprocess (ATEN_CPU_CAPABILITY)."""
+    import contextlib
+    import io
     import os
     import subprocess
     import sys
@@ -199,11 +202,18 @@ def test_same_bits_on_every_instruction_set():
     names = {k: (cls.__name__, kw) for k, (cls, kw) in SPARSE_OPTIMIZERS.items()}
     script = _SAME_BITS_WORKER.format(names=repr(names))
     python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
-    bits = {}
-    for cap in ("default", "avx2", "avx512"):
+    best = fusedamp._C.cpu_capability()
+    lesser = {"AVX2": ["default"], "AVX512": ["default", "avx2"]}.get(best, [])
+    if not lesser:
+        pytest.skip(f"no other instruction set than {best} is built here")
+    here = io.StringIO()
+    with contextlib.redirect_stdout(here):
+        exec(script, {})
+    bits = {best.lower(): here.getvalue().split()[-1]}
+    for cap in lesser:
         env = dict(os.environ, ATEN_CPU_CAPABILITY=cap, PYTHONPATH=python)
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                              text=True, timeout=300)
         assert run.returncode == 0, run.stderr
         bits[cap] = run.stdout.split()[-1]
-    assert bits["default"] == bits["avx2"] == bits["avx512"], bits
+    assert len(set(bits.values())) == 1, bits
