@@ -1,6 +1,6 @@
 """The optimizer half of a step -- ``scaler.step(opt); scaler.update(); opt.zero_grad()`` --
 under ``torch.compile(fullgraph=True)``: one graph (a graph break fails the compile), no
-recompilation over 200 steps with a changing tensor lr, skipped steps, scale growth and backoff,
+recompilation over 60 steps with a changing tensor lr, skipped steps, scale growth and backoff,
 nor with a float lr a torch schedule changes every step, and every parameter, optimizer state
 and scaler state equal to eager's bit for bit.
 
