@@ -70,19 +70,28 @@ def table_options(algorithm, group):
     return options
 
 
-def engine_step(algorithm, entries, state_of, groups, grad_scale, found_inf, who, dense=None,
-                telemetry=None, record_as=None):
+def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found_inf, who,
+                dense=None, telemetry=None, record_as=None):
     """Relays one step of the tables in `entries` ((param, group) pairs, each with a gradient)
     to the C++ engine (fusedamp::optim::sparse_step: every table checked, one inf/NaN flag,
-    `dense`'s step seeded with it, then the tables). state_of(p, group) gives p's state dict.
-    Returns the flag (None where nothing was checked)."""
-    states = [state_of(p, group) for p, group in entries]
-    return _C.sparse_step(
+    `dense`'s step seeded with it, then the tables). `known` maps a param to its state dict; a
+    table without one gets make_state(p, group), kept in `known` once the engine took the step
+    (or skipped it), so that a refused step leaves no state behind. Returns the flag (None where
+    nothing was checked)."""
+    fresh, states = {}, []
+    for p, group in entries:
+        state = known.get(p)
+        if not state:
+            state = fresh[p] = make_state(p, group)
+        states.append(state)
+    flag = _C.sparse_step(
         algorithm.name, [p for p, _ in entries], [s.get("master_param") for s in states],
         [[s[key] for key, _ in algorithm.state if key in s] for s in states],
         [s["step"] for s in states], [table_options(algorithm, group) for _, group in entries],
         grad_scale, found_inf, any(group.get("skip_nonfinite", True) for group in groups), who,
         dense, telemetry, record_as)
+    known.update(fresh)
+    return flag
 
 
 def new_state(p, group, algorithm, initial=0.0):
@@ -140,20 +149,9 @@ class SparseRowOptimizer(torch.optim.Optimizer):
         entries = [(p, group) for group in self.param_groups for p in group["params"]
                    if p.grad is not None]
         if entries:
-            # State made for a table's first step is kept once the engine took the step (or
-            # skipped it), so that a refused step leaves no state behind.
-            fresh = {}
-
-            def state_of(p, group):
-                if self.state.get(p):
-                    return self.state[p]
-                return fresh.setdefault(p, self._new_state(p, group))
-
-            engine_step(self._algorithm, entries, state_of, self.param_groups,
+            engine_step(self._algorithm, entries, self.state, self._new_state, self.param_groups,
                         getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
                         f"fusedamp.optim.{type(self).__name__}")
-            for p, state in fresh.items():
-                self.state[p] = state
         return loss
 
     def load_state_dict(self, state_dict):

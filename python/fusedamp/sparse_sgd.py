@@ -62,17 +62,9 @@ def step(optimizer, record_as, grad_scale, found_inf, telemetry):
     step_without_tables(optimizer)
     if any(p.grad is not None and not p.grad.is_sparse for g in groups for p in g["params"]):
         engine.sync_changed_options(groups, optimizer._synced_options)
-    known = table_states(optimizer)
-    fresh = {}  # kept once the engine took (or skipped) the step, not on a refusal
-
-    def state_of(p, group):
-        if p in known:
-            return known[p]
-        return fresh.setdefault(p, new_state(p, group, ALGORITHMS["sgd"]))
-
-    engine_step(ALGORITHMS["sgd"], entries, state_of, groups, grad_scale, found_inf, _WHO,
-                engine, telemetry, record_as)
-    known.update(fresh)
+    engine_step(ALGORITHMS["sgd"], entries, table_states(optimizer),
+                lambda p, group: new_state(p, group, ALGORITHMS["sgd"]), groups, grad_scale,
+                found_inf, _WHO, engine, telemetry, record_as)
 
 
 def step_without_tables(optimizer):
