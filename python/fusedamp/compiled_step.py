@@ -33,6 +33,7 @@ attributes of a torch optimizer it traces (it treats the optimizer as immutable)
 """
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -107,6 +108,8 @@ if available:
             self._ref = lambda: None
             self._name = state["name"]
 
+    _grad_of = operator.attrgetter("grad")
+
     def _tensor_lr_groups(groups):
         return tuple(i for i, g in enumerate(groups) if isinstance(g.get("lr"), torch.Tensor))
 
@@ -121,23 +124,46 @@ if available:
                          members={"param_groups": MemberType.INLINED,
                                   "tensor_lr_groups": MemberType.USE_REAL})
 
+    def _through_arguments(args, live):
+        # The op's effect goes through its declared arguments. The object's eager step wrote
+        # the live tensors; inductor reinplaces and hands the op those very tensors, but a
+        # functionalising backend (aot_eager) hands it copies and afterwards copies them back
+        # over the live tensors, which would undo the step unless the copies hold its result.
+        if len(args) != len(live):
+            raise RuntimeError("fusedamp: the compiled step's tensors no longer match the "
+                               "optimizer's parameters and gradients")
+        if all(map(operator.is_, args, live)):
+            return
+        for arg, tensor in zip(args, live):
+            if arg is not tensor and arg.data_ptr() != tensor.data_ptr():
+                arg.copy_(tensor)
+
+    def _live_step_tensors(target, params, grads):
+        live = [p for g in target.param_groups for p in g["params"]]
+        if params is not None:
+            _through_arguments(params, live)
+        _through_arguments(grads, [g for g in map(_grad_of, live) if g is not None])
+
     @torch.library.custom_op("fusedamp::optimizer_step_", mutates_args=("params", "grads"))
     def _optimizer_step(optimizer: StepTarget, params: list[torch.Tensor],
                         grads: list[torch.Tensor], lrs: list[torch.Tensor]) -> None:
         opt = optimizer.obj
         type(opt).step(opt)  # the class's eager step: `opt.step` may be the compiled one
+        _live_step_tensors(optimizer, params, grads)
 
     @torch.library.custom_op("fusedamp::scaler_step_", mutates_args=("params", "grads"))
     def _scaler_step(scaler: StepTarget, optimizer: StepTarget, params: list[torch.Tensor],
                      grads: list[torch.Tensor], lrs: list[torch.Tensor]) -> None:
         scaler = scaler.obj
         type(scaler).step(scaler, optimizer.obj)
+        _live_step_tensors(optimizer, params, grads)
 
     @torch.library.custom_op("fusedamp::scaler_unscale_", mutates_args=("grads",))
     def _scaler_unscale(scaler: StepTarget, optimizer: StepTarget,
                         grads: list[torch.Tensor]) -> None:
         scaler = scaler.obj
         type(scaler).unscale_(scaler, optimizer.obj)
+        _live_step_tensors(optimizer, None, grads)
 
     @torch.library.custom_op("fusedamp::scaler_update_", mutates_args=())
     def _scaler_update(scaler: StepTarget, new_scale: torch.Tensor | None,
@@ -159,6 +185,8 @@ if available:
                        applied: torch.Tensor) -> None:
         schedule = schedule.obj
         type(schedule).step(schedule)
+        _through_arguments(lrs, _schedule_lrs(schedule))
+        _through_arguments([applied], [schedule._applied])
 
     @_scaler_scale_factor.register_fake
     def _(scaler, like):
@@ -264,11 +292,15 @@ def scale(scaler, outputs):
 def schedule_step(schedule):
     """``scheduler.step()`` of a fusedamp.lr_scheduler schedule, in a compiled graph: its eager
     step (the same lr bits), after the optimizer's step in the graph's order."""
+    torch.ops.fusedamp.schedule_step_(schedule._step_target, _schedule_lrs(schedule),
+                                      schedule._applied)
+
+
+def _schedule_lrs(schedule):
     # Through the optimizer's target, as the step reads them (a schedule's lrs are tensors).
     target = getattr(schedule.optimizer, "_step_target", None)
     groups = schedule.optimizer.param_groups if target is None else target.param_groups
-    lrs = [g["lr"] for g in groups]
-    torch.ops.fusedamp.schedule_step_(schedule._step_target, lrs, schedule._applied)
+    return [g["lr"] for g in groups]
 
 
 def zero_grad(optimizer, set_to_none):

@@ -98,15 +98,50 @@ def test_a_replaced_param_groups_list_is_the_one_read(device):
              device, change, graphs=1)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: under backend='aot_eager' the step's in-place "
-                   "write to the parameters is lost (masters and moments move, the weights do not); "
-                   "inductor keeps it")
-def test_aot_eager_backend_updates_the_weights(device):
-    params = [torch.nn.Parameter(torch.randn(16, device=device).to(torch.bfloat16))]
-    opt = fusedamp.optim.AdamW(params, lr=1e-2)
-    scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 8)
-    half = torch.compile(_half, fullgraph=True, backend="aot_eager")
-    scaler.scale(torch.ones((), device=device))
-    params[0].grad = torch.ones_like(params[0]) * scaler.get_scale()
-    half(scaler, opt)
-    assert torch.equal(params[0].detach(), opt.state[params[0]]["master_param"].bfloat16())
+def _aot_half(scaler, opt, sched):
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    if sched is not None:
+        sched.step()
+
+
+@pytest.mark.parametrize("kind", ["fusedamp", "torch"])
+def test_aot_eager_backend_steps_as_eager(device, kind):
+    """Under a functionalising backend each op gets copies of the tensors it declares mutated
+    and those copies are written back after it: the weights, unscaled gradients, a schedule's
+    lr and its count come out as eager's (a skipped step included)."""
+    def run(compiled):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device=device).to(torch.bfloat16))
+                  for s in ((16,), (4, 3))]
+        start = params[0].detach().clone()
+        if kind == "fusedamp":
+            opt = fusedamp.optim.AdamW(params, lr=torch.tensor(1e-2, device=device))
+            sched = fusedamp.lr_scheduler.WarmupCosine(opt, warmup_steps=2, total_steps=8)
+        else:
+            opt, sched = torch.optim.SGD(params, lr=1e-2, momentum=0.9), None
+        scaler = fusedamp.GradScaler(device, init_scale=2.0 ** 8)
+        if kind == "torch":
+            scaler.prepare_compiled_step(opt)
+        half = torch.compile(_aot_half, fullgraph=True, backend="aot_eager") if compiled \
+            else _aot_half
+        gen = torch.Generator().manual_seed(1)
+        for i in range(5):
+            scaler.scale(torch.ones((), device=device))
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * scaler.get_scale()).to(
+                    device=device, dtype=p.dtype)
+            if i == 2:
+                params[1].grad.view(-1)[0] = float("inf")
+            half(scaler, opt, sched)
+        lr = opt.param_groups[0]["lr"]
+        assert not torch.equal(params[0], start)  # the steps moved the weights
+        return [*params, *(p.grad for p in params)], (lr, None if sched is None else
+                                                      sched._applied.clone())
+
+    torch._dynamo.reset()
+    (eager, eager_lr), (compiled, compiled_lr) = run(False), run(True)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    assert str(eager_lr) == str(compiled_lr)
