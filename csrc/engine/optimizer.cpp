@@ -368,8 +368,17 @@ double Optimizer::group_lr(size_t group) const {
   return checked_group(group).get_lr();
 }
 
+void Optimizer::clear_group_option(size_t group, const std::string& name) {
+  TORCH_CHECK(clear_own_option(checked_group(group), name), "fusedamp::optim::", kind(),
+              ": unknown option '", name, "'");
+}
+
 void Optimizer::set_group_max_grad_norm(size_t group, std::optional<double> max_norm) {
-  set_max_grad_norm(checked_group(group), max_norm);
+  if (max_norm) {
+    set_group_option(group, "max_grad_norm", *max_norm);
+  } else {
+    clear_group_option(group, "max_grad_norm");
+  }
 }
 
 void Optimizer::set_group_lr_tensor(size_t group, const at::Tensor& lr) {

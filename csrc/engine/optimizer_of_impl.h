@@ -141,9 +141,11 @@ void OptimizerOf<Options>::set_lr_tensor(torch::optim::OptimizerOptions& o,
 }
 
 template <typename Options>
-void OptimizerOf<Options>::set_max_grad_norm(torch::optim::OptimizerOptions& o,
-                                             std::optional<double> max_norm) const {
-  detail::as<Options>(o).max_grad_norm(max_norm);
+bool OptimizerOf<Options>::clear_own_option(torch::optim::OptimizerOptions& base,
+                                            const std::string& name) const {
+  auto& o = detail::as<Options>(base);
+  return detail::clear_table_option(detail::SharedOptions<Options>::kRows, o, name) ||
+         detail::clear_table_option(AlgorithmOf<Options>::kOptions, o, name);
 }
 
 template <typename Options>

@@ -81,6 +81,20 @@ std::optional<double> table_option(const OptionRow<Options> (&rows)[N], const Op
   return std::nullopt;
 }
 
+// Sets an option that may be none (kNumberOrNone) to none; false for a name not in the rows.
+template <typename Options, size_t N>
+bool clear_table_option(const OptionRow<Options> (&rows)[N], Options& o, const std::string& name) {
+  for (const auto& row : rows) {
+    if (name == row.name) {
+      TORCH_CHECK(row.form == OptionForm::kNumberOrNone, "fusedamp::optim: option '", name,
+                  "' cannot be none");
+      row.clear(o);
+      return true;
+    }
+  }
+  return false;
+}
+
 template <typename Options, size_t N>
 void append_table_values(const OptionRow<Options> (&rows)[N], const Options& o,
                          std::vector<OptionValue>& out) {

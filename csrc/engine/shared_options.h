@@ -34,7 +34,7 @@ struct SharedOptions {
                           /*optional_in_archives=*/true),
       FUSEDAMP_OPTION_ROW(Options, write_back_grads, OptionForm::kFlag,
                           /*optional_in_archives=*/true),
-      // Checked by check_options(); clipping off (none) is set_group_max_grad_norm's.
+      // Checked by check_options(); none (clipping off): clear_group_option.
       {"max_grad_norm", OptionForm::kNumberOrNone,
        [](const Options& o) { return o.max_grad_norm().value_or(0.0); },
        [](Options& o, double v) { o.max_grad_norm(v); }, /*optional_in_archives=*/true,

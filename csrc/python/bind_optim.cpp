@@ -87,49 +87,71 @@ at::ScalarType state_dtype_of(py::handle value, const std::string& where) {
   return dtype;
 }
 
-// Writes the values of torch.optim param-group dicts into the engine's groups. Keys the engine
-// does not know (torch's foreach/fused/capturable flags, a scheduler's initial_lr, ...) are left
-// to the Python side, as torch.optim leaves them; validation happens in check_options().
+// Writes the values of torch.optim param-group dicts into the engine's groups, each value read
+// as its option's form says (the engine's option table). Keys the engine does not know (torch's
+// foreach/fused/capturable flags, a scheduler's initial_lr, ...) are left to the Python side, as
+// torch.optim leaves them; validation happens in check_options().
 void sync_options(Optimizer& opt, const py::list& groups) {
   TORCH_CHECK(groups.size() == opt.num_groups(), "fusedamp: ", groups.size(),
               " param groups given, the engine has ", opt.num_groups());
+  const std::vector<optim::OptionValue> table = opt.default_option_values();
+  const auto form_of = [&](const std::string& name) -> std::optional<optim::OptionForm> {
+    for (const auto& row : table) {
+      if (name == row.name) {
+        return row.form;
+      }
+    }
+    return std::nullopt;
+  };
   for (size_t i = 0; i < opt.num_groups(); ++i) {
     const auto group = groups[i].cast<py::dict>();
     for (const auto& item : group) {
       const auto name = item.first.cast<std::string>();
       const py::handle value = item.second;
-      if (name == "params") {
-        continue;
-      }
-      if (name == "lr") {
-        if (THPVariable_Check(value.ptr())) {
-          opt.set_group_lr_tensor(i, lr_tensor_of(value.cast<at::Tensor>()));
+      if (name == "lr") {  // a tensor lr is the engine's lr_tensor; a number, the lr row's
+        const bool tensor = THPVariable_Check(value.ptr());
+        opt.set_group_lr_tensor(i, tensor ? lr_tensor_of(value.cast<at::Tensor>()) : at::Tensor());
+        if (tensor) {
           continue;
         }
-        opt.set_group_lr_tensor(i, at::Tensor());
       }
-      if (name == "max_grad_norm" && value.is_none()) {
-        opt.set_group_max_grad_norm(i, std::nullopt);
-      } else if (name == "betas") {
+      if (name == "betas") {  // torch's pair; the engine's rows are its entries
         TORCH_CHECK_TYPE(py::isinstance<py::sequence>(value) && py::len(value) == 2,
                          "param group ", i, ": betas must be a pair of numbers, got ",
                          py::str(value).cast<std::string>());
         const auto betas = value.cast<std::pair<double, double>>();
         opt.set_group_option(i, "beta1", betas.first);
         opt.set_group_option(i, "beta2", betas.second);
-      } else if (name == "master_weights") {
-        const auto mode = master_weights_of(value, group_name(i));
-        opt.set_group_option(i, name, static_cast<double>(mode.kind()));
-      } else if (name == "state_dtype") {
-        opt.set_group_option(i, name, static_cast<double>(state_dtype_of(value, group_name(i))));
-      } else if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
-                 py::isinstance<py::float_>(value)) {
-        opt.try_set_group_option(i, name, value.cast<double>());
-      } else {
-        // A value the engine would read, of a type it cannot take: never ignore it silently.
-        TORCH_CHECK_TYPE(!opt.has_group_option(i, name), "param group ", i, ": '", name,
-                         "' must be a number, got ", py::str(value).cast<std::string>());
+        continue;
       }
+      const auto form = form_of(name);
+      if (!form) {
+        continue;
+      }
+      switch (*form) {
+        case optim::OptionForm::kMasterWeights:
+          opt.set_group_option(
+              i, name, static_cast<double>(master_weights_of(value, group_name(i)).kind()));
+          continue;
+        case optim::OptionForm::kDtype:
+          opt.set_group_option(i, name,
+                               static_cast<double>(state_dtype_of(value, group_name(i))));
+          continue;
+        case optim::OptionForm::kNumberOrNone:
+          if (value.is_none()) {
+            opt.clear_group_option(i, name);
+            continue;
+          }
+          break;
+        default:
+          break;
+      }
+      // A value the engine reads, of a type it cannot take: never ignore it silently.
+      TORCH_CHECK_TYPE(py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value) ||
+                           py::isinstance<py::float_>(value),
+                       "param group ", i, ": '", name, "' must be a number, got ",
+                       py::str(value).cast<std::string>());
+      opt.set_group_option(i, name, value.cast<double>());
     }
   }
 }

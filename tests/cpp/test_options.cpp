@@ -125,3 +125,20 @@ TEST_CASE("a kind's option values are its table with its defaults", "[optim]") {
   CHECK(!by_name.at("max_grad_norm").value.has_value());  // no clipping: none, not 0
   CHECK(by_name.at("max_grad_norm").form == fo::OptionForm::kNumberOrNone);
 }
+
+TEST_CASE("clear_group_option empties only an option that may be none", "[optim]") {
+  fo::SGD sgd(make_params(at::kFloat), fo::SGDOptions(0.1));
+  const auto norm = [&] {
+    return static_cast<const fo::SGDOptions&>(sgd.param_groups()[0].options()).max_grad_norm();
+  };
+  sgd.set_group_option(0, "max_grad_norm", 2.5);
+  CHECK(norm() == std::optional<double>(2.5));
+  sgd.clear_group_option(0, "max_grad_norm");
+  CHECK(!norm().has_value());
+  sgd.set_group_max_grad_norm(0, 1.5);
+  CHECK(norm() == std::optional<double>(1.5));
+  CHECK_THROWS_WITH(sgd.clear_group_option(0, "lr"), Catch::Contains("'lr' cannot be none"));
+  CHECK_THROWS_WITH(sgd.clear_group_option(0, "no_such"), Catch::Contains("unknown option"));
+  CHECK(sgd.group_lr(0) == 0.1);
+  CHECK(norm() == std::optional<double>(1.5));  // a refused clear changes nothing
+}

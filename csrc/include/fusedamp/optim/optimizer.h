@@ -132,6 +132,9 @@ class Optimizer : public torch::optim::Optimizer {
   bool has_group_option(size_t group, const std::string& name) const;
   void set_group_lr(size_t group, double lr);
   double group_lr(size_t group) const;
+  // Sets an option that may be none (max_grad_norm: no clipping) to none; throws for a name
+  // this optimizer does not have or whose option cannot be none.
+  void clear_group_option(size_t group, const std::string& name);
   // Clipping of group i by the global gradient norm; nullopt: no clipping.
   void set_group_max_grad_norm(size_t group, std::optional<double> max_norm);
   // A device-side learning rate (one element) for group i; overrides the numeric lr.
@@ -192,8 +195,8 @@ class Optimizer : public torch::optim::Optimizer {
   virtual std::vector<OptionValue> option_values(
       const torch::optim::OptimizerOptions& o) const = 0;
   virtual void set_lr_tensor(torch::optim::OptimizerOptions& o, const at::Tensor& lr) const = 0;
-  virtual void set_max_grad_norm(torch::optim::OptimizerOptions& o,
-                                 std::optional<double> max_norm) const = 0;
+  virtual bool clear_own_option(torch::optim::OptimizerOptions& o,
+                                const std::string& name) const = 0;
   virtual std::unique_ptr<torch::optim::OptimizerOptions> make_options() const = 0;
   // The fused op of this kind over one bucket, and the lists it walks there.
   virtual void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,

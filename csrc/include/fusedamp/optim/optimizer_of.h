@@ -33,8 +33,8 @@ class OptimizerOf : public Optimizer {
                                    const std::string& name) const final;
   std::vector<OptionValue> option_values(const torch::optim::OptimizerOptions& o) const final;
   void set_lr_tensor(torch::optim::OptimizerOptions& o, const at::Tensor& lr) const final;
-  void set_max_grad_norm(torch::optim::OptimizerOptions& o,
-                         std::optional<double> max_norm) const final;
+  bool clear_own_option(torch::optim::OptimizerOptions& o,
+                        const std::string& name) const final;
   std::unique_ptr<torch::optim::OptimizerOptions> make_options() const final;
   void run_bucket(const detail::Bucket& b, const torch::optim::OptimizerOptions& o,
                   const ops::StepShared& in) const final;
