@@ -133,6 +133,17 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) step, *, float lr, float beta1, "
       "float beta2, float eps, bool maximize=False, Tensor? inv_scale=None, "
       "Tensor? found_inf=None) -> ()");
+  // A sparse gradient's lookups summed per row in FP32 ahead of a step, the inf/NaN check fused
+  // into that one read of the values (CPU). Returns (rows [u] int64: the rows looked up, in
+  // first-lookup order; sums [u, dim] float32): each row's lookups added in the order given,
+  // the sums a step op above takes as its indices and values for the same bits. With inv_scale
+  // each value is first multiplied by it and written back into values (in their dtype, as
+  // unscale_and_check_ leaves a gradient), the value written being the one added. found_inf
+  // is set to 1 if a sum is not finite (an inf/NaN lookup, or FP32 overflow), else left as is.
+  // An index outside [0, num_rows) is an error before anything is written.
+  m.def(
+      "sparse_rows_sum_(Tensor indices, Tensor(a!) values, int num_rows, Tensor(b!) found_inf, "
+      "*, Tensor? inv_scale=None) -> (Tensor rows, Tensor sums)");
   // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): row_sum [rows] += mean of g^2 over the
   // row; the row moves by -lr / (sqrt(row_sum) + eps) * g.
   m.def(

@@ -86,6 +86,7 @@ struct StepKernelsOf<ops::detail::TypeList<Algorithms...>> {
 using StepKernels = typename StepKernelsOf<ops::StepAlgorithms>::type;
 
 struct SparseRowsStep;  // sparse_rows.h: one row-wise sparse step, checked and bucketed
+struct SparseRowsSum;   // sparse_rows.h: a sparse gradient's lookups, bucketed, to sum per row
 
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite. With sum_sq, also what
@@ -102,6 +103,9 @@ struct KernelTable {
   StepKernels steps;
   // The row-wise step of an embedding table from its sparse gradient (sparse_rows_kernel.cpp).
   void (*sparse_rows)(const SparseRowsStep& step);
+  // A sparse gradient's lookups summed per row in FP32, unscaled first; returns true if any
+  // unscaled value was non-finite (sparse_rows_kernel.cpp).
+  bool (*sparse_rows_sum)(const SparseRowsSum& sum);
 
   template <typename Algorithm>
   StepKernel<Algorithm> step() const {
@@ -129,6 +133,7 @@ struct KernelTable {
             const typename Algorithm::Hyper& h);                                             \
   FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CPU_STEP_KERNEL)                                 \
   void sparse_rows_step(const SparseRowsStep& step);                                         \
+  bool sparse_rows_sum(const SparseRowsSum& sum);                                            \
   /* the table's entries, in the list's order */                                             \
   template <typename... Algorithms>                                                          \
   StepKernels step_kernels(ops::detail::TypeList<Algorithms...>) {                           \
@@ -136,7 +141,8 @@ struct KernelTable {
   }                                                                                          \
   inline KernelTable kernel_table() {                                                        \
     return KernelTable{unscale_and_check, grad_stats, grad_stats_spans,                     \
-                       step_kernels(ops::StepAlgorithms{}), sparse_rows_step};               \
+                       step_kernels(ops::StepAlgorithms{}), sparse_rows_step,                \
+                       sparse_rows_sum};                                                     \
   }                                                                                          \
   }
 

@@ -1,10 +1,15 @@
 // CPU implementation of the row-wise sparse step operators (ops/sparse_rows_args.h checks
 // them): a skipped step (found_inf set) returns before anything is read or written; the
 // lookups are bucketed by row, every index checked against the table before the kernel writes
-// anything; the step count advances after the kernel.
+// anything; the step count advances after the kernel. And sparse_rows_sum_, the same
+// bucketing and per-row FP32 sums, with the unscale and inf/NaN check fused into that pass.
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -111,9 +116,39 @@ struct CpuSparseRows {
   }
 };
 
+// sparse_rows_sum_: (the rows looked up, in first-lookup order; their lookups summed in FP32).
+std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
+                                                   const at::Tensor& values, int64_t num_rows,
+                                                   const at::Tensor& found_inf,
+                                                   const std::optional<at::Tensor>& inv_scale) {
+  kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale);
+  const at::Tensor idx = indices.contiguous();
+  const int64_t nnz = values.size(0);
+  const int64_t dim = values.size(1);
+  const RowBuckets buckets(idx.const_data_ptr<int64_t>(), nnz, num_rows, "sparse_rows_sum_");
+  const auto num_slots = static_cast<int64_t>(buckets.rows.size());
+  at::Tensor rows = at::empty({num_slots}, idx.options());
+  std::copy(buckets.rows.begin(), buckets.rows.end(), rows.mutable_data_ptr<int64_t>());
+  at::Tensor sums = at::empty({num_slots, dim}, values.options().dtype(at::kFloat));
+  SparseRowsSum s{};
+  s.values_dtype = values.scalar_type();
+  s.values = values.mutable_data_ptr();
+  s.nnz = nnz;
+  s.dim = dim;
+  s.slot_of = buckets.slot_of.data();
+  s.sums = sums.mutable_data_ptr<float>();
+  s.unscale = kernels::given(inv_scale);
+  s.inv_scale = s.unscale ? *inv_scale->const_data_ptr<float>() : 1.f;
+  if (kernels().sparse_rows_sum(s)) {
+    *found_inf.mutable_data_ptr<float>() = 1.f;
+  }
+  return {rows, sums};
+}
+
 }  // namespace
 }  // namespace fusedamp::cpu
 
 TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {
   fusedamp::kernels::implement_sparse_row_ops<fusedamp::cpu::CpuSparseRows>(m);
+  m.impl("sparse_rows_sum_", &fusedamp::cpu::sparse_rows_sum);
 }

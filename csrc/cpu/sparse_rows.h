@@ -23,7 +23,7 @@ struct SparseRowsStep {
   float* master;  // nullptr: the table is its own weights (FP32, or stepped in its dtype)
   int64_t num_rows;
   int64_t dim;
-  const void* values;  // [nnz, dim]
+  const void* values;  // [nnz, dim]; FP32 sums one per slot where nnz == num_slots
   int64_t nnz;
   const int32_t* slot_of;
   const int64_t* rows;
@@ -41,6 +41,20 @@ struct SparseRowsStep {
   float eps;
   float one_minus_beta1;
   float one_minus_beta2;
+};
+
+// sparse_rows_sum_'s lookups, bucketed as for a step: each lookup's values unscaled in place
+// (where unscale) as unscale_and_check_ leaves a gradient, then added in FP32 into its slot's
+// row of sums ([num_slots, dim], slots in first-lookup order), lookups in the order given.
+struct SparseRowsSum {
+  c10::ScalarType values_dtype;
+  void* values;  // [nnz, dim]
+  int64_t nnz;
+  int64_t dim;
+  const int32_t* slot_of;
+  float* sums;
+  bool unscale;
+  float inv_scale;
 };
 
 }  // namespace fusedamp::cpu

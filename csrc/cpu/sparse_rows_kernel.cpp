@@ -10,10 +10,12 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <fusedamp/math/sparse_rows_math.h>
+#include <fusedamp/math/unscale_math.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -58,30 +60,53 @@ float* summed_rows(int64_t n) {
 }
 
 // Slots are numbered in first-lookup order, so lookup k is its row's first exactly when its
-// slot is the next new one.
-template <typename TV>
-void sum_lookups(const SparseRowsStep& s, float* sums) {
-  const TV* values = static_cast<const TV*>(s.values);
-  const int64_t d = s.dim;
+// slot is the next new one. With kUnscale each lookup is first multiplied by inv_scale and
+// written back into values (in its dtype), the value then added being the one written. Returns
+// true if any partial sum was non-finite: an inf or NaN lookup leaves its row's sum so, and so
+// does a sum that overflows FP32.
+template <typename TV, bool kUnscale>
+bool sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of, float* sums,
+                 float inv_scale) {
+  const Vec scale(inv_scale);
+  Vec bad(0.f);
   int32_t next_new = 0;
-  for (int64_t k = 0; k < s.nnz; ++k) {
-    const int32_t slot = s.slot_of[k];
+  for (int64_t k = 0; k < nnz; ++k) {
+    const int32_t slot = slot_of[k];
     float* acc = sums + static_cast<int64_t>(slot) * d;
-    const TV* v = values + k * d;
+    TV* v = values + k * d;
     const bool first = slot == next_new;
     next_new += first ? 1 : 0;
     for (int64_t i = 0; i < d; i += kPair) {
       const int64_t n = d - i;
       Vec a0, a1, v0, v1;
       PairIO<TV>::load(v + i, n, v0, v1);
+      if constexpr (kUnscale) {
+        PairIO<TV>::store(v + i, n, math::unscale(v0, scale), math::unscale(v1, scale));
+        if constexpr (!std::is_same_v<TV, float>) {
+          PairIO<TV>::load(v + i, n, v0, v1);  // the rounding the gradient now holds
+        } else {
+          v0 = math::unscale(v0, scale);
+          v1 = math::unscale(v1, scale);
+        }
+      }
       if (!first) {
         PairIO<float>::load(acc + i, n, a0, a1);
         v0 = a0 + v0;
         v1 = a1 + v1;
       }
+      bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, v0), v1);
       PairIO<float>::store(acc + i, n, v0, v1);
     }
   }
+  // Lanes past a short row's end were loaded as zeros and stay 0.
+  float lanes[Vec::size()];
+  bad.store(lanes);
+  for (const float lane : lanes) {
+    if (math::is_nonfinite_marker(lane)) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights (the
@@ -253,8 +278,20 @@ void with_float_type(at::ScalarType dtype, const F& f) {
 
 void sparse_rows_step(const SparseRowsStep& s) {
   using namespace sparse_rows;
-  float* sums = summed_rows(s.num_slots * s.dim);
-  with_float_type(s.values_dtype, [&](auto v) { sum_lookups<decltype(v)>(s, sums); });
+  // Lookups that are all distinct rows with FP32 values (sparse_rows_sum_'s output) are their
+  // own sums, slot k being lookup k: the copy into the scratch would change no bit.
+  const float* sums = nullptr;
+  if (s.values_dtype == at::kFloat && s.num_slots == s.nnz) {
+    sums = static_cast<const float*>(s.values);
+  } else {
+    float* scratch = summed_rows(s.num_slots * s.dim);
+    with_float_type(s.values_dtype, [&](auto v) {
+      using TV = decltype(v);
+      sum_lookups<TV, false>(static_cast<TV*>(const_cast<void*>(s.values)), s.nnz, s.dim,
+                             s.slot_of, scratch, 1.f);
+    });
+    sums = scratch;
+  }
   with_float_type(s.table_dtype, [&](auto t) {
     if (s.master != nullptr) {
       step_rows<decltype(t), true>(s, sums);
@@ -262,6 +299,18 @@ void sparse_rows_step(const SparseRowsStep& s) {
       step_rows<decltype(t), false>(s, sums);
     }
   });
+}
+
+bool sparse_rows_sum(const SparseRowsSum& s) {
+  using namespace sparse_rows;
+  bool bad = false;
+  with_float_type(s.values_dtype, [&](auto v) {
+    using TV = decltype(v);
+    TV* values = static_cast<TV*>(s.values);
+    bad = s.unscale ? sum_lookups<TV, true>(values, s.nnz, s.dim, s.slot_of, s.sums, s.inv_scale)
+                    : sum_lookups<TV, false>(values, s.nnz, s.dim, s.slot_of, s.sums, 1.f);
+  });
+  return bad;
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

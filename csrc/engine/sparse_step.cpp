@@ -90,37 +90,65 @@ void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::str
   }
 }
 
-// One inf/NaN pass over every table's values into one flag (created where the caller gave
-// none and a check is asked for), the values unscaled in place under a loss scale. Each lookup
-// is checked on its own: the operators sum a row's lookups in FP32, where finite FP16/BF16
-// values cannot overflow.
-at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStepOptions& o) {
-  at::Tensor flag = o.found_inf;
-  const at::Tensor& first = tables.front().param;
-  if (!flag.defined() && (o.grad_scale.defined() || o.skip_nonfinite)) {
-    flag = at::zeros({}, first.options().dtype(at::kFloat));
-  }
-  if (!flag.defined()) {
-    return flag;
-  }
-  std::vector<at::Tensor> values;
-  values.reserve(tables.size());
-  for (const SparseTable& t : tables) {
-    values.push_back(t.param.grad()._values());
-  }
-  if (o.grad_scale.defined()) {
-    const at::Tensor inv_scale = o.grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
-    ops::unscale_and_check_({values, flag, inv_scale});  // .grad unscaled, as torch leaves it
-  } else {
-    ops::grad_stats_({values, flag, at::zeros({1}, flag.options())});
-  }
-  return flag;
-}
-
 // The row-wise operators, called through the dispatcher (CPU, CUDA and Meta alike).
 template <typename Signature>
 auto typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// What a table's operator is given as its gradient: the lookups as autograd made them, or
+// (CPU) the rows looked up and their lookups' FP32 sums.
+struct Lookups {
+  at::Tensor indices;
+  at::Tensor values;
+};
+
+using SumSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                        int64_t, const at::Tensor&,
+                                                        const OptTensor&);
+
+// The inf/NaN check over every table's lookups, into one flag (created where the caller gave
+// none and a check is asked for), before any table is written; under a loss scale the values
+// are unscaled in place, as torch leaves .grad. A CPU table's check is fused into the one read
+// of its lookups that sums them per row (sparse_rows_sum_), and its operator then reads each
+// row's sum once; a table elsewhere gets one multi-tensor pass over its values (as the loss
+// scaler's unscale_), and its operator sums the lookups. Either way the rows' sums and the
+// operator's bits are the same.
+at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStepOptions& o,
+                        std::vector<Lookups>& lookups) {
+  at::Tensor flag = o.found_inf;
+  const at::Tensor& first = tables.front().param;
+  const bool check = flag.defined() || o.grad_scale.defined() || o.skip_nonfinite;
+  if (!flag.defined() && check) {
+    flag = at::zeros({}, first.options().dtype(at::kFloat));
+  }
+  const at::Tensor inv_scale = o.grad_scale.defined()
+                                   ? o.grad_scale.to(at::kDouble).reciprocal().to(at::kFloat)
+                                   : at::Tensor();
+  std::vector<at::Tensor> elsewhere;
+  for (const SparseTable& t : tables) {
+    const at::Tensor& g = t.param.grad();
+    if (!t.param.is_cpu()) {
+      lookups.push_back({g._indices(), g._values()});
+      elsewhere.push_back(g._values());
+      continue;
+    }
+    static const auto sum = typed_op<SumSignature>("fusedamp::sparse_rows_sum_");
+    // Where no check is asked for, a flag that no step reads.
+    const at::Tensor found = check ? flag : at::zeros({}, first.options().dtype(at::kFloat));
+    const OptTensor inv = inv_scale.defined() ? OptTensor(inv_scale) : std::nullopt;
+    auto [rows, sums] = sum.call(g._indices(), g._values(), t.param.size(0), found, inv);
+    lookups.push_back({std::move(rows), std::move(sums)});
+  }
+  if (!check || elsewhere.empty()) {
+    return flag;
+  }
+  if (inv_scale.defined()) {
+    ops::unscale_and_check_({elsewhere, flag, inv_scale});  // .grad unscaled, as torch leaves it
+  } else {
+    ops::grad_stats_({elsewhere, flag, at::zeros({1}, flag.options())});
+  }
+  return flag;
 }
 
 using SgdSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
@@ -138,13 +166,13 @@ using RowWiseSignature = void(const at::Tensor&, const OptTensor&, const at::Ten
                               double, bool, const OptTensor&, const OptTensor&);
 
 // The table's operator; it returns before writing anything where `flag` is set.
-void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const OptTensor& flag) {
+void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const Lookups& lookups,
+                 const OptTensor& flag) {
   // Stepped through a view of its data (Python's p.data), as torch's optimizers step under
   // no_grad: the parameter's autograd history is not touched.
   const at::Tensor table = t.param.variable_data();
-  const at::Tensor& g = t.param.grad();
-  const at::Tensor indices = g._indices();
-  const at::Tensor values = g._values();
+  const at::Tensor& indices = lookups.indices;
+  const at::Tensor& values = lookups.values;
   const SparseHyper& h = t.hyper;
   const OptTensor none;
   switch (algorithm) {
@@ -214,7 +242,13 @@ void check_sparse_tables(const std::vector<SparseTable>& tables,
                          const SparseStepOptions& options) {
   for (const SparseTable& t : tables) {
     check_table(options.algorithm, t, options.who);
+    TORCH_CHECK(t.param.device() == tables.front().param.device(), options.who,
+                ": every table of a step must be on one device; got ",
+                tables.front().param.device(), " and ", t.param.device());
   }
+  const at::Tensor& flag = options.found_inf;
+  TORCH_CHECK(!flag.defined() || tables.empty() || flag.device() == tables.front().param.device(),
+              options.who, ": found_inf must be on the tables' device");
 }
 
 at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepOptions& options,
@@ -227,7 +261,9 @@ at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepO
   if (dense != nullptr) {
     check_with_dense(tables, *dense, options.who);
   }
-  at::Tensor flag = check_values(tables, options);
+  std::vector<Lookups> lookups;
+  lookups.reserve(tables.size());
+  at::Tensor flag = check_values(tables, options, lookups);
   if (dense != nullptr) {
     if (!flag.defined()) {
       flag = at::zeros({}, tables.front().param.options().dtype(at::kFloat));
@@ -246,8 +282,8 @@ at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepO
     }
   }
   const OptTensor flag_arg = flag.defined() ? OptTensor(flag) : std::nullopt;
-  for (const SparseTable& t : tables) {
-    apply_table(options.algorithm, t, flag_arg);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    apply_table(options.algorithm, tables[i], lookups[i], flag_arg);
   }
   return flag;
 }

@@ -80,6 +80,46 @@ inline void check_hyper(const SparseRowsOp& a) {
   }
 }
 
+// A sparse gradient's indices and values, as nn.Embedding's: [nnz] (or [1, nnz]) int64 rows
+// and [nnz, dim] float values, on `device`; dim < 0: any width.
+inline void check_lookups(const char* op, const at::Tensor& idx, const at::Tensor& v,
+                          int64_t dim, const c10::Device& device) {
+  TORCH_CHECK(idx.layout() == at::kStrided && idx.scalar_type() == at::kLong &&
+                  (idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == 1)),
+              op,
+              ": indices must be int64 of shape [nnz] or [1, nnz] (one sparse dimension: "
+              "the rows), got ",
+              idx.scalar_type(), " of shape ", idx.sizes());
+  TORCH_CHECK(v.layout() == at::kStrided && v.dim() == 2, op,
+              ": values must be [nnz, dim] (a row-wise sparse gradient: one sparse and one "
+              "dense dimension), got shape ",
+              v.sizes());
+  const int64_t nnz = idx.size(idx.dim() - 1);
+  TORCH_CHECK(v.size(0) == nnz && (dim < 0 || v.size(1) == dim), op, ": values must be [", nnz,
+              ", ", dim < 0 ? v.size(1) : dim, "] for ", nnz, " indices",
+              dim < 0 ? "" : " into a table of that width", ", got ", v.sizes());
+  const at::ScalarType vt = v.scalar_type();
+  TORCH_CHECK(vt == at::kFloat || vt == at::kHalf || vt == at::kBFloat16, op,
+              ": values must be float32, float16 or bfloat16, got ", vt);
+  TORCH_CHECK(idx.device() == device && v.device() == device, op,
+              ": indices and values must be on the table's device ", device);
+  TORCH_CHECK(nnz < (int64_t{1} << 31), op, ": at most 2^31 - 1 lookups per step");
+}
+
+// sparse_rows_sum_'s arguments (it writes the values in place: they must be contiguous).
+inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& values,
+                                  int64_t num_rows, const at::Tensor& found_inf,
+                                  const std::optional<at::Tensor>& inv_scale) {
+  constexpr const char* op = "sparse_rows_sum_";
+  check_lookups(op, indices, values, -1, values.device());
+  TORCH_CHECK(values.is_contiguous(), op, ": values must be contiguous (unscaled in place)");
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  checks::rules::check_scalar(op, "found_inf", found_inf, at::kFloat, values.device());
+  if (given(inv_scale)) {
+    checks::rules::check_scalar(op, "inv_scale", *inv_scale, at::kFloat, values.device());
+  }
+}
+
 // Everything the kernels assume, checked before any of them runs. The index range is checked
 // by the backend as it buckets the lookups (also before anything is written).
 inline void check_sparse_rows(const SparseRowsOp& a) {
@@ -100,28 +140,7 @@ inline void check_sparse_rows(const SparseRowsOp& a) {
                 t.sizes(), " on its device");
     TORCH_CHECK(!m.is_alias_of(t), a.op, ": master shares memory with the table");
   }
-  const at::Tensor& idx = a.indices;
-  TORCH_CHECK(idx.layout() == at::kStrided && idx.scalar_type() == at::kLong &&
-                  (idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == 1)),
-              a.op,
-              ": indices must be int64 of shape [nnz] or [1, nnz] (one sparse dimension: "
-              "the rows), got ",
-              idx.scalar_type(), " of shape ", idx.sizes());
-  const at::Tensor& v = a.values;
-  TORCH_CHECK(v.layout() == at::kStrided && v.dim() == 2, a.op,
-              ": values must be [nnz, dim] (a row-wise sparse gradient: one sparse and one "
-              "dense dimension), got shape ",
-              v.sizes());
-  const int64_t nnz = idx.size(idx.dim() - 1);
-  TORCH_CHECK(v.size(0) == nnz && v.size(1) == t.size(1), a.op, ": values must be [", nnz, ", ",
-              t.size(1), "] for ", nnz, " indices into a table of width ", t.size(1), ", got ",
-              v.sizes());
-  const at::ScalarType vt = v.scalar_type();
-  TORCH_CHECK(vt == at::kFloat || vt == at::kHalf || vt == at::kBFloat16, a.op,
-              ": values must be float32, float16 or bfloat16, got ", vt);
-  TORCH_CHECK(idx.device() == t.device() && v.device() == t.device(), a.op,
-              ": indices and values must be on the table's device ", t.device());
-  TORCH_CHECK(nnz < (int64_t{1} << 31), a.op, ": at most 2^31 - 1 lookups per step");
+  check_lookups(a.op, a.indices, a.values, t.size(1), t.device());
   const bool row_wise = a.algorithm == SparseRowsAlgorithm::kRowWiseAdagrad;
   for (const at::Tensor& s : a.state) {
     const bool shape_ok =

@@ -30,6 +30,16 @@ SPARSE_OPTIMIZERS = {
     "rowwise_adagrad": (fusedamp.optim.RowWiseAdagrad, dict(lr=0.1)),
 }
 
+# Each case: the op, its state (None: no momentum buffer) and its hyper-parameters.
+OPS = {
+    "sgd": ("sparse_sgd_step_", [None], dict(lr=0.1)),
+    "sgd_momentum": ("sparse_sgd_step_", ["table"], dict(lr=0.1, momentum=0.9, dampening=0.2)),
+    "adagrad": ("sparse_adagrad_step_", ["table"], dict(lr=0.1, lr_decay=0.05, eps=1e-6)),
+    "adam": ("sparse_adam_step_", ["table", "table"],
+             dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8)),
+    "rowwise_adagrad": ("sparse_rowwise_adagrad_step_", ["rows"], dict(lr=0.1, eps=1e-6)),
+}
+
 
 def sparse_grad(gen, rows=ROWS, dim=DIM, nnz=60, dtype=torch.float32, device="cpu",
                 scale=1.0):

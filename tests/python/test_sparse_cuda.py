@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fusedamp
-from sparse_helpers import SPARSE_OPTIMIZERS
+from sparse_helpers import OPS, SPARSE_OPTIMIZERS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="compares the CUDA kernels with the CPU's: needs a GPU")
@@ -67,17 +67,6 @@ def test_cuda_steps_match_cpu_bit_for_bit(name, dtype, master):
     assert same_bits(params["cpu"], params["cuda"])
     for key in cpu:
         assert same_bits(cpu[key], cuda[key]), key
-
-
-# Each case: the op, its state (None: no momentum buffer) and its hyper-parameters.
-OPS = {
-    "sgd": ("sparse_sgd_step_", [None], dict(lr=0.1)),
-    "sgd_momentum": ("sparse_sgd_step_", ["table"], dict(lr=0.1, momentum=0.9, dampening=0.2)),
-    "adagrad": ("sparse_adagrad_step_", ["table"], dict(lr=0.1, lr_decay=0.05, eps=1e-6)),
-    "adam": ("sparse_adam_step_", ["table", "table"],
-             dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8)),
-    "rowwise_adagrad": ("sparse_rowwise_adagrad_step_", ["rows"], dict(lr=0.1, eps=1e-6)),
-}
 
 
 @pytest.mark.parametrize("maximize", [False, True])

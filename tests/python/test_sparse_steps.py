@@ -177,12 +177,15 @@ for name, (cls, kwargs) in {names}.items():
     p = torch.nn.Parameter(torch.from_numpy(rng.standard_normal((300, 37), np.float32))
                            .to(torch.bfloat16))
     opt = getattr(fusedamp.optim, cls)([p], **kwargs)
+    scaler = fusedamp.GradScaler("cpu", init_scale=3.0)  # an inexact inverse: rounding
     for _ in range(3):
         idx = torch.from_numpy((rng.random(500) ** 2 * 300).astype(np.int64))
         values = torch.from_numpy(rng.standard_normal((500, 37), np.float32))
         p.grad = torch.sparse_coo_tensor(idx[None], values, (300, 37)).to(torch.bfloat16)
-        opt.step()
-    state = [p.detach()] + [v for v in opt.state[p].values()]
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+    state = [p.detach(), p.grad._values()] + [v for v in opt.state[p].values()]
     out.append(hashlib.sha256(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
                                        for t in state)).hexdigest())
 print(",".join(out))
@@ -191,7 +194,8 @@ print(",".join(out))
 
 def test_same_bits_on_every_instruction_set():
     """The row loops in vectors of 4 (DEFAULT), 8 (AVX2) or 16 (AVX-512) lanes, and a row of 37
-    with its tail: the same bits, FMAs written out and contraction off. The machine's best
+    with its tail, under a loss scale of 3 (the unscale rounds, in the pass that sums the rows):
+    the same bits (weights, state, the unscaled gradient), FMAs written out and contraction off. The machine's best
     instruction set runs here, each lesser one in a subprocess (ATEN_CPU_CAPABILITY)."""
     import contextlib
     import io
