@@ -145,9 +145,10 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
   }
   if (inv_scale.defined()) {
     ops::unscale_and_check_({elsewhere, flag, inv_scale});  // .grad unscaled, as torch leaves it
-  } else {
-    ops::grad_stats_({elsewhere, flag, at::zeros({1}, flag.options())});
   }
+  // The values as the ops will sum them: under a scale below 1 an FP16/BF16 value can overflow
+  // only once unscaled (the CPU's fused pass checks the unscaled values too).
+  ops::grad_stats_({elsewhere, flag, at::zeros({1}, flag.options())});
   return flag;
 }
 
