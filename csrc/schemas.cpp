@@ -117,22 +117,25 @@ TORCH_LIBRARY(fusedamp, m) {
   // with an FP32 master of its shape (absent: stepped in its own dtype); state float32, of the
   // table's shape ([rows] for the row-wise accumulators); step a one-element float32 count of
   // applied steps. Values are multiplied by inv_scale; if found_inf is set nothing is modified
-  // (step included). Formulas and their order: math/sparse_rows_math.h.
+  // (step included). rounding_seed: a bfloat16 table without a master is stored with stochastic
+  // rounding (master_weights "stochastic"; the bits from the seed, the step count before the
+  // update and the element's index in the table). Formulas and their order:
+  // math/sparse_rows_math.h.
   m.def(
       "sparse_sgd_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, Tensor values, "
       "Tensor(c!)? momentum_buffer, Tensor(d!) step, *, float lr, float momentum=0., "
       "float dampening=0., bool nesterov=False, bool maximize=False, Tensor? inv_scale=None, "
-      "Tensor? found_inf=None) -> ()");
+      "Tensor? found_inf=None, int? rounding_seed=None) -> ()");
   m.def(
       "sparse_adagrad_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, "
       "Tensor values, Tensor(c!) state_sum, Tensor(d!) step, *, float lr, float lr_decay=0., "
       "float eps=1e-10, bool maximize=False, Tensor? inv_scale=None, "
-      "Tensor? found_inf=None) -> ()");
+      "Tensor? found_inf=None, int? rounding_seed=None) -> ()");
   m.def(
       "sparse_adam_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, Tensor values, "
       "Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, Tensor(e!) step, *, float lr, float beta1, "
       "float beta2, float eps, bool maximize=False, Tensor? inv_scale=None, "
-      "Tensor? found_inf=None) -> ()");
+      "Tensor? found_inf=None, int? rounding_seed=None) -> ()");
   // A sparse gradient's lookups summed per row in FP32 ahead of a step, the inf/NaN check fused
   // into that one read of the values (CPU). Returns (rows [u] int64: the rows looked up, in
   // first-lookup order; sums [u, dim] float32): each row's lookups added in the order given,
@@ -149,5 +152,5 @@ TORCH_LIBRARY(fusedamp, m) {
   m.def(
       "sparse_rowwise_adagrad_step_(Tensor(a!) table, Tensor(b!)? master, Tensor indices, "
       "Tensor values, Tensor(c!) row_sum, Tensor(d!) step, *, float lr, float eps=1e-10, "
-      "bool maximize=False, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+      "bool maximize=False, Tensor? inv_scale=None, Tensor? found_inf=None, int? rounding_seed=None) -> ()");
 }

@@ -4,7 +4,8 @@
 //
 // The lookups are sorted stably by row (at::sort, a radix sort: deterministic, and a row's
 // lookups keep their order), then one warp steps one row: it sums the row's lookups column by
-// column, in the sorted order, and writes the row's weights (or FP32 master and table) and
+// column, in the sorted order, and writes the row's weights (or FP32 master and table; BF16
+// stochastically rounded from the element's index where asked) and
 // state once. SGD with momentum visits every row of the table, as the CPU does (its dense
 // buffer decays everywhere); a row found by binary search over the sorted lookups.
 // A one-thread kernel first reads found_inf, the step count, inv_scale and the index range,
@@ -26,6 +27,7 @@
 #include "../csrc/ops/static_switch.h"
 #include "cuda_kernels.h"
 #include "multi_tensor_apply.cuh"
+#include "step_weights.cuh"
 
 namespace fusedamp::cuda {
 namespace {
@@ -40,6 +42,7 @@ constexpr int kRowsPerBlock = kThreads / kWarp;  // one warp per row
 struct RowCoefficients {
   int skip;        // found_inf set (or an index out of range): nothing is written
   int first_step;  // the step count was 0 (SGD's momentum buffer starts as the gradient)
+  uint32_t counter;  // the step count before the update (stochastic rounding's counter)
   float coef;      // SGD: -lr; Adagrad: -clr; SparseAdam: -step_size; row-wise: lr
   float grad_mult;  // inverse loss scale, negated under maximize
 };
@@ -56,6 +59,7 @@ struct SetupArgs {
 struct RowsArgs {
   void* table;
   float* master;
+  uint64_t rounding_seed;  // kStochastic
   int64_t num_rows;
   int64_t dim;
   const void* values;  // [nnz, dim], in the gradient's lookup order
@@ -98,6 +102,7 @@ __global__ void sparse_rows_setup_kernel(RowCoefficients* out, float* step,
     const double step_after = static_cast<double>(step_before) + 1.0;
     const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
     c.first_step = step_before == 0.f;
+    c.counter = static_cast<uint32_t>(step_before);
     c.grad_mult = a.hyper.maximize ? -inv : inv;
     c.coef = kernels::step_coefficient(a.algorithm, a.hyper, step_after);
     *step = static_cast<float>(step_after);
@@ -171,24 +176,25 @@ __device__ __forceinline__ float row_sum_of_squares(const RowsArgs& a, const Row
   return sum;
 }
 
-// The weights of element e (the master where there is one) in FP32, and back: the table holds
-// their rounding.
-template <typename T, bool kMaster>
-__device__ __forceinline__ float load_weight(const RowsArgs& a, int64_t e) {
-  return kMaster ? a.master[e] : to_float(static_cast<const T*>(a.table)[e]);
-}
-
-template <typename T, bool kMaster>
-__device__ __forceinline__ void store_weight(const RowsArgs& a, int64_t e, float p) {
-  if constexpr (kMaster) {
-    a.master[e] = p;
-  }
-  static_cast<T*>(a.table)[e] = from_float<T>(p);
+// Row r's weights as kStore keeps them (step_weights.cuh: the table, or its FP32 master; the
+// table rounded to nearest or stochastically from the element's index in the table), read and
+// written one column at a time.
+template <typename T, WeightStore kStore>
+__device__ __forceinline__ StepWeights<T, kStore> row_weights(const RowsArgs& a,
+                                                              const RowCoefficients& c,
+                                                              int64_t r) {
+  StepWeights<T, kStore> w;
+  w.param = static_cast<T*>(a.table) + r * a.dim;
+  w.extra = kStore == WeightStore::kFp32 ? a.master + r * a.dim : nullptr;
+  w.seed = a.rounding_seed;
+  w.step = c.counter;
+  w.first_index = r * a.dim;
+  return w;
 }
 
 // The rows looked up, except under SGD with momentum: the warp of sorted position k steps its
 // row where k is the row's first lookup.
-template <typename T, bool kMaster, Algorithm kAlgorithm>
+template <typename T, WeightStore kStore, Algorithm kAlgorithm>
 __global__ void __launch_bounds__(kThreads)
     touched_rows_kernel(const RowsArgs a, const RowCoefficients* coefficients) {
   const RowCoefficients c = *coefficients;
@@ -209,26 +215,29 @@ __global__ void __launch_bounds__(kThreads)
       a.state0[r] = acc;
     }
   }
+  const auto w = row_weights<T, kStore>(a, c, r);
   for (int64_t i = lane; i < a.dim; i += kWarp) {
     const int64_t e = r * a.dim + i;
     const float g = row_gradient(a, c, k, end, i);
-    float p = load_weight<T, kMaster>(a, e);
+    float p[1];
+    w.template load<1>(static_cast<int>(i), p);
     if constexpr (kAlgorithm == Algorithm::kSgd) {
-      math::sparse_sgd_update(p, g, c.coef);
+      math::sparse_sgd_update(p[0], g, c.coef);
     } else if constexpr (kAlgorithm == Algorithm::kAdagrad) {
       float sum = a.state0[e];
-      math::sparse_adagrad_update(p, sum, g, c.coef, a.eps);
+      math::sparse_adagrad_update(p[0], sum, g, c.coef, a.eps);
       a.state0[e] = sum;
     } else if constexpr (kAlgorithm == Algorithm::kAdam) {
       float m = a.state0[e];
       float v = a.state1[e];
-      math::sparse_adam_update(p, m, v, g, a.one_minus_beta1, a.one_minus_beta2, c.coef, a.eps);
+      math::sparse_adam_update(p[0], m, v, g, a.one_minus_beta1, a.one_minus_beta2, c.coef,
+                               a.eps);
       a.state0[e] = m;
       a.state1[e] = v;
     } else {
-      math::rowwise_adagrad_update(p, g, multiplier);
+      math::rowwise_adagrad_update(p[0], g, multiplier);
     }
-    store_weight<T, kMaster>(a, e, p);
+    w.template store<1>(static_cast<int>(i), p);
   }
 }
 
@@ -251,7 +260,7 @@ __device__ __forceinline__ int64_t first_lookup(const RowsArgs& a, int64_t r) {
 // grad_mult, as the CPU multiplies its zero row) and is left alone where its buffer is all +0
 // bits, the CPU's shortcut (sparse_rows_kernel.cpp), which also decides whether its table row
 // is rewritten from the master.
-template <typename T, bool kMaster>
+template <typename T, WeightStore kStore>
 __global__ void __launch_bounds__(kThreads)
     momentum_rows_kernel(const RowsArgs a, const RowCoefficients* coefficients) {
   const RowCoefficients c = *coefficients;
@@ -273,15 +282,16 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const int64_t end = looked_up ? segment_end(a, start, r) : start;
+  const auto w = row_weights<T, kStore>(a, c, r);
   for (int64_t i = lane; i < a.dim; i += kWarp) {
-    const int64_t e = r * a.dim + i;
     const float g = looked_up ? row_gradient(a, c, start, end, i) : 0.f * c.grad_mult;
-    float p = load_weight<T, kMaster>(a, e);
+    float p[1];
+    w.template load<1>(static_cast<int>(i), p);
     float b = buf[i];
-    math::sparse_sgd_momentum_update(p, b, g, c.coef, a.momentum, a.one_minus_dampening,
+    math::sparse_sgd_momentum_update(p[0], b, g, c.coef, a.momentum, a.one_minus_dampening,
                                      a.nesterov, c.first_step != 0);
     buf[i] = b;
-    store_weight<T, kMaster>(a, e, p);
+    w.template store<1>(static_cast<int>(i), p);
   }
 }
 
@@ -289,21 +299,21 @@ unsigned blocks_for(int64_t warps) {
   return static_cast<unsigned>((warps + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
-template <typename T, bool kMaster, Algorithm kAlgorithm>
+template <typename T, WeightStore kStore, Algorithm kAlgorithm>
 void launch_touched_rows(const RowsArgs& a, const RowCoefficients* c) {
-  touched_rows_kernel<T, kMaster, kAlgorithm>
+  touched_rows_kernel<T, kStore, kAlgorithm>
       <<<blocks_for(a.nnz), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, c);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Launched only where the CPU runs its kernel: SGD with momentum always (every row's buffer
 // moves), the others where there are lookups.
-template <typename T, bool kMaster>
+template <typename T, WeightStore kStore>
 void launch_rows(const RowsArgs& a, Algorithm algorithm, bool momentum,
                  const RowCoefficients* c) {
   if (momentum) {
     if (a.num_rows > 0) {
-      momentum_rows_kernel<T, kMaster>
+      momentum_rows_kernel<T, kStore>
           <<<blocks_for(a.num_rows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, c);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -314,13 +324,13 @@ void launch_rows(const RowsArgs& a, Algorithm algorithm, bool momentum,
   }
   switch (algorithm) {
     case Algorithm::kSgd:
-      return launch_touched_rows<T, kMaster, Algorithm::kSgd>(a, c);
+      return launch_touched_rows<T, kStore, Algorithm::kSgd>(a, c);
     case Algorithm::kAdagrad:
-      return launch_touched_rows<T, kMaster, Algorithm::kAdagrad>(a, c);
+      return launch_touched_rows<T, kStore, Algorithm::kAdagrad>(a, c);
     case Algorithm::kAdam:
-      return launch_touched_rows<T, kMaster, Algorithm::kAdam>(a, c);
+      return launch_touched_rows<T, kStore, Algorithm::kAdam>(a, c);
     case Algorithm::kRowWiseAdagrad:
-      return launch_touched_rows<T, kMaster, Algorithm::kRowWiseAdagrad>(a, c);
+      return launch_touched_rows<T, kStore, Algorithm::kRowWiseAdagrad>(a, c);
   }
 }
 
@@ -350,6 +360,7 @@ void sparse_rows_step(const kernels::SparseRowsOp& op) {
   RowsArgs a{};
   a.table = op.table.data_ptr();
   a.master = op.has_master() ? op.master->data_ptr<float>() : nullptr;
+  a.rounding_seed = static_cast<uint64_t>(op.rounding_seed.value_or(0));
   a.num_rows = num_rows;
   a.dim = op.table.size(1);
   a.values = values.const_data_ptr();
@@ -367,16 +378,14 @@ void sparse_rows_step(const kernels::SparseRowsOp& op) {
   a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   const bool momentum = op.algorithm == Algorithm::kSgd && !op.state.empty();
   static_switch(
-      [&](auto table, auto has_master) {
+      [&](auto table, auto store) {
         using T = decltype(table);
-        if constexpr (decltype(has_master)::value && std::is_same_v<T, float>) {
-          TORCH_INTERNAL_ASSERT(false, "a float32 table takes no master");
-        } else {
-          launch_rows<T, decltype(has_master)::value>(a, op.algorithm, momentum, c);
+        if constexpr (kernels::sparse_store_fits<T>(decltype(store)::value)) {
+          launch_rows<T, decltype(store)::value>(a, op.algorithm, momentum, c);
         }
       },
       DtypeSwitch<float, c10::Half, c10::BFloat16>{op.table.scalar_type()},
-      BoolSwitch{op.has_master()});
+      kernels::SparseRowStores{op.store()});
 }
 
 }  // namespace fusedamp::cuda

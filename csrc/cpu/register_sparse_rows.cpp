@@ -89,6 +89,9 @@ struct CpuSparseRows {
     s.values_dtype = values.scalar_type();
     s.table = a.table.mutable_data_ptr();
     s.master = a.has_master() ? a.master->mutable_data_ptr<float>() : nullptr;
+    s.store = a.store();
+    s.rounding_seed = static_cast<uint64_t>(a.rounding_seed.value_or(0));
+    s.counter = static_cast<uint32_t>(step_before);
     s.num_rows = a.table.size(0);
     s.dim = a.table.size(1);
     s.values = values.const_data_ptr();

@@ -21,6 +21,9 @@ struct SparseRowsStep {
   c10::ScalarType values_dtype;
   void* table;
   float* master;  // nullptr: the table is its own weights (FP32, or stepped in its dtype)
+  WeightStore store;  // kOff, kFp32 (master) or kStochastic (SparseRowStores)
+  uint64_t rounding_seed;  // kStochastic: the table's seed
+  uint32_t counter;        // kStochastic: the step count before the update
   int64_t num_rows;
   int64_t dim;
   const void* values;  // [nnz, dim]; FP32 sums one per slot where nnz == num_slots

@@ -20,6 +20,7 @@
 
 #include "cpu_kernels.h"
 #include "sparse_rows.h"
+#include "step_weights.h"
 #include "vec_io.h"
 
 namespace fusedamp::cpu::CPU_CAPABILITY {
@@ -109,29 +110,24 @@ bool sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of, flo
   return false;
 }
 
-// Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights (the
-// master where there is one) and the gradient times grad_mult; the weights are written back
-// (rounded into the table where it is FP16/BF16).
-template <typename T, bool kMaster, typename F>
+// Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights as
+// kStore keeps them (step_weights.h: the table, or its FP32 master) and the gradient times
+// grad_mult; the weights are written back the same way (rounded into an FP16/BF16 table, to
+// nearest or stochastically from the element's index in the table).
+template <typename T, WeightStore kStore, typename F>
 C10_ALWAYS_INLINE void step_row(const SparseRowsStep& s, int64_t r, const float* g, const F& f) {
   const int64_t d = s.dim;
-  T* table = static_cast<T*>(s.table) + r * d;
-  float* master = kMaster ? s.master + r * d : nullptr;
+  StepWeights<T, kStore> w{static_cast<T*>(s.table) + r * d,
+                           kStore == WeightStore::kFp32 ? s.master + r * d : nullptr,
+                           s.rounding_seed, s.counter, r * d};
   const Vec mult(s.grad_mult);
   for (int64_t i = 0; i < d; i += kPair) {
     const int64_t n = d - i;
     Vec p0, p1, g0, g1;
-    if constexpr (kMaster) {
-      PairIO<float>::load(master + i, n, p0, p1);
-    } else {
-      PairIO<T>::load(table + i, n, p0, p1);
-    }
+    w.load(i, n, p0, p1);
     PairIO<float>::load(g + i, n, g0, g1);
     f(i, n, p0, p1, g0 * mult, g1 * mult);
-    if constexpr (kMaster) {
-      PairIO<float>::store(master + i, n, p0, p1);
-    }
-    PairIO<T>::store(table + i, n, p0, p1);
+    w.store(i, n, p0, p1);
   }
 }
 
@@ -153,8 +149,9 @@ inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
   return sum;
 }
 
-template <typename T, bool kMaster>
+template <typename T, WeightStore kStore>
 void step_rows(const SparseRowsStep& s, const float* sums) {
+  constexpr bool kMaster = kStore == WeightStore::kFp32;
   const int64_t d = s.dim;
   // The rows' memory asked for kRowsAhead slots ahead: weights (or master and table) and the
   // state of the table's shape.
@@ -184,7 +181,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
     case SparseAlgorithm::kSgd:
       if (s.state0 == nullptr) {
         touched([&](int64_t r, const float* g) {
-          step_row<T, kMaster>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
+          step_row<T, kStore>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
             math::sparse_sgd_update(p0, g0, s.neg_lr);
             math::sparse_sgd_update(p1, g1, s.neg_lr);
           });
@@ -203,7 +200,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
               continue;
             }
             const float* g = slot >= 0 ? sums + slot * d : zeros.data();
-            step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+            step_row<T, kStore>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
                                               Vec g1) {
               Vec b0, b1;
               PairIO<float>::load(buf + i, n, b0, b1);
@@ -220,7 +217,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
     case SparseAlgorithm::kAdagrad:
       touched([&](int64_t r, const float* g) {
         float* sum = s.state0 + r * d;
-        step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+        step_row<T, kStore>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
                                           Vec g1) {
           Vec s0, s1;
           PairIO<float>::load(sum + i, n, s0, s1);
@@ -234,7 +231,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
       touched([&](int64_t r, const float* g) {
         float* m = s.state0 + r * d;
         float* v = s.state1 + r * d;
-        step_row<T, kMaster>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
+        step_row<T, kStore>(s, r, g, [&](int64_t i, int64_t n, Vec& p0, Vec& p1, Vec g0,
                                           Vec g1) {
           Vec m0, m1, v0, v1;
           PairIO<float>::load(m + i, n, m0, m1);
@@ -252,7 +249,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
       touched([&](int64_t r, const float* g) {
         const float multiplier = math::rowwise_adagrad_multiplier(
             s.state0[r], row_sum_of_squares(g, d, s.grad_mult), d, s.neg_lr, s.eps);
-        step_row<T, kMaster>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
+        step_row<T, kStore>(s, r, g, [&](int64_t, int64_t, Vec& p0, Vec& p1, Vec g0, Vec g1) {
           math::rowwise_adagrad_update(p0, g0, multiplier);
           math::rowwise_adagrad_update(p1, g1, multiplier);
         });
@@ -293,11 +290,12 @@ void sparse_rows_step(const SparseRowsStep& s) {
     sums = scratch;
   }
   with_float_type(s.table_dtype, [&](auto t) {
-    if (s.master != nullptr) {
-      step_rows<decltype(t), true>(s, sums);
-    } else {
-      step_rows<decltype(t), false>(s, sums);
-    }
+    using T = decltype(t);
+    kernels::SparseRowStores{s.store}.visit([&](auto store) {
+      if constexpr (kernels::sparse_store_fits<T>(decltype(store)::value)) {
+        step_rows<T, decltype(store)::value>(s, sums);
+      }
+    });
   });
 }
 

@@ -63,16 +63,6 @@ void follow_param_layout(const at::Tensor& p, const at::Tensor& g) {
   }
 }
 
-// A parameter's stochastic-rounding seed: 64 mixed bits of (the group's seed, the parameter's
-// index), so that parameters draw independent streams from one user seed.
-int64_t rounding_seed_of(int64_t group_seed, int64_t param_index) {
-  const auto seed = static_cast<uint64_t>(group_seed);
-  const auto index = static_cast<uint64_t>(param_index);
-  const uint64_t high = math::counter_random_bits(seed, 0xFFFFFFFFu, index);
-  const uint64_t low = math::counter_random_bits(seed, 0xFFFFFFFEu, index);
-  return static_cast<int64_t>((high << 32) | low);
-}
-
 }  // namespace
 
 void BucketPlan::update(const char* who, const std::vector<Group>& groups,
@@ -265,7 +255,7 @@ void BucketPlan::rebuild(const std::vector<Group>& groups, ParamStateStore& stat
         }
       }
       if (mode.info().seeded) {
-        b->rounding_seeds.push_back(rounding_seed_of(group.rounding_seed, param_index));
+        b->rounding_seeds.push_back(math::param_rounding_seed(group.rounding_seed, param_index));
       }
     }
   }

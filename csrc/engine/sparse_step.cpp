@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <fusedamp/math/stochastic_rounding_math.h>
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 
@@ -58,6 +59,12 @@ void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::str
   const size_t states = state_count(algorithm, t.hyper);
   TORCH_CHECK(t.state.size() == states, who, ": expected ", states,
               " state tensors for a table, got ", t.state.size());
+  TORCH_CHECK(!t.rounding_seed || (p.scalar_type() == at::kBFloat16 && !t.master), who,
+              ": master_weights='stochastic' rounds bfloat16 tables (kept without a master); "
+              "got a ", python_dtype(p.scalar_type()), " table of shape ",
+              python_shape(p.sizes()));
+  TORCH_CHECK(!t.rounding_seed || *t.rounding_seed >= 0, who, ": invalid rounding_seed ",
+              t.rounding_seed.value_or(0));
   const at::Tensor& g = p.grad();
   TORCH_CHECK(g.defined(), who, ": a parameter of shape ", python_shape(p.sizes()),
               " has no gradient");
@@ -152,19 +159,20 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
   return flag;
 }
 
+using OptSeed = std::optional<int64_t>;
 using SgdSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
                           const at::Tensor&, const OptTensor&, const at::Tensor&, double, double,
-                          double, bool, bool, const OptTensor&, const OptTensor&);
+                          double, bool, bool, const OptTensor&, const OptTensor&, OptSeed);
 using AdagradSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              double, double, bool, const OptTensor&, const OptTensor&);
+                              double, double, bool, const OptTensor&, const OptTensor&, OptSeed);
 using AdamSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, double, double, double, double, bool,
-                           const OptTensor&, const OptTensor&);
+                           const OptTensor&, const OptTensor&, OptSeed);
 using RowWiseSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              double, bool, const OptTensor&, const OptTensor&);
+                              double, bool, const OptTensor&, const OptTensor&, OptSeed);
 
 // The table's operator; it returns before writing anything where `flag` is set.
 void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const Lookups& lookups,
@@ -176,31 +184,34 @@ void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const Lookups&
   const at::Tensor& values = lookups.values;
   const SparseHyper& h = t.hyper;
   const OptTensor none;
+  const OptSeed seed = t.rounding_seed
+                           ? OptSeed(math::param_rounding_seed(*t.rounding_seed, t.index))
+                           : std::nullopt;
   switch (algorithm) {
     case SparseAlgorithm::kSgd: {
       static const auto op = typed_op<SgdSignature>("fusedamp::sparse_sgd_step_");
       const OptTensor buffer = t.state.empty() ? none : OptTensor(t.state[0]);
       op.call(table, t.master, indices, values, buffer, t.step, h.lr, h.momentum, h.dampening,
-              h.nesterov, h.maximize, none, flag);
+              h.nesterov, h.maximize, none, flag, seed);
       return;
     }
     case SparseAlgorithm::kAdagrad: {
       static const auto op = typed_op<AdagradSignature>("fusedamp::sparse_adagrad_step_");
       op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.lr_decay, h.eps,
-              h.maximize, none, flag);
+              h.maximize, none, flag, seed);
       return;
     }
     case SparseAlgorithm::kAdam: {
       static const auto op = typed_op<AdamSignature>("fusedamp::sparse_adam_step_");
       op.call(table, t.master, indices, values, t.state[0], t.state[1], t.step, h.lr, h.beta1,
-              h.beta2, h.eps, h.maximize, none, flag);
+              h.beta2, h.eps, h.maximize, none, flag, seed);
       return;
     }
     case SparseAlgorithm::kRowWiseAdagrad: {
       static const auto op =
           typed_op<RowWiseSignature>("fusedamp::sparse_rowwise_adagrad_step_");
       op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.eps, h.maximize,
-              none, flag);
+              none, flag, seed);
       return;
     }
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "check_rules.h"
+#include "static_switch.h"
 
 namespace fusedamp::kernels {
 
@@ -38,6 +39,18 @@ C10_HOST_DEVICE inline float step_coefficient(SparseRowsAlgorithm algorithm,
   }
 }
 
+// How a table's weights may be kept between sparse steps: the table itself (FP32, or stepped in
+// its FP16/BF16 dtype), an FP32 master, BF16 stochastic rounding. The kernels are instantiated
+// for these stores only.
+using SparseRowStores =
+    WeightStoreSwitchOf<MasterModes::kOff, MasterModes::kFp32, MasterModes::kStochastic>;
+
+// Whether a table of T kept as kStore is stepped (a float32 table is its own master).
+template <typename T>
+constexpr bool sparse_store_fits(WeightStore store) {
+  return weight_store_fits<T>(store) && (store == MasterModes::kOff || !std::is_same_v<T, float>);
+}
+
 struct SparseRowsOp {
   const char* op;
   SparseRowsAlgorithm algorithm;
@@ -50,8 +63,15 @@ struct SparseRowsOp {
   std::optional<at::Tensor> inv_scale;
   std::optional<at::Tensor> found_inf;
   SparseRowsHyper hyper;
+  std::optional<int64_t> rounding_seed;
 
   bool has_master() const { return master && master->defined(); }
+  // How the table's weights are kept (checked: an FP32 master, stochastic rounding or neither).
+  WeightStore store() const {
+    return master_mode_of_step(has_master(),
+                               has_master() ? master->scalar_type() : c10::ScalarType::Undefined,
+                               table.scalar_type(), rounding_seed.has_value(), false);
+  }
 };
 
 inline bool given(const std::optional<at::Tensor>& t) { return t && t->defined(); }
@@ -131,6 +151,13 @@ inline void check_sparse_rows(const SparseRowsOp& a) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, a.op,
               ": table must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK(t.is_contiguous(), a.op, ": table must be contiguous");
+  if (a.rounding_seed) {
+    TORCH_CHECK(dt == at::kBFloat16 && !a.has_master(), a.op,
+                ": rounding_seed (stochastic rounding) takes a bfloat16 table without a master, "
+                "got a ", dt, " table", a.has_master() ? " with a master" : "");
+    TORCH_CHECK(*a.rounding_seed >= 0, a.op, ": rounding_seed must be >= 0, got ",
+                *a.rounding_seed);
+  }
   if (a.has_master()) {
     const at::Tensor& m = *a.master;
     TORCH_CHECK(dt != at::kFloat, a.op, ": a float32 table takes no master");
@@ -181,7 +208,7 @@ void implement_sparse_row_ops(torch::Library& m) {
                                 const at::Tensor& values, OptT momentum_buffer,
                                 const at::Tensor& step, double lr, double momentum,
                                 double dampening, bool nesterov, bool maximize, OptT inv_scale,
-                                OptT found_inf) {
+                                OptT found_inf, std::optional<int64_t> rounding_seed) {
     const SparseRowsHyper h{lr, momentum, dampening, nesterov, 0., 0., 0., 0., maximize};
     TORCH_CHECK(given(momentum_buffer) == (momentum != 0.0),
                 "sparse_sgd_step_: a momentum buffer is given exactly when momentum != 0");
@@ -190,12 +217,14 @@ void implement_sparse_row_ops(torch::Library& m) {
       state.push_back(*momentum_buffer);
     }
     run_sparse_rows<Backend>({"sparse_sgd_step_", SparseRowsAlgorithm::kSgd, table, master, indices,
-                              values, std::move(state), step, inv_scale, found_inf, h});
+                              values, std::move(state), step, inv_scale, found_inf, h,
+                              rounding_seed});
   });
   m.impl("sparse_adagrad_step_",
          [](const at::Tensor& table, OptT master, const at::Tensor& indices,
             const at::Tensor& values, const at::Tensor& state_sum, const at::Tensor& step,
-            double lr, double lr_decay, double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+            double lr, double lr_decay, double eps, bool maximize, OptT inv_scale, OptT found_inf,
+            std::optional<int64_t> rounding_seed) {
            const SparseRowsHyper h{lr, 0., 0., false, lr_decay, eps, 0., 0., maximize};
            run_sparse_rows<Backend>({"sparse_adagrad_step_",
                                      SparseRowsAlgorithm::kAdagrad,
@@ -207,13 +236,15 @@ void implement_sparse_row_ops(torch::Library& m) {
                                      step,
                                      inv_scale,
                                      found_inf,
-                                     h});
+                                     h,
+                                     rounding_seed});
          });
   m.impl(
       "sparse_adam_step_",
       [](const at::Tensor& table, OptT master, const at::Tensor& indices, const at::Tensor& values,
          const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& step, double lr,
-         double beta1, double beta2, double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+         double beta1, double beta2, double eps, bool maximize, OptT inv_scale, OptT found_inf,
+         std::optional<int64_t> rounding_seed) {
         const SparseRowsHyper h{lr, 0., 0., false, 0., eps, beta1, beta2, maximize};
         run_sparse_rows<Backend>({"sparse_adam_step_",
                                   SparseRowsAlgorithm::kAdam,
@@ -225,12 +256,14 @@ void implement_sparse_row_ops(torch::Library& m) {
                                   step,
                                   inv_scale,
                                   found_inf,
-                                  h});
+                                  h,
+                                  rounding_seed});
       });
   m.impl("sparse_rowwise_adagrad_step_",
          [](const at::Tensor& table, OptT master, const at::Tensor& indices,
             const at::Tensor& values, const at::Tensor& row_sum, const at::Tensor& step, double lr,
-            double eps, bool maximize, OptT inv_scale, OptT found_inf) {
+            double eps, bool maximize, OptT inv_scale, OptT found_inf,
+            std::optional<int64_t> rounding_seed) {
            const SparseRowsHyper h{lr, 0., 0., false, 0., eps, 0., 0., maximize};
            run_sparse_rows<Backend>({"sparse_rowwise_adagrad_step_",
                                      SparseRowsAlgorithm::kRowWiseAdagrad,
@@ -242,7 +275,8 @@ void implement_sparse_row_ops(torch::Library& m) {
                                      step,
                                      inv_scale,
                                      found_inf,
-                                     h});
+                                     h,
+                                     rounding_seed});
          });
 }
 

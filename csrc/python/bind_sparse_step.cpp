@@ -57,7 +57,9 @@ SparseHyper hyper_of(const py::dict& options) {
     const auto name = item.first.cast<std::string>();
     const py::handle v = item.second;
     bool known = true;
-    if (name == "nesterov") {
+    if (name == "rounding_seed" || name == "index") {
+      continue;  // the table's, not the algorithm's (table_of)
+    } else if (name == "nesterov") {
       h.nesterov = v.cast<bool>();
     } else if (name == "maximize") {
       h.maximize = v.cast<bool>();
@@ -75,6 +77,22 @@ SparseHyper hyper_of(const py::dict& options) {
     TORCH_CHECK_VALUE(known, "fusedamp: unknown sparse step option '", name, "'");
   }
   return h;
+}
+
+// A table as the engine takes it; options may hold its stochastic-rounding group seed
+// ("rounding_seed", None where the table is not rounded stochastically) and its index among
+// its optimizer's parameters ("index").
+SparseTable table_of(const at::Tensor& param, const std::optional<at::Tensor>& master,
+                     const std::vector<at::Tensor>& state, const at::Tensor& step,
+                     const py::dict& options) {
+  SparseTable t{param, master, state, step, hyper_of(options)};
+  if (options.contains("rounding_seed") && !options["rounding_seed"].is_none()) {
+    t.rounding_seed = options["rounding_seed"].cast<int64_t>();
+  }
+  if (options.contains("index")) {
+    t.index = options["index"].cast<int64_t>();
+  }
+  return t;
 }
 
 at::Tensor defined_or_not(const std::optional<at::Tensor>& t) {
@@ -99,7 +117,7 @@ void bind_sparse_step(py::module_& m) {
                     who, ": one master, state list, step count and options per table");
         std::vector<SparseTable> tables(n);
         for (size_t i = 0; i < n; ++i) {
-          tables[i] = {params[i], masters[i], states[i], steps[i], hyper_of(options[i])};
+          tables[i] = table_of(params[i], masters[i], states[i], steps[i], options[i]);
         }
         optim::SparseStepOptions o;
         o.algorithm = algorithm_of(algorithm);

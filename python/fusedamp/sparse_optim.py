@@ -3,15 +3,15 @@ with ``sparse=True``): ``Adagrad``, ``SparseAdam``, ``RowWiseAdagrad``, and the 
 ``fusedamp.optim.SGD``.
 
 A step is the C++ engine's (``fusedamp::optim::sparse_step``): it checks every table, checks
-every table's gradient values for inf/NaN in one pass (under a loss scaler it unscales them in
-place, as torch leaves ``.grad``), then runs one ``torch.ops.fusedamp.sparse_*_step_`` per
-table, each of which returns before writing anything when the flag is set: a step that finds
-an inf/NaN changes nothing, without a host synchronisation. The ops take the gradient's indices
-and values as autograd produced them, duplicates included, sum each row's lookups in FP32 and
-read and write only the rows looked up (CPU and CUDA kernels, the same bits). FP16/BF16 tables
-keep an FP32 master (state ``"master_param"``) with ``master_weights=True``; the table holds its
-rounding. This module owns the state, as torch's optimizers do, and relays it with the
-group's options.
+every table's lookups for inf/NaN before any table is written (under a loss scaler it unscales
+them in place, as torch leaves ``.grad``), then runs one ``torch.ops.fusedamp.sparse_*_step_``
+per table, each of which returns before writing anything when the flag is set: a step that
+finds an inf/NaN changes nothing, without a host synchronisation. Each row's lookups are summed
+in FP32, duplicates included, and only the rows looked up are read and written (CPU and CUDA
+kernels, the same bits). FP16/BF16 tables keep an FP32 master (state ``"master_param"``) with
+``master_weights=True``; the table holds its rounding. ``"stochastic"`` keeps a BF16 table
+alone, rounded stochastically (``rounding_seed``). This module owns the state, as torch's
+optimizers do, and relays it with the group's options.
 
 The state keys are torch's (``"step"``, ``"sum"``, ``"exp_avg"``, ``"exp_avg_sq"``,
 ``"momentum_buffer"``), so torch.optim.Adagrad / SparseAdam state dicts load into these and
@@ -54,14 +54,20 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def check_master_option(group, who):
     mode = group.get("master_weights", True)
-    if mode not in (True, False):
+    if mode not in (True, False, "stochastic"):
         raise ValueError(f"{who}: master_weights={mode!r} is not supported for sparse tables "
-                         "(True: an FP32 master; False: the table stepped in its own dtype)")
+                         "(True: an FP32 master; False: the table stepped in its own dtype; "
+                         "'stochastic': a bfloat16 table rounded stochastically, no master)")
 
 
-def table_options(algorithm, group):
-    """The options of `group` that `algorithm` takes, by torch.optim's names, as numbers."""
-    options = {"lr": float(group["lr"]), "maximize": bool(group.get("maximize", False))}
+def table_options(algorithm, group, p, index):
+    """The options of `group` that `algorithm` takes, by torch.optim's names, as numbers, and
+    the table's own: its index among the optimizer's parameters and, where it is rounded
+    stochastically, its group's seed (a float32 table is its own master in every mode)."""
+    stochastic = group.get("master_weights", True) == "stochastic" and p.dtype in _LOW_PRECISION
+    options = {"lr": float(group["lr"]), "maximize": bool(group.get("maximize", False)),
+               "index": index,
+               "rounding_seed": int(group.get("rounding_seed", 0)) if stochastic else None}
     for name in algorithm.options:
         if name == "betas":
             options["betas"] = tuple(float(b) for b in group["betas"])
@@ -78,6 +84,7 @@ def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found
     table without one gets make_state(p, group), kept in `known` once the engine took the step
     (or skipped it), so that a refused step leaves no state behind. Returns the flag (None where
     nothing was checked)."""
+    index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
     fresh, states = {}, []
     for p, group in entries:
         state = known.get(p)
@@ -87,7 +94,8 @@ def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found
     flag = _C.sparse_step(
         algorithm.name, [p for p, _ in entries], [s.get("master_param") for s in states],
         [[s[key] for key, _ in algorithm.state if key in s] for s in states],
-        [s["step"] for s in states], [table_options(algorithm, group) for _, group in entries],
+        [s["step"] for s in states],
+        [table_options(algorithm, group, p, index[p]) for p, group in entries],
         grad_scale, found_inf, any(group.get("skip_nonfinite", True) for group in groups), who,
         dense, telemetry, record_as)
     known.update(fresh)
@@ -102,7 +110,8 @@ def new_state(p, group, algorithm, initial=0.0):
             continue
         size = p.shape if shape == "table" else p.shape[:1]
         state[key] = torch.full(size, initial, dtype=torch.float32, device=p.device)
-    if p.dtype in _LOW_PRECISION and group.get("master_weights", True):
+    if p.dtype in _LOW_PRECISION and group.get("master_weights", True) not in (False,
+                                                                                "stochastic"):
         state["master_param"] = p.detach().float()
     return state
 
@@ -190,7 +199,8 @@ class Adagrad(SparseRowOptimizer):
 
     def __init__(self, params: Iterable, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
                  initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
-                 differentiable=False, fused=None, master_weights=True, skip_nonfinite=True):
+                 differentiable=False, fused=None, master_weights=True, rounding_seed=0,
+                 skip_nonfinite=True):
         if weight_decay != 0:
             raise ValueError("fusedamp.optim.Adagrad: weight_decay is not compatible with sparse "
                              "gradients (as torch.optim.Adagrad)")
@@ -211,7 +221,8 @@ class SparseAdam(SparseRowOptimizer):
     _algorithm = ALGORITHMS["sparse_adam"]
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 maximize=False, *, master_weights=True, skip_nonfinite=True):
+                 maximize=False, *, master_weights=True, rounding_seed=0,
+                 skip_nonfinite=True):
         super().__init__(params, defaults_of(locals()))
 
 
@@ -223,5 +234,6 @@ class RowWiseAdagrad(SparseRowOptimizer):
     _algorithm = ALGORITHMS["rowwise_adagrad"]
 
     def __init__(self, params: Iterable, lr=1e-2, eps=1e-10, initial_accumulator_value=0.0,
-                 *, maximize=False, master_weights=True, skip_nonfinite=True):
+                 *, maximize=False, master_weights=True, rounding_seed=0,
+                 skip_nonfinite=True):
         super().__init__(params, defaults_of(locals()))

@@ -56,9 +56,10 @@ TEST_CASE("sparse_step steps each table as its operator does") {
         .findSchemaOrThrow("fusedamp::sparse_adagrad_step_", "")
         .typed<void(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, double, double, double, bool,
-                    const std::optional<Tensor>&, const std::optional<Tensor>&)>()
+                    const std::optional<Tensor>&, const std::optional<Tensor>&,
+                    std::optional<int64_t>)>()
         .call(w, std::nullopt, g._indices(), g._values(), sum, at::zeros({}), 0.1, 0.0, 1e-10,
-              false, std::nullopt, std::nullopt);
+              false, std::nullopt, std::nullopt, std::nullopt);
     want.push_back(w);
   }
   const Tensor flag = fo::sparse_step(tables, adagrad());

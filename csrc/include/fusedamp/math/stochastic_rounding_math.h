@@ -36,6 +36,16 @@ C10_HOST_DEVICE inline uint32_t counter_random_bits(uint64_t seed, uint32_t step
   return static_cast<uint32_t>(counter_mix(counter_start(seed, step) + kWeylStep * index) >> 32);
 }
 
+// A parameter's seed: 64 mixed bits of (the group's seed, the parameter's index in its
+// optimizer), so that parameters draw independent streams from one user seed.
+C10_HOST_DEVICE inline int64_t param_rounding_seed(int64_t group_seed, int64_t param_index) {
+  const auto seed = static_cast<uint64_t>(group_seed);
+  const auto index = static_cast<uint64_t>(param_index);
+  const uint64_t high = counter_random_bits(seed, 0xFFFFFFFFu, index);
+  const uint64_t low = counter_random_bits(seed, 0xFFFFFFFEu, index);
+  return static_cast<int64_t>((high << 32) | low);
+}
+
 // The BF16 pattern (the lane's lower 16 bits) of an FP32 pattern rounded stochastically with 16
 // random bits, on pattern lanes P (PatternOps, math/lane_ops.h): adding them below the kept half
 // and truncating carries into the kept half with probability (lower half) / 2^16. inf and NaN

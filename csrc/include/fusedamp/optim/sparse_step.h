@@ -35,13 +35,18 @@ using SparseHyper = math::SparseRowsHyper;
 // One table: the parameter (its .grad the sparse gradient), its master (FP16/BF16 tables with
 // master weights), its state in the operator's order (SGD: the momentum buffer where momentum
 // is not 0; Adagrad: sum; SparseAdam: exp_avg, exp_avg_sq; row-wise Adagrad: the row sums) and
-// its step count (one FP32 element).
+// its step count (one FP32 element). A BF16 table without a master may be kept with
+// stochastic rounding (master_weights "stochastic"): rounding_seed is then its group's seed,
+// and with the table's index among its optimizer's parameters it gives the table's own stream
+// (math::param_rounding_seed, as the dense engine seeds a parameter).
 struct SparseTable {
   at::Tensor param;
   std::optional<at::Tensor> master;
   std::vector<at::Tensor> state;
   at::Tensor step;
   SparseHyper hyper;
+  std::optional<int64_t> rounding_seed;
+  int64_t index = 0;
 };
 
 struct SparseStepOptions {
