@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -147,6 +148,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
   }
   return {rows, sums};
 }
+
+static_assert(std::is_same_v<decltype(&sparse_rows_sum), decltype(&ops::sparse_rows_sum_)>,
+              "the kernel has the declaration's signature (fusedamp/ops.h)");
 
 }  // namespace
 }  // namespace fusedamp::cpu

@@ -3,7 +3,6 @@
 // them, the dense parameters' step seeded with it, then one row-wise operator per table.
 #include <fusedamp/optim/sparse_step.h>
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/aminmax.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros.h>
@@ -97,22 +96,12 @@ void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::str
   }
 }
 
-// The row-wise operators, called through the dispatcher (CPU, CUDA and Meta alike).
-template <typename Signature>
-auto typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 // What a table's operator is given as its gradient: the lookups as autograd made them, or
 // (CPU) the rows looked up and their lookups' FP32 sums.
 struct Lookups {
   at::Tensor indices;
   at::Tensor values;
 };
-
-using SumSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                        int64_t, const at::Tensor&,
-                                                        const OptTensor&);
 
 // The inf/NaN check over every table's lookups, into one flag (created where the caller gave
 // none and a check is asked for), before any table is written; under a loss scale the values
@@ -140,11 +129,11 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
       elsewhere.push_back(g._values());
       continue;
     }
-    static const auto sum = typed_op<SumSignature>("fusedamp::sparse_rows_sum_");
     // Where no check is asked for, a flag that no step reads.
     const at::Tensor found = check ? flag : at::zeros({}, first.options().dtype(at::kFloat));
     const OptTensor inv = inv_scale.defined() ? OptTensor(inv_scale) : std::nullopt;
-    auto [rows, sums] = sum.call(g._indices(), g._values(), t.param.size(0), found, inv);
+    auto [rows, sums] = ops::sparse_rows_sum_(g._indices(), g._values(), t.param.size(0), found,
+                                              inv);
     lookups.push_back({std::move(rows), std::move(sums)});
   }
   if (!check || elsewhere.empty()) {
@@ -159,21 +148,6 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
   return flag;
 }
 
-using OptSeed = std::optional<int64_t>;
-using SgdSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                          const at::Tensor&, const OptTensor&, const at::Tensor&, double, double,
-                          double, bool, bool, const OptTensor&, const OptTensor&, OptSeed);
-using AdagradSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              double, double, bool, const OptTensor&, const OptTensor&, OptSeed);
-using AdamSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, double, double, double, double, bool,
-                           const OptTensor&, const OptTensor&, OptSeed);
-using RowWiseSignature = void(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              double, bool, const OptTensor&, const OptTensor&, OptSeed);
-
 // The table's operator; it returns before writing anything where `flag` is set.
 void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const Lookups& lookups,
                  const OptTensor& flag) {
@@ -183,37 +157,29 @@ void apply_table(SparseAlgorithm algorithm, const SparseTable& t, const Lookups&
   const at::Tensor& indices = lookups.indices;
   const at::Tensor& values = lookups.values;
   const SparseHyper& h = t.hyper;
-  const OptTensor none;
-  const OptSeed seed = t.rounding_seed
-                           ? OptSeed(math::param_rounding_seed(*t.rounding_seed, t.index))
-                           : std::nullopt;
+  ops::SparseRowsShared shared;
+  shared.found_inf = flag;
+  if (t.rounding_seed) {
+    shared.rounding_seed = math::param_rounding_seed(*t.rounding_seed, t.index);
+  }
   switch (algorithm) {
-    case SparseAlgorithm::kSgd: {
-      static const auto op = typed_op<SgdSignature>("fusedamp::sparse_sgd_step_");
-      const OptTensor buffer = t.state.empty() ? none : OptTensor(t.state[0]);
-      op.call(table, t.master, indices, values, buffer, t.step, h.lr, h.momentum, h.dampening,
-              h.nesterov, h.maximize, none, flag, seed);
+    case SparseAlgorithm::kSgd:
+      ops::sparse_sgd_step_({table, t.master, indices, values,
+                             t.state.empty() ? OptTensor() : OptTensor(t.state[0]), t.step, h.lr,
+                             h.momentum, h.dampening, h.nesterov, h.maximize, shared});
       return;
-    }
-    case SparseAlgorithm::kAdagrad: {
-      static const auto op = typed_op<AdagradSignature>("fusedamp::sparse_adagrad_step_");
-      op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.lr_decay, h.eps,
-              h.maximize, none, flag, seed);
+    case SparseAlgorithm::kAdagrad:
+      ops::sparse_adagrad_step_({table, t.master, indices, values, t.state[0], t.step, h.lr,
+                                 h.lr_decay, h.eps, h.maximize, shared});
       return;
-    }
-    case SparseAlgorithm::kAdam: {
-      static const auto op = typed_op<AdamSignature>("fusedamp::sparse_adam_step_");
-      op.call(table, t.master, indices, values, t.state[0], t.state[1], t.step, h.lr, h.beta1,
-              h.beta2, h.eps, h.maximize, none, flag, seed);
+    case SparseAlgorithm::kAdam:
+      ops::sparse_adam_step_({table, t.master, indices, values, t.state[0], t.state[1], t.step,
+                              h.lr, h.beta1, h.beta2, h.eps, h.maximize, shared});
       return;
-    }
-    case SparseAlgorithm::kRowWiseAdagrad: {
-      static const auto op =
-          typed_op<RowWiseSignature>("fusedamp::sparse_rowwise_adagrad_step_");
-      op.call(table, t.master, indices, values, t.state[0], t.step, h.lr, h.eps, h.maximize,
-              none, flag, seed);
+    case SparseAlgorithm::kRowWiseAdagrad:
+      ops::sparse_rowwise_adagrad_step_({table, t.master, indices, values, t.state[0], t.step,
+                                         h.lr, h.eps, h.maximize, shared});
       return;
-    }
   }
 }
 

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "kernel_of.h"
 #include "scratch_vector.h"
 #include "step_lists.h"
 
@@ -122,21 +123,19 @@ void run_step_on_checked_rows(const Args& op, StepRows& rows,
   }
 }
 
-// The kernel the dispatcher calls for Op: its arguments, as a declaration, to run<Backend>.
-template <typename Op, typename Signature = typename Op::Signature>
-struct KernelOf;
-template <typename Op, typename... Args>
-struct KernelOf<Op, void(Args...)> {
-  template <typename Backend>
-  static void kernel(Args... args) {
-    run<Backend>(Op{args...});
+// What the dispatcher's kernels (kernel_of.h) hand each operator's declaration to.
+template <typename Backend>
+struct Entry {
+  template <typename Op>
+  static void run(const Op& op) {
+    kernels::run<Backend>(op);
   }
 };
 
 // Inside TORCH_LIBRARY_IMPL(fusedamp, <dispatch key>, m): every operator, for Backend.
 template <typename Backend, typename... Ops>
 void implement(torch::Library& m, ops::OpList<Ops...>) {
-  (m.impl(Ops::kShortName, &KernelOf<Ops>::template kernel<Backend>), ...);
+  (m.impl(Ops::kShortName, &KernelOf<Ops>::template kernel<Entry<Backend>>), ...);
 }
 
 template <typename Backend>

@@ -38,6 +38,19 @@ void account_step_(const AccountStep& args) { call(args); }
   void op(const Op& args) { call(args); }
 FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DEFINE_STEP_CALL)
 #undef FUSEDAMP_DEFINE_STEP_CALL
+#define FUSEDAMP_DEFINE_SPARSE_ROW_CALL(Op, op, Algorithm) \
+  void op(const Op& args) { call(args); }
+FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DEFINE_SPARSE_ROW_CALL)
+#undef FUSEDAMP_DEFINE_SPARSE_ROW_CALL
+
+std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
+                                            int64_t num_rows, const Tensor& found_inf,
+                                            const OptTensor& inv_scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusedamp::sparse_rows_sum_", "")
+                             .typed<decltype(sparse_rows_sum_)>();
+  return op.call(indices, values, num_rows, found_inf, inv_scale);
+}
 
 }  // namespace fusedamp::ops
 

@@ -1,13 +1,13 @@
 #pragma once
-// The row-wise sparse step operators (schemas.cpp: sparse_sgd_step_, sparse_adagrad_step_,
-// sparse_adam_step_, sparse_rowwise_adagrad_step_): their arguments gathered into one
-// declaration, checked once for every backend (before anything is touched), and registered
-// for a backend by implement_sparse_row_ops<Backend>(m), Backend::sparse_rows_step taking the
-// checked declaration.
+// The row-wise sparse step operators (declared in fusedamp/ops.h, FUSEDAMP_SPARSE_ROW_OPS):
+// each one's arguments gathered into one SparseRowsOp, checked once for every backend (before
+// anything is touched), and registered for a backend by implement_sparse_row_ops<Backend>(m),
+// Backend::sparse_rows_step taking the checked SparseRowsOp.
 #include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/sparse_rows_math.h>
+#include <fusedamp/ops.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "check_rules.h"
+#include "kernel_of.h"
 #include "static_switch.h"
 
 namespace fusedamp::kernels {
@@ -201,83 +202,58 @@ void run_sparse_rows(const SparseRowsOp& a) {
   Backend::sparse_rows_step(a);
 }
 
+// Each operator's declaration (fusedamp/ops.h) as the one SparseRowsOp its checks and kernels
+// take: the algorithm's state in the kernels' order and its hyper-parameters.
+inline SparseRowsOp rows_op(const ops::SparseSgdStep& a) {
+  TORCH_CHECK(given(a.momentum_buffer) == (a.momentum != 0.0), a.kShortName,
+              ": a momentum buffer is given exactly when momentum != 0");
+  std::vector<at::Tensor> state;
+  if (given(a.momentum_buffer)) {
+    state.push_back(*a.momentum_buffer);
+  }
+  SparseRowsHyper h{a.lr, a.momentum, a.dampening, a.nesterov, 0., 0., 0., 0., a.maximize};
+  return {a.kShortName, SparseRowsAlgorithm::kSgd, a.table, a.master, a.indices, a.values,
+          std::move(state), a.step, a.shared.inv_scale, a.shared.found_inf, h,
+          a.shared.rounding_seed};
+}
+
+inline SparseRowsOp rows_op(const ops::SparseAdagradStep& a) {
+  SparseRowsHyper h{a.lr, 0., 0., false, a.lr_decay, a.eps, 0., 0., a.maximize};
+  return {a.kShortName, SparseRowsAlgorithm::kAdagrad, a.table, a.master, a.indices, a.values,
+          {a.state_sum}, a.step, a.shared.inv_scale, a.shared.found_inf, h,
+          a.shared.rounding_seed};
+}
+
+inline SparseRowsOp rows_op(const ops::SparseAdamStep& a) {
+  SparseRowsHyper h{a.lr, 0., 0., false, 0., a.eps, a.beta1, a.beta2, a.maximize};
+  return {a.kShortName, SparseRowsAlgorithm::kAdam, a.table, a.master, a.indices, a.values,
+          {a.exp_avg, a.exp_avg_sq}, a.step, a.shared.inv_scale, a.shared.found_inf, h,
+          a.shared.rounding_seed};
+}
+
+inline SparseRowsOp rows_op(const ops::SparseRowWiseAdagradStep& a) {
+  SparseRowsHyper h{a.lr, 0., 0., false, 0., a.eps, 0., 0., a.maximize};
+  return {a.kShortName, SparseRowsAlgorithm::kRowWiseAdagrad, a.table, a.master, a.indices,
+          a.values, {a.row_sum}, a.step, a.shared.inv_scale, a.shared.found_inf, h,
+          a.shared.rounding_seed};
+}
+
+// What the dispatcher's kernels (kernel_of.h) hand each operator's declaration to.
+template <typename Backend>
+struct SparseRowsEntry {
+  template <typename Op>
+  static void run(const Op& op) {
+    run_sparse_rows<Backend>(rows_op(op));
+  }
+};
+
+// Inside TORCH_LIBRARY_IMPL(fusedamp, <dispatch key>, m): the row-wise step operators.
 template <typename Backend>
 void implement_sparse_row_ops(torch::Library& m) {
-  using OptT = const std::optional<at::Tensor>&;
-  m.impl("sparse_sgd_step_", [](const at::Tensor& table, OptT master, const at::Tensor& indices,
-                                const at::Tensor& values, OptT momentum_buffer,
-                                const at::Tensor& step, double lr, double momentum,
-                                double dampening, bool nesterov, bool maximize, OptT inv_scale,
-                                OptT found_inf, std::optional<int64_t> rounding_seed) {
-    const SparseRowsHyper h{lr, momentum, dampening, nesterov, 0., 0., 0., 0., maximize};
-    TORCH_CHECK(given(momentum_buffer) == (momentum != 0.0),
-                "sparse_sgd_step_: a momentum buffer is given exactly when momentum != 0");
-    std::vector<at::Tensor> state;
-    if (given(momentum_buffer)) {
-      state.push_back(*momentum_buffer);
-    }
-    run_sparse_rows<Backend>({"sparse_sgd_step_", SparseRowsAlgorithm::kSgd, table, master, indices,
-                              values, std::move(state), step, inv_scale, found_inf, h,
-                              rounding_seed});
-  });
-  m.impl("sparse_adagrad_step_",
-         [](const at::Tensor& table, OptT master, const at::Tensor& indices,
-            const at::Tensor& values, const at::Tensor& state_sum, const at::Tensor& step,
-            double lr, double lr_decay, double eps, bool maximize, OptT inv_scale, OptT found_inf,
-            std::optional<int64_t> rounding_seed) {
-           const SparseRowsHyper h{lr, 0., 0., false, lr_decay, eps, 0., 0., maximize};
-           run_sparse_rows<Backend>({"sparse_adagrad_step_",
-                                     SparseRowsAlgorithm::kAdagrad,
-                                     table,
-                                     master,
-                                     indices,
-                                     values,
-                                     {state_sum},
-                                     step,
-                                     inv_scale,
-                                     found_inf,
-                                     h,
-                                     rounding_seed});
-         });
-  m.impl(
-      "sparse_adam_step_",
-      [](const at::Tensor& table, OptT master, const at::Tensor& indices, const at::Tensor& values,
-         const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& step, double lr,
-         double beta1, double beta2, double eps, bool maximize, OptT inv_scale, OptT found_inf,
-         std::optional<int64_t> rounding_seed) {
-        const SparseRowsHyper h{lr, 0., 0., false, 0., eps, beta1, beta2, maximize};
-        run_sparse_rows<Backend>({"sparse_adam_step_",
-                                  SparseRowsAlgorithm::kAdam,
-                                  table,
-                                  master,
-                                  indices,
-                                  values,
-                                  {exp_avg, exp_avg_sq},
-                                  step,
-                                  inv_scale,
-                                  found_inf,
-                                  h,
-                                  rounding_seed});
-      });
-  m.impl("sparse_rowwise_adagrad_step_",
-         [](const at::Tensor& table, OptT master, const at::Tensor& indices,
-            const at::Tensor& values, const at::Tensor& row_sum, const at::Tensor& step, double lr,
-            double eps, bool maximize, OptT inv_scale, OptT found_inf,
-            std::optional<int64_t> rounding_seed) {
-           const SparseRowsHyper h{lr, 0., 0., false, 0., eps, 0., 0., maximize};
-           run_sparse_rows<Backend>({"sparse_rowwise_adagrad_step_",
-                                     SparseRowsAlgorithm::kRowWiseAdagrad,
-                                     table,
-                                     master,
-                                     indices,
-                                     values,
-                                     {row_sum},
-                                     step,
-                                     inv_scale,
-                                     found_inf,
-                                     h,
-                                     rounding_seed});
-         });
+#define FUSEDAMP_IMPLEMENT_SPARSE_ROW_OP(Op, op, Algorithm) \
+  m.impl(#op, &KernelOf<ops::Op>::template kernel<SparseRowsEntry<Backend>>);
+  FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_IMPLEMENT_SPARSE_ROW_OP)
+#undef FUSEDAMP_IMPLEMENT_SPARSE_ROW_OP
 }
 
 }  // namespace fusedamp::kernels

@@ -5,6 +5,7 @@
 #include <fusedamp/fusedamp.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <sstream>
 #include <string>
@@ -66,29 +67,35 @@ void check_declarations(fusedamp::ops::OpList<Ops...>) {
 
 TEST_CASE("each operator's declaration lists its schema's arguments in order", "[ops]") {
   check_declarations(fusedamp::ops::AllOps{});
+#define FUSEDAMP_CHECK_SPARSE_ROW_OP(Op, op, Algorithm) check_declaration<fusedamp::ops::Op>();
+  FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_CHECK_SPARSE_ROW_OP)
+#undef FUSEDAMP_CHECK_SPARSE_ROW_OP
 }
 
-TEST_CASE("the step ops' shared arguments have one set of schema defaults", "[ops]") {
-  // StepShared's fields start at the defaults of StepShared::kName's schema: every step op
-  // must give the same ones.
-  const auto defaults = [](const char* op) {
-    std::map<std::string, std::string> out;
-    const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(op, "").schema();
-    for (const auto& arg : schema.arguments()) {
-      std::ostringstream value;
-      if (arg.default_value()) {
-        value << *arg.default_value();
-      }
-      out[arg.name()] = value.str();
+namespace {
+
+// The defaults of a schema's arguments, by name, as the schema prints them.
+std::map<std::string, std::string> schema_defaults(const char* op) {
+  std::map<std::string, std::string> out;
+  const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(op, "").schema();
+  for (const auto& arg : schema.arguments()) {
+    std::ostringstream value;
+    if (arg.default_value()) {
+      value << *arg.default_value();
     }
-    return out;
-  };
-  const auto group = defaults(fusedamp::ops::StepShared::kName);
-#define FUSEDAMP_STEP_OP_NAME(Algorithm, Op, op, kernels) fusedamp::ops::Op::kName,
-  for (const char* op : {FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_OP_NAME)}) {
-#undef FUSEDAMP_STEP_OP_NAME
-    const auto own = defaults(op);
-    fusedamp::ops::StepShared shared;
+    out[arg.name()] = value.str();
+  }
+  return out;
+}
+
+// Group's fields start at the defaults of Group::kName's schema: every op taking it must give
+// the same ones.
+template <typename Group>
+void check_group_defaults(std::initializer_list<const char*> ops) {
+  const auto group = schema_defaults(Group::kName);
+  for (const char* op : ops) {
+    const auto own = schema_defaults(op);
+    Group shared;
     size_t count = 0;
     shared.for_each_field(
         [&](const auto&, size_t, const char* name) {
@@ -97,8 +104,21 @@ TEST_CASE("the step ops' shared arguments have one set of schema defaults", "[op
           CHECK(own.at(name) == group.at(name));
         },
         count);
-    CHECK(count == fusedamp::ops::StepShared::kArgCount);
+    CHECK(count == Group::kArgCount);
   }
+}
+
+}  // namespace
+
+TEST_CASE("the step ops' shared arguments have one set of schema defaults", "[ops]") {
+#define FUSEDAMP_STEP_OP_NAME(Algorithm, Op, op, kernels) fusedamp::ops::Op::kName,
+  check_group_defaults<fusedamp::ops::StepShared>(
+      {FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_STEP_OP_NAME)});
+#undef FUSEDAMP_STEP_OP_NAME
+#define FUSEDAMP_SPARSE_OP_NAME(Op, op, Algorithm) fusedamp::ops::Op::kName,
+  check_group_defaults<fusedamp::ops::SparseRowsShared>(
+      {FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_SPARSE_OP_NAME)});
+#undef FUSEDAMP_SPARSE_OP_NAME
 }
 
 TEST_CASE("a declaration starts from its schema's defaults", "[ops]") {

@@ -1,7 +1,6 @@
 // fusedamp::optim::sparse_step from C++: the tables stepped as their operators step them, one
 // inf/NaN anywhere skips every table, and a bad table is refused before any is written.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <catch2/catch.hpp>
 #include <fusedamp/fusedamp.h>
 
@@ -52,14 +51,15 @@ TEST_CASE("sparse_step steps each table as its operator does") {
     Tensor w = t.param.detach().clone();
     Tensor sum = at::zeros({kRows, kDim});
     const Tensor g = t.param.grad();
-    c10::Dispatcher::singleton()
-        .findSchemaOrThrow("fusedamp::sparse_adagrad_step_", "")
-        .typed<void(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                    const Tensor&, const Tensor&, double, double, double, bool,
-                    const std::optional<Tensor>&, const std::optional<Tensor>&,
-                    std::optional<int64_t>)>()
-        .call(w, std::nullopt, g._indices(), g._values(), sum, at::zeros({}), 0.1, 0.0, 1e-10,
-              false, std::nullopt, std::nullopt, std::nullopt);
+    fusedamp::ops::SparseAdagradStep op;  // the declaration's defaults, then the table's
+    op.table = w;
+    op.indices = g._indices();
+    op.values = g._values();
+    op.state_sum = sum;
+    op.step = at::zeros({});
+    op.lr = 0.1;
+    op.eps = 1e-10;
+    fusedamp::ops::sparse_adagrad_step_(op);
     want.push_back(w);
   }
   const Tensor flag = fo::sparse_step(tables, adagrad());

@@ -45,6 +45,7 @@ using OptTensor = std::optional<at::Tensor>;       // Tensor?
 using Float = double;                              // float
 using OptFloat = std::optional<double>;            // float?
 using Int = int64_t;                               // int
+using OptInt = std::optional<int64_t>;             // int?
 using Bool = bool;                                 // bool
 using OptInts = c10::OptionalIntArrayRef;          // int[]?
 }  // namespace kind

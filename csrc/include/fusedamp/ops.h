@@ -19,6 +19,7 @@
 #include <fusedamp/math/sgd_math.h>
 #include <fusedamp/op_declaration.h>
 
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -139,6 +140,81 @@ FUSEDAMP_DECLARE_OP(SgdStep, sgd_step_, FUSEDAMP_SGD_STEP_ARGS);
   X(OptInts, rounding_seeds)
 FUSEDAMP_DECLARE_OP(LionStep, lion_step_, FUSEDAMP_LION_STEP_ARGS);
 
+// The row-wise steps of an embedding table from its sparse gradient (schemas.cpp; their
+// checks and kernels: ops/sparse_rows_args.h). The arguments all four take last, as one value.
+#define FUSEDAMP_SPARSE_ROWS_SHARED_ARGS(X) \
+  X(OptTensor, inv_scale)                  \
+  X(OptTensor, found_inf)                  \
+  X(OptInt, rounding_seed)
+FUSEDAMP_DECLARE_ARG_GROUP(SparseRowsShared, sparse_sgd_step_, FUSEDAMP_SPARSE_ROWS_SHARED_ARGS)
+
+#define FUSEDAMP_SPARSE_SGD_STEP_ARGS(X) \
+  X(Tensor, table)                      \
+  X(OptTensor, master)                  \
+  X(Tensor, indices)                    \
+  X(Tensor, values)                     \
+  X(OptTensor, momentum_buffer)         \
+  X(Tensor, step)                       \
+  X(Float, lr)                          \
+  X(Float, momentum)                    \
+  X(Float, dampening)                   \
+  X(Bool, nesterov)                     \
+  X(Bool, maximize)                     \
+  X(SparseRowsShared, shared)
+FUSEDAMP_DECLARE_OP(SparseSgdStep, sparse_sgd_step_, FUSEDAMP_SPARSE_SGD_STEP_ARGS);
+
+#define FUSEDAMP_SPARSE_ADAGRAD_STEP_ARGS(X) \
+  X(Tensor, table)                          \
+  X(OptTensor, master)                      \
+  X(Tensor, indices)                        \
+  X(Tensor, values)                         \
+  X(Tensor, state_sum)                      \
+  X(Tensor, step)                           \
+  X(Float, lr)                              \
+  X(Float, lr_decay)                        \
+  X(Float, eps)                             \
+  X(Bool, maximize)                         \
+  X(SparseRowsShared, shared)
+FUSEDAMP_DECLARE_OP(SparseAdagradStep, sparse_adagrad_step_, FUSEDAMP_SPARSE_ADAGRAD_STEP_ARGS);
+
+#define FUSEDAMP_SPARSE_ADAM_STEP_ARGS(X) \
+  X(Tensor, table)                       \
+  X(OptTensor, master)                   \
+  X(Tensor, indices)                     \
+  X(Tensor, values)                      \
+  X(Tensor, exp_avg)                     \
+  X(Tensor, exp_avg_sq)                  \
+  X(Tensor, step)                        \
+  X(Float, lr)                           \
+  X(Float, beta1)                        \
+  X(Float, beta2)                        \
+  X(Float, eps)                          \
+  X(Bool, maximize)                      \
+  X(SparseRowsShared, shared)
+FUSEDAMP_DECLARE_OP(SparseAdamStep, sparse_adam_step_, FUSEDAMP_SPARSE_ADAM_STEP_ARGS);
+
+#define FUSEDAMP_SPARSE_ROWWISE_ADAGRAD_STEP_ARGS(X) \
+  X(Tensor, table)                                  \
+  X(OptTensor, master)                              \
+  X(Tensor, indices)                                \
+  X(Tensor, values)                                 \
+  X(Tensor, row_sum)                                \
+  X(Tensor, step)                                   \
+  X(Float, lr)                                      \
+  X(Float, eps)                                     \
+  X(Bool, maximize)                                 \
+  X(SparseRowsShared, shared)
+FUSEDAMP_DECLARE_OP(SparseRowWiseAdagradStep, sparse_rowwise_adagrad_step_,
+                    FUSEDAMP_SPARSE_ROWWISE_ADAGRAD_STEP_ARGS);
+
+// The row-wise step operators, one row each: X(Op, op, Algorithm), Algorithm the
+// math::SparseRowsAlgorithm it runs.
+#define FUSEDAMP_SPARSE_ROW_OPS(X)                                      \
+  X(SparseSgdStep, sparse_sgd_step_, kSgd)                              \
+  X(SparseAdagradStep, sparse_adagrad_step_, kAdagrad)                  \
+  X(SparseAdamStep, sparse_adam_step_, kAdam)                           \
+  X(SparseRowWiseAdagradStep, sparse_rowwise_adagrad_step_, kRowWiseAdagrad)
+
 // The step algorithms, one row each: every layer loops over this list rather than naming an
 // algorithm (the operators' registration, entry and checks, the CPU, CUDA, Meta and Autograd
 // kernels, the engine's call, fusedamp.ops in Python).
@@ -198,5 +274,13 @@ void account_step_(const AccountStep& args);
 #define FUSEDAMP_DECLARE_STEP_CALL(Algorithm, Op, op, kernels) void op(const Op& args);
 FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_STEP_CALL)
 #undef FUSEDAMP_DECLARE_STEP_CALL
+#define FUSEDAMP_DECLARE_SPARSE_ROW_CALL(Op, op, Algorithm) void op(const Op& args);
+FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DECLARE_SPARSE_ROW_CALL)
+#undef FUSEDAMP_DECLARE_SPARSE_ROW_CALL
+// sparse_rows_sum_ (schemas.cpp; CPU): (rows, sums). Its outputs' sizes are data, so it is
+// declared as the function the dispatcher knows rather than as an argument list.
+std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
+                                            int64_t num_rows, const Tensor& found_inf,
+                                            const OptTensor& inv_scale);
 
 }  // namespace fusedamp::ops

@@ -10,8 +10,9 @@
 // of an engine optimizer:
 //   1. every table is checked (gradient layout, shape, dtype, device, learning rate, and on
 //      the CPU the index range) before anything is written;
-//   2. every table's gradient values are checked for inf/NaN in one pass (under a loss scale
-//      they are unscaled in place, as torch leaves .grad), into one flag;
+//   2. every table's lookups are checked for inf/NaN into one flag (under a loss scale they are
+//      unscaled in place, as torch leaves .grad): on the CPU in the pass that sums each
+//      table's lookups per row (ops::sparse_rows_sum_), elsewhere in multi-tensor passes;
 //   3. `dense`, where given, steps its parameters with that flag as its seed (it adds what it
 //      finds in the dense gradients);
 //   4. each table's operator runs, and returns before writing anything where the flag is set.
