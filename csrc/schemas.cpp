@@ -143,10 +143,14 @@ TORCH_LIBRARY(fusedamp, m) {
   // each value is first multiplied by it and written back into values (in their dtype, as
   // unscale_and_check_ leaves a gradient), the value written being the one added. found_inf
   // is set to 1 if a sum is not finite (an inf/NaN lookup, or FP32 overflow), else left as is.
-  // An index outside [0, num_rows) is an error before anything is written.
+  // telemetry (FP64[4]) and sum_sq (FP32[1]), where given, gather grad_stats_'s over the values
+  // as given (before unscaling) in the same read: combined into what they hold, this table its
+  // gradient list's position 0. An index outside [0, num_rows) is an error before anything is
+  // written.
   m.def(
       "sparse_rows_sum_(Tensor indices, Tensor(a!) values, int num_rows, Tensor(b!) found_inf, "
-      "*, Tensor? inv_scale=None) -> (Tensor rows, Tensor sums)");
+      "*, Tensor? inv_scale=None, Tensor(c!)? telemetry=None, Tensor(d!)? sum_sq=None) -> "
+      "(Tensor rows, Tensor sums)");
   // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): row_sum [rows] += mean of g^2 over the
   // row; the row moves by -lr / (sqrt(row_sum) + eps) * g.
   m.def(

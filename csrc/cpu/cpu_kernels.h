@@ -5,8 +5,11 @@
 // validated (ops/checks.h) before any of these is called.
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/ops.h>
 
+#include <algorithm>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -69,6 +72,24 @@ struct GradTelemetry {
   int64_t first_nonfinite = -1;  // list position; -1: none
 };
 
+// A statistics pass's results into the op's tensors (math::TelemetrySlot's combination rules).
+inline void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telemetry,
+                        const std::optional<at::Tensor>& telemetry_out) {
+  *sum_sq.data_ptr<float>() += static_cast<float>(sq);
+  if (telemetry == nullptr) {
+    return;
+  }
+  double* t = telemetry_out->data_ptr<double>();
+  t[math::kAmax] = std::max(t[math::kAmax], telemetry->amax);
+  t[math::kSubnormal] += telemetry->n_subnormal;
+  t[math::kZero] += telemetry->n_zero;
+  if (telemetry->first_nonfinite >= 0) {
+    t[math::kFirstNonfinite] =
+        std::min(t[math::kFirstNonfinite], static_cast<double>(telemetry->first_nonfinite));
+  }
+}
+
+
 // A step algorithm's kernel (its descriptor's Hyper): the rows' state addresses are its
 // state lists (state_lists of them, of state_dtype; FP32 where there are none), and with
 // 8-bit state (state_dtype int8) the one after them their block scales.
@@ -87,6 +108,7 @@ using StepKernels = typename StepKernelsOf<ops::StepAlgorithms>::type;
 
 struct SparseRowsStep;  // sparse_rows.h: one row-wise sparse step, checked and bucketed
 struct SparseRowsSum;   // sparse_rows.h: a sparse gradient's lookups, bucketed, to sum per row
+struct SparseRowsSumResult;
 
 struct KernelTable {
   // grads *= inv_scale; returns true if any element was non-finite. With sum_sq, also what
@@ -103,9 +125,9 @@ struct KernelTable {
   StepKernels steps;
   // The row-wise step of an embedding table from its sparse gradient (sparse_rows_kernel.cpp).
   void (*sparse_rows)(const SparseRowsStep& step);
-  // A sparse gradient's lookups summed per row in FP32, unscaled first; returns true if any
-  // unscaled value was non-finite (sparse_rows_kernel.cpp).
-  bool (*sparse_rows_sum)(const SparseRowsSum& sum);
+  // A sparse gradient's lookups summed per row in FP32, unscaled first, with the values'
+  // statistics where asked (sparse_rows_kernel.cpp).
+  SparseRowsSumResult (*sparse_rows_sum)(const SparseRowsSum& sum);
 
   template <typename Algorithm>
   StepKernel<Algorithm> step() const {
@@ -133,7 +155,7 @@ struct KernelTable {
             const typename Algorithm::Hyper& h);                                             \
   FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CPU_STEP_KERNEL)                                 \
   void sparse_rows_step(const SparseRowsStep& step);                                         \
-  bool sparse_rows_sum(const SparseRowsSum& sum);                                            \
+  SparseRowsSumResult sparse_rows_sum(const SparseRowsSum& sum);                             \
   /* the table's entries, in the list's order */                                             \
   template <typename... Algorithms>                                                          \
   StepKernels step_kernels(ops::detail::TypeList<Algorithms...>) {                           \

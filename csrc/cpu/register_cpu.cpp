@@ -125,23 +125,6 @@ void run_step(const Step<Hyper>& step, const Kernel& kernel) {
   counts.advance();
 }
 
-// A statistics pass's results into the op's tensors (math::TelemetrySlot's combination rules).
-void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry* telemetry,
-                 const std::optional<at::Tensor>& telemetry_out) {
-  *sum_sq.data_ptr<float>() += static_cast<float>(sq);
-  if (telemetry == nullptr) {
-    return;
-  }
-  double* t = telemetry_out->data_ptr<double>();
-  t[math::kAmax] = std::max(t[math::kAmax], telemetry->amax);
-  t[math::kSubnormal] += telemetry->n_subnormal;
-  t[math::kZero] += telemetry->n_zero;
-  if (telemetry->first_nonfinite >= 0) {
-    t[math::kFirstNonfinite] =
-        std::min(t[math::kFirstNonfinite], static_cast<double>(telemetry->first_nonfinite));
-  }
-}
-
 // What the CPU does once kernel_entry.h has checked the arguments.
 struct CpuOps {
   static void unscale_and_check(const ops::UnscaleAndCheck& op) {

@@ -124,8 +124,11 @@ struct CpuSparseRows {
 std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
                                                    const at::Tensor& values, int64_t num_rows,
                                                    const at::Tensor& found_inf,
-                                                   const std::optional<at::Tensor>& inv_scale) {
-  kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale);
+                                                   const std::optional<at::Tensor>& inv_scale,
+                                                   const std::optional<at::Tensor>& telemetry,
+                                                   const std::optional<at::Tensor>& sum_sq) {
+  kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale, telemetry,
+                                 sum_sq);
   const at::Tensor idx = indices.contiguous();
   const int64_t nnz = values.size(0);
   const int64_t dim = values.size(1);
@@ -143,8 +146,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
   s.sums = sums.mutable_data_ptr<float>();
   s.unscale = kernels::given(inv_scale);
   s.inv_scale = s.unscale ? *inv_scale->const_data_ptr<float>() : 1.f;
-  if (kernels().sparse_rows_sum(s)) {
+  s.stats = kernels::given(sum_sq);
+  const SparseRowsSumResult r = kernels().sparse_rows_sum(s);
+  if (r.nonfinite) {
     *found_inf.mutable_data_ptr<float>() = 1.f;
+  }
+  if (s.stats) {  // this table is its list's position 0
+    const GradTelemetry stats{r.amax, r.n_small - r.n_zero, r.n_zero, r.nonfinite ? 0 : -1};
+    write_stats(r.sum_sq, *sum_sq, kernels::given(telemetry) ? &stats : nullptr, telemetry);
   }
   return {rows, sums};
 }

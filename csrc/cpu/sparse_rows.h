@@ -58,6 +58,19 @@ struct SparseRowsSum {
   float* sums;
   bool unscale;
   float inv_scale;
+  // With `stats`, what grad_stats_ sees in the values as given (before unscaling).
+  bool stats;
+};
+
+// sparse_rows_sum's findings: whether a partial sum was non-finite, and with `stats` the
+// values' largest finite magnitude, counts below the smallest normal (zeros included) and of
+// zeros, and their sum of squares.
+struct SparseRowsSumResult {
+  bool nonfinite = false;
+  double amax = 0.0;
+  double n_small = 0.0;
+  double n_zero = 0.0;
+  double sum_sq = 0.0;
 };
 
 }  // namespace fusedamp::cpu

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <fusedamp/math/sparse_rows_math.h>
+#include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/math/unscale_math.h>
 
 #include <algorithm>
@@ -19,6 +20,8 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "half_patterns.h"
+#include "lane_reduce.h"
 #include "sparse_rows.h"
 #include "step_weights.h"
 #include "vec_io.h"
@@ -60,54 +63,116 @@ float* summed_rows(int64_t n) {
   return sums.data();
 }
 
+// What sum_lookups gathers for grad_stats_'s telemetry and sum of squares, in lanes, for a
+// block of lookups; add() takes a pair of the values as given (p: their memory, n of them).
+// 16-bit values are counted from their bit patterns (half_patterns.h: half the instructions
+// of the float forms); FP32 ones as floats. Two chains of squares, one per vector of a pair.
+template <typename TV>
+struct LookupStats {
+  static constexpr bool kHalf = !std::is_same_v<TV, float>;
+  std::conditional_t<kHalf, HalfPatternLanes<TV, true, true>, math::TelemetryLanes<Vec>> lanes =
+      {};
+  Vec squares[2] = {Vec(0.f), Vec(0.f)};
+
+  LookupStats() {
+    if constexpr (!kHalf) {
+      lanes = math::telemetry_zero<Vec>();
+    }
+  }
+
+  C10_ALWAYS_INLINE void add(const TV* p, int64_t n, const Vec& v0, const Vec& v1) {
+    if constexpr (kHalf) {
+      if (n >= kPair) {
+        lanes.add(p);
+      } else {
+        lanes.add_partial(p, n);
+      }
+    } else {
+      const Vec smallest_normal(math::smallest_normal<float>());
+      math::accumulate_telemetry(lanes, v0, smallest_normal);
+      math::accumulate_telemetry(lanes, v1, smallest_normal);
+    }
+    squares[0] = math::accumulate_square(squares[0], v0);
+    squares[1] = math::accumulate_square(squares[1], v1);
+  }
+
+  void into(SparseRowsSumResult& out) const {
+    if constexpr (kHalf) {
+      using P = math::HalfPatterns<TV>;
+      out.amax = std::max(out.amax, static_cast<double>(P::value(lanes.largest(
+                                        lanes.finite_top))));
+      out.n_small += static_cast<double>(lanes.sum(lanes.n_small));
+      out.n_zero += static_cast<double>(lanes.sum(lanes.n_zero));
+    } else {
+      out.amax = std::max(out.amax, static_cast<double>(lane_max(lanes.amax)));
+      out.n_small += lane_sum(lanes.n_small);
+      out.n_zero += lane_sum(lanes.n_zero);
+    }
+    out.sum_sq += static_cast<double>(lane_sum(squares[0])) + lane_sum(squares[1]);
+  }
+};
+
 // Slots are numbered in first-lookup order, so lookup k is its row's first exactly when its
 // slot is the next new one. With kUnscale each lookup is first multiplied by inv_scale and
-// written back into values (in its dtype), the value then added being the one written. Returns
-// true if any partial sum was non-finite: an inf or NaN lookup leaves its row's sum so, and so
-// does a sum that overflows FP32.
-template <typename TV, bool kUnscale>
-bool sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of, float* sums,
-                 float inv_scale) {
+// written back into values (in its dtype), the value then added being the one written. The
+// result says whether any partial sum was non-finite: an inf or NaN lookup leaves its row's sum
+// so, and so does a sum that overflows FP32. With kStats it also holds grad_stats_'s telemetry
+// and sum of squares of the values as given (math/telemetry_math.h), in the same read.
+template <typename TV, bool kUnscale, bool kStats>
+SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of,
+                                float* sums, float inv_scale) {
+  // Counts stay in lanes for a block of lookups, a lane taking one element per pair: at most
+  // 2^13 per block, exact in 16-bit and float lanes alike; then they go into doubles.
+  const int64_t block = std::max<int64_t>(1, 8192 / ((d + kPair - 1) / kPair));
   const Vec scale(inv_scale);
   Vec bad(0.f);
+  SparseRowsSumResult out;
   int32_t next_new = 0;
-  for (int64_t k = 0; k < nnz; ++k) {
-    const int32_t slot = slot_of[k];
-    float* acc = sums + static_cast<int64_t>(slot) * d;
-    TV* v = values + k * d;
-    const bool first = slot == next_new;
-    next_new += first ? 1 : 0;
-    for (int64_t i = 0; i < d; i += kPair) {
-      const int64_t n = d - i;
-      Vec a0, a1, v0, v1;
-      PairIO<TV>::load(v + i, n, v0, v1);
-      if constexpr (kUnscale) {
-        PairIO<TV>::store(v + i, n, math::unscale(v0, scale), math::unscale(v1, scale));
-        if constexpr (!std::is_same_v<TV, float>) {
-          PairIO<TV>::load(v + i, n, v0, v1);  // the rounding the gradient now holds
-        } else {
-          v0 = math::unscale(v0, scale);
-          v1 = math::unscale(v1, scale);
+  for (int64_t k0 = 0; k0 < nnz; k0 += block) {
+    LookupStats<TV> stats;
+    for (int64_t k = k0; k < std::min(nnz, k0 + block); ++k) {
+      const int32_t slot = slot_of[k];
+      float* acc = sums + static_cast<int64_t>(slot) * d;
+      TV* v = values + k * d;
+      const bool first = slot == next_new;
+      next_new += first ? 1 : 0;
+      for (int64_t i = 0; i < d; i += kPair) {
+        const int64_t n = d - i;
+        Vec a0, a1, v0, v1;
+        PairIO<TV>::load(v + i, n, v0, v1);
+        if constexpr (kStats) {
+          stats.add(v + i, n, v0, v1);
         }
+        if constexpr (kUnscale) {
+          PairIO<TV>::store(v + i, n, math::unscale(v0, scale), math::unscale(v1, scale));
+          if constexpr (!std::is_same_v<TV, float>) {
+            PairIO<TV>::load(v + i, n, v0, v1);  // the rounding the gradient now holds
+          } else {
+            v0 = math::unscale(v0, scale);
+            v1 = math::unscale(v1, scale);
+          }
+        }
+        if (!first) {
+          PairIO<float>::load(acc + i, n, a0, a1);
+          v0 = a0 + v0;
+          v1 = a1 + v1;
+        }
+        bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, v0), v1);
+        PairIO<float>::store(acc + i, n, v0, v1);
       }
-      if (!first) {
-        PairIO<float>::load(acc + i, n, a0, a1);
-        v0 = a0 + v0;
-        v1 = a1 + v1;
-      }
-      bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, v0), v1);
-      PairIO<float>::store(acc + i, n, v0, v1);
+    }
+    if constexpr (kStats) {
+      stats.into(out);
     }
   }
-  // Lanes past a short row's end were loaded as zeros and stay 0.
-  float lanes[Vec::size()];
-  bad.store(lanes);
-  for (const float lane : lanes) {
-    if (math::is_nonfinite_marker(lane)) {
-      return true;
-    }
+  if constexpr (kStats) {
+    // A row's last pair loads zeros past its end: they counted as small and as zero.
+    const auto padding = static_cast<double>((kPair - d % kPair) % kPair * nnz);
+    out.n_small -= padding;
+    out.n_zero -= padding;
   }
-  return false;
+  out.nonfinite = has_nan(bad);  // lanes past a short row's end were loaded as zeros: 0
+  return out;
 }
 
 // Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights as
@@ -284,8 +349,8 @@ void sparse_rows_step(const SparseRowsStep& s) {
     float* scratch = summed_rows(s.num_slots * s.dim);
     with_float_type(s.values_dtype, [&](auto v) {
       using TV = decltype(v);
-      sum_lookups<TV, false>(static_cast<TV*>(const_cast<void*>(s.values)), s.nnz, s.dim,
-                             s.slot_of, scratch, 1.f);
+      sum_lookups<TV, false, false>(static_cast<TV*>(const_cast<void*>(s.values)), s.nnz,
+                                    s.dim, s.slot_of, scratch, 1.f);
     });
     sums = scratch;
   }
@@ -299,16 +364,20 @@ void sparse_rows_step(const SparseRowsStep& s) {
   });
 }
 
-bool sparse_rows_sum(const SparseRowsSum& s) {
+SparseRowsSumResult sparse_rows_sum(const SparseRowsSum& s) {
   using namespace sparse_rows;
-  bool bad = false;
+  SparseRowsSumResult out;
   with_float_type(s.values_dtype, [&](auto v) {
     using TV = decltype(v);
     TV* values = static_cast<TV*>(s.values);
-    bad = s.unscale ? sum_lookups<TV, true>(values, s.nnz, s.dim, s.slot_of, s.sums, s.inv_scale)
-                    : sum_lookups<TV, false>(values, s.nnz, s.dim, s.slot_of, s.sums, 1.f);
+    static_switch(
+        [&](auto unscale, auto stats) {
+          out = sum_lookups<TV, decltype(unscale)::value, decltype(stats)::value>(
+              values, s.nnz, s.dim, s.slot_of, s.sums, s.unscale ? s.inv_scale : 1.f);
+        },
+        BoolSwitch{s.unscale}, BoolSwitch{s.stats});
   });
-  return bad;
+  return out;
 }
 
 }  // namespace fusedamp::cpu::CPU_CAPABILITY

@@ -4,6 +4,7 @@
 #include <fusedamp/optim/sparse_step.h>
 
 #include <ATen/ops/aminmax.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/ScalarType.h>
@@ -14,6 +15,7 @@
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 
+#include <limits>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -111,7 +113,7 @@ struct Lookups {
 // scaler's unscale_), and its operator sums the lookups. Either way the rows' sums and the
 // operator's bits are the same.
 at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStepOptions& o,
-                        std::vector<Lookups>& lookups) {
+                        GradTelemetrySink* telemetry, std::vector<Lookups>& lookups) {
   at::Tensor flag = o.found_inf;
   const at::Tensor& first = tables.front().param;
   const bool check = flag.defined() || o.grad_scale.defined() || o.skip_nonfinite;
@@ -121,30 +123,52 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
   const at::Tensor inv_scale = o.grad_scale.defined()
                                    ? o.grad_scale.to(at::kDouble).reciprocal().to(at::kFloat)
                                    : at::Tensor();
-  std::vector<at::Tensor> elsewhere;
+  std::vector<at::Tensor> elsewhere, elsewhere_params;
   for (const SparseTable& t : tables) {
     const at::Tensor& g = t.param.grad();
     if (!t.param.is_cpu()) {
       lookups.push_back({g._indices(), g._values()});
       elsewhere.push_back(g._values());
+      elsewhere_params.push_back(t.param);
       continue;
     }
     // Where no check is asked for, a flag that no step reads.
     const at::Tensor found = check ? flag : at::zeros({}, first.options().dtype(at::kFloat));
     const OptTensor inv = inv_scale.defined() ? OptTensor(inv_scale) : std::nullopt;
+    OptTensor slots, sum_sq;
+    if (telemetry != nullptr) {  // the values' statistics, gathered in the same read
+      slots = at::tensor({0.0, 0.0, 0.0, std::numeric_limits<double>::infinity()},
+                         first.options().dtype(at::kDouble));
+      sum_sq = at::zeros({1}, first.options().dtype(at::kFloat));
+    }
     auto [rows, sums] = ops::sparse_rows_sum_(g._indices(), g._values(), t.param.size(0), found,
-                                              inv);
+                                              inv, slots, sum_sq);
+    if (telemetry != nullptr) {
+      telemetry->add_pass({t.param}, {g._values()}, *slots, *sum_sq,
+                          static_cast<double>(g._values().numel()));
+    }
     lookups.push_back({std::move(rows), std::move(sums)});
   }
   if (!check || elsewhere.empty()) {
     return flag;
   }
-  if (inv_scale.defined()) {
-    ops::unscale_and_check_({elsewhere, flag, inv_scale});  // .grad unscaled, as torch leaves it
+  const at::Tensor sum_sq = at::zeros({1}, flag.options());
+  if (!inv_scale.defined()) {
+    if (telemetry != nullptr) {
+      telemetry->grad_stats(elsewhere_params, elsewhere, flag, sum_sq);
+    } else {
+      ops::grad_stats_({elsewhere, flag, sum_sq});
+    }
+    return flag;
+  }
+  if (telemetry != nullptr) {  // .grad unscaled, as torch leaves it
+    telemetry->unscale_and_check(elsewhere_params, elsewhere, flag, inv_scale);
+  } else {
+    ops::unscale_and_check_({elsewhere, flag, inv_scale});
   }
   // The values as the ops will sum them: under a scale below 1 an FP16/BF16 value can overflow
   // only once unscaled (the CPU's fused pass checks the unscaled values too).
-  ops::grad_stats_({elsewhere, flag, at::zeros({1}, flag.options())});
+  ops::grad_stats_({elsewhere, flag, sum_sq});
   return flag;
 }
 
@@ -241,7 +265,7 @@ at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepO
   }
   std::vector<Lookups> lookups;
   lookups.reserve(tables.size());
-  at::Tensor flag = check_values(tables, options, lookups);
+  at::Tensor flag = check_values(tables, options, telemetry, lookups);
   if (dense != nullptr) {
     if (!flag.defined()) {
       flag = at::zeros({}, tables.front().param.options().dtype(at::kFloat));

@@ -7,6 +7,7 @@
 #include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 #include <fusedamp/math/sparse_rows_math.h>
+#include <fusedamp/math/telemetry_math.h>
 #include <fusedamp/ops.h>
 #include <torch/library.h>
 
@@ -130,7 +131,9 @@ inline void check_lookups(const char* op, const at::Tensor& idx, const at::Tenso
 // sparse_rows_sum_'s arguments (it writes the values in place: they must be contiguous).
 inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& values,
                                   int64_t num_rows, const at::Tensor& found_inf,
-                                  const std::optional<at::Tensor>& inv_scale) {
+                                  const std::optional<at::Tensor>& inv_scale,
+                                  const std::optional<at::Tensor>& telemetry,
+                                  const std::optional<at::Tensor>& sum_sq) {
   constexpr const char* op = "sparse_rows_sum_";
   check_lookups(op, indices, values, -1, values.device());
   TORCH_CHECK(values.is_contiguous(), op, ": values must be contiguous (unscaled in place)");
@@ -139,6 +142,18 @@ inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& v
   if (given(inv_scale)) {
     checks::rules::check_scalar(op, "inv_scale", *inv_scale, at::kFloat, values.device());
   }
+  if (given(telemetry)) {
+    const at::Tensor& t = *telemetry;
+    TORCH_CHECK(t.layout() == at::kStrided && t.scalar_type() == at::kDouble &&
+                    t.numel() == math::kTelemetrySlots && t.is_contiguous() &&
+                    t.device() == values.device(),
+                op, ": telemetry must be a contiguous float64 tensor of ",
+                math::kTelemetrySlots, " elements on the values' device");
+  }
+  if (given(sum_sq)) {
+    checks::rules::check_scalar(op, "sum_sq", *sum_sq, at::kFloat, values.device());
+  }
+  TORCH_CHECK(!given(telemetry) || given(sum_sq), op, ": telemetry is gathered with sum_sq");
 }
 
 // Everything the kernels assume, checked before any of them runs. The index range is checked

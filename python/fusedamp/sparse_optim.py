@@ -160,7 +160,8 @@ class SparseRowOptimizer(torch.optim.Optimizer):
         if entries:
             engine_step(self._algorithm, entries, self.state, self._new_state, self.param_groups,
                         getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
-                        f"fusedamp.optim.{type(self).__name__}")
+                        f"fusedamp.optim.{type(self).__name__}",
+                        telemetry=getattr(self, "_fusedamp_telemetry_of", None))
         return loss
 
     def load_state_dict(self, state_dict):

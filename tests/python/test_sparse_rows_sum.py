@@ -150,3 +150,56 @@ def test_optimizer_under_a_scaler_steps_as_its_op_given_the_lookups():
         assert torch.equal(state["master_param"], master)
         assert torch.equal(state["sum"], state_sum)
         assert state["step"].item() == step.item() == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [DIM, 37, 5])  # a tail pair on every instruction set
+def test_statistics_in_the_same_read_are_grad_stats_over_the_values(dtype, dim):
+    """telemetry and sum_sq, gathered while summing, as grad_stats_ finds them over the values
+    tensor (before unscaling): amax, counts below the smallest normal and of zeros (the zero
+    lanes past a row's end left out), the first non-finite position, the sum of squares."""
+    gen = torch.Generator().manual_seed(12)
+    idx = (torch.rand(300, generator=gen) ** 2 * ROWS).long()[None]
+    values = torch.randn(300, dim, generator=gen) * 8
+    values[::7] = 0.0
+    values[3, :2] = 1e-39 if dtype != torch.float16 else 3e-6  # subnormal in its dtype
+    values = values.to(dtype)
+    for broken in (False, True):
+        if broken:
+            values[11, 1] = float("inf")
+        want_slots = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64)
+        want_sq = torch.zeros(1)
+        torch.ops.fusedamp.grad_stats_([values.clone()], torch.zeros(()), want_sq,
+                                       telemetry=want_slots)
+        slots = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64)
+        sq = torch.zeros(1)
+        sum_(idx, values.clone(), ROWS, torch.zeros(()), inv_scale=torch.full((), 0.5),
+             telemetry=slots, sum_sq=sq)
+        assert torch.equal(slots, want_slots), (slots, want_slots)
+        assert slots[1] > 0 and slots[2] > 0  # subnormals and zeros were seen
+        if broken:
+            assert slots[3] == 0
+        else:
+            torch.testing.assert_close(sq, want_sq, rtol=1e-5, atol=0)
+
+
+def test_a_scaler_records_the_tables_lookups():
+    """fusedamp.GradScaler's telemetry row of a step of tables alone: the lookups' amax and
+    norm (unscaled) and their underflow, where without them the row had no gradients."""
+    import fusedamp
+
+    gen = torch.Generator().manual_seed(13)
+    p = torch.nn.Parameter(torch.randn(ROWS, DIM, generator=gen).half())
+    opt = fusedamp.optim.RowWiseAdagrad([p], lr=0.1)
+    scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler.scale(torch.ones(()))
+    idx, values = lookups(gen, torch.float16)
+    scaled = values * 16
+    p.grad = torch.sparse_coo_tensor(idx, scaled.clone(), (ROWS, DIM))
+    scaler.step(opt)
+    scaler.update()
+    row = {k: v[-1] for k, v in scaler.telemetry().items() if isinstance(v, list) and v}
+    assert row["amax"] == scaled.float().abs().max().item()
+    torch.testing.assert_close(row["grad_norm"], values.double().norm().item(), rtol=1e-5,
+                               atol=0)
+    assert row["underflow_fraction"] == 0.0 and not row["found_inf"]

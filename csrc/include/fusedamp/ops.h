@@ -281,6 +281,7 @@ FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DECLARE_SPARSE_ROW_CALL)
 // declared as the function the dispatcher knows rather than as an argument list.
 std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
                                             int64_t num_rows, const Tensor& found_inf,
-                                            const OptTensor& inv_scale);
+                                            const OptTensor& inv_scale,
+                                            const OptTensor& telemetry, const OptTensor& sum_sq);
 
 }  // namespace fusedamp::ops
