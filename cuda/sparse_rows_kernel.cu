@@ -58,7 +58,7 @@ struct SetupArgs {
 // The pointers and per-op constants of a step's row kernels.
 struct RowsArgs {
   void* table;
-  float* master;
+  void* master;  // what the store keeps beside the table (FP32 master, remainders), or null
   uint64_t rounding_seed;  // kStochastic
   int64_t num_rows;
   int64_t dim;
@@ -176,8 +176,8 @@ __device__ __forceinline__ float row_sum_of_squares(const RowsArgs& a, const Row
   return sum;
 }
 
-// Row r's weights as kStore keeps them (step_weights.cuh: the table, or its FP32 master; the
-// table rounded to nearest or stochastically from the element's index in the table), read and
+// Row r's weights as kStore keeps them (step_weights.cuh: the table, with its FP32 master or
+// split remainders, or rounded stochastically from the element's index in the table), read and
 // written one column at a time.
 template <typename T, WeightStore kStore>
 __device__ __forceinline__ StepWeights<T, kStore> row_weights(const RowsArgs& a,
@@ -185,7 +185,11 @@ __device__ __forceinline__ StepWeights<T, kStore> row_weights(const RowsArgs& a,
                                                               int64_t r) {
   StepWeights<T, kStore> w;
   w.param = static_cast<T*>(a.table) + r * a.dim;
-  w.extra = kStore == WeightStore::kFp32 ? a.master + r * a.dim : nullptr;
+  if constexpr (has_store_list(kStore)) {
+    w.extra = static_cast<KeptElem<T, kStore>*>(a.master) + r * a.dim;
+  } else {
+    w.extra = nullptr;
+  }
   w.seed = a.rounding_seed;
   w.step = c.counter;
   w.first_index = r * a.dim;
@@ -359,7 +363,7 @@ void sparse_rows_step(const kernels::SparseRowsOp& op) {
 
   RowsArgs a{};
   a.table = op.table.data_ptr();
-  a.master = op.has_master() ? op.master->data_ptr<float>() : nullptr;
+  a.master = op.has_master() ? op.master->data_ptr() : nullptr;
   a.rounding_seed = static_cast<uint64_t>(op.rounding_seed.value_or(0));
   a.num_rows = num_rows;
   a.dim = op.table.size(1);

@@ -89,7 +89,7 @@ struct CpuSparseRows {
     s.table_dtype = a.table.scalar_type();
     s.values_dtype = values.scalar_type();
     s.table = a.table.mutable_data_ptr();
-    s.master = a.has_master() ? a.master->mutable_data_ptr<float>() : nullptr;
+    s.master = a.has_master() ? a.master->mutable_data_ptr() : nullptr;
     s.store = a.store();
     s.rounding_seed = static_cast<uint64_t>(a.rounding_seed.value_or(0));
     s.counter = static_cast<uint32_t>(step_before);

@@ -20,8 +20,8 @@ struct SparseRowsStep {
   c10::ScalarType table_dtype;
   c10::ScalarType values_dtype;
   void* table;
-  float* master;  // nullptr: the table is its own weights (FP32, or stepped in its dtype)
-  WeightStore store;  // kOff, kFp32 (master) or kStochastic (SparseRowStores)
+  void* master;  // what store keeps beside the table (FP32 master, remainders); else nullptr
+  WeightStore store;  // one of SparseRowStores
   uint64_t rounding_seed;  // kStochastic: the table's seed
   uint32_t counter;        // kStochastic: the step count before the update
   int64_t num_rows;

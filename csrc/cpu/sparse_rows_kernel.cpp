@@ -175,6 +175,17 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
   return out;
 }
 
+// Row r of what kStore keeps beside the table (its FP32 master or remainders); nullptr where
+// it keeps nothing.
+template <typename T, WeightStore kStore>
+C10_ALWAYS_INLINE KeptElem<T, kStore>* kept_row(const SparseRowsStep& s, int64_t r) {
+  if constexpr (master_mode_info(kStore).kept == MasterKept::kNothing) {
+    return nullptr;
+  } else {
+    return static_cast<KeptElem<T, kStore>*>(s.master) + r * s.dim;
+  }
+}
+
 // Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights as
 // kStore keeps them (step_weights.h: the table, or its FP32 master) and the gradient times
 // grad_mult; the weights are written back the same way (rounded into an FP16/BF16 table, to
@@ -182,8 +193,7 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
 template <typename T, WeightStore kStore, typename F>
 C10_ALWAYS_INLINE void step_row(const SparseRowsStep& s, int64_t r, const float* g, const F& f) {
   const int64_t d = s.dim;
-  StepWeights<T, kStore> w{static_cast<T*>(s.table) + r * d,
-                           kStore == WeightStore::kFp32 ? s.master + r * d : nullptr,
+  StepWeights<T, kStore> w{static_cast<T*>(s.table) + r * d, kept_row<T, kStore>(s, r),
                            s.rounding_seed, s.counter, r * d};
   const Vec mult(s.grad_mult);
   for (int64_t i = 0; i < d; i += kPair) {
@@ -216,7 +226,7 @@ inline float row_sum_of_squares(const float* g, int64_t d, float grad_mult) {
 
 template <typename T, WeightStore kStore>
 void step_rows(const SparseRowsStep& s, const float* sums) {
-  constexpr bool kMaster = kStore == WeightStore::kFp32;
+  constexpr bool kMaster = master_mode_info(kStore).kept != MasterKept::kNothing;
   const int64_t d = s.dim;
   // The rows' memory asked for kRowsAhead slots ahead: weights (or master and table) and the
   // state of the table's shape.
@@ -228,7 +238,7 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
         if (slot + kRowsAhead < end) {
           const int64_t ahead = s.rows[slot + kRowsAhead];
           if constexpr (kMaster) {
-            prefetch_row(s.master + ahead * d, row_bytes);
+            prefetch_row(kept_row<T, kStore>(s, ahead), d * sizeof(KeptElem<T, kStore>));
           }
           prefetch_row(static_cast<T*>(s.table) + ahead * d, d * sizeof(T));
           if (row_state) {

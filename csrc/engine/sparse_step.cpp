@@ -15,6 +15,8 @@
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 
+#include "../ops/sparse_rows_args.h"
+
 #include <limits>
 #include <sstream>
 #include <tuple>
@@ -66,6 +68,9 @@ void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::str
               python_shape(p.sizes()));
   TORCH_CHECK(!t.rounding_seed || *t.rounding_seed >= 0, who, ": invalid rounding_seed ",
               t.rounding_seed.value_or(0));
+  if (t.master && t.master->defined()) {
+    kernels::check_sparse_master(who.c_str(), p, *t.master);
+  }
   const at::Tensor& g = p.grad();
   TORCH_CHECK(g.defined(), who, ": a parameter of shape ", python_shape(p.sizes()),
               " has no gradient");

@@ -42,15 +42,35 @@ C10_HOST_DEVICE inline float step_coefficient(SparseRowsAlgorithm algorithm,
 }
 
 // How a table's weights may be kept between sparse steps: the table itself (FP32, or stepped in
-// its FP16/BF16 dtype), an FP32 master, BF16 stochastic rounding. The kernels are instantiated
-// for these stores only.
+// its FP16/BF16 dtype), an FP32 master, a BF16 table's int16 or int8 split remainders, BF16
+// stochastic rounding. The kernels are instantiated for these stores only.
 using SparseRowStores =
-    WeightStoreSwitchOf<MasterModes::kOff, MasterModes::kFp32, MasterModes::kStochastic>;
+    WeightStoreSwitchOf<MasterModes::kOff, MasterModes::kFp32, MasterModes::kSplit,
+                        MasterModes::kSplit8, MasterModes::kStochastic>;
 
 // Whether a table of T kept as kStore is stepped (a float32 table is its own master).
 template <typename T>
 constexpr bool sparse_store_fits(WeightStore store) {
   return weight_store_fits<T>(store) && (store == MasterModes::kOff || !std::is_same_v<T, float>);
+}
+
+// A table's master, what its store keeps beside it: the FP32 master of an FP16/BF16 table, or
+// a BF16 table's split remainders (int16, int8). Checked by the operators and, before any table
+// is written, by the engine.
+inline void check_sparse_master(const char* op, const at::Tensor& t, const at::Tensor& m) {
+  const MasterModeInfo* info = master_mode_keeping(m.scalar_type(), t.scalar_type());
+  const bool kept = info != nullptr && t.scalar_type() != at::kFloat &&
+                    master_mode_fits(*info, t.scalar_type()) &&
+                    (info->mode == MasterModes::kFp32 || info->mode == MasterModes::kSplit ||
+                     info->mode == MasterModes::kSplit8);
+  TORCH_CHECK(kept, op, ": a ", t.scalar_type(), " table's master must be float32 (the master "
+              "of a float16/bfloat16 table) or int16/int8 (a bfloat16 table's split remainders); "
+              "got ", m.scalar_type());
+  TORCH_CHECK(m.layout() == at::kStrided && m.sizes() == t.sizes() && m.is_contiguous() &&
+                  m.device() == t.device(),
+              op, ": master must be a contiguous tensor of the table's shape ", t.sizes(),
+              " on its device");
+  TORCH_CHECK(!m.is_alias_of(t), op, ": master shares memory with the table");
 }
 
 struct SparseRowsOp {
@@ -68,7 +88,7 @@ struct SparseRowsOp {
   std::optional<int64_t> rounding_seed;
 
   bool has_master() const { return master && master->defined(); }
-  // How the table's weights are kept (checked: an FP32 master, stochastic rounding or neither).
+  // How the table's weights are kept (checked: check_sparse_master, a seed, or neither).
   WeightStore store() const {
     return master_mode_of_step(has_master(),
                                has_master() ? master->scalar_type() : c10::ScalarType::Undefined,
@@ -175,13 +195,7 @@ inline void check_sparse_rows(const SparseRowsOp& a) {
                 *a.rounding_seed);
   }
   if (a.has_master()) {
-    const at::Tensor& m = *a.master;
-    TORCH_CHECK(dt != at::kFloat, a.op, ": a float32 table takes no master");
-    TORCH_CHECK(m.layout() == at::kStrided && m.scalar_type() == at::kFloat &&
-                    m.sizes() == t.sizes() && m.is_contiguous() && m.device() == t.device(),
-                a.op, ": master must be a contiguous float32 tensor of the table's shape ",
-                t.sizes(), " on its device");
-    TORCH_CHECK(!m.is_alias_of(t), a.op, ": master shares memory with the table");
+    check_sparse_master(a.op, t, *a.master);
   }
   check_lookups(a.op, a.indices, a.values, t.size(1), t.device());
   const bool row_wise = a.algorithm == SparseRowsAlgorithm::kRowWiseAdagrad;

@@ -9,7 +9,8 @@ per table, each of which returns before writing anything when the flag is set: a
 finds an inf/NaN changes nothing, without a host synchronisation. Each row's lookups are summed
 in FP32, duplicates included, and only the rows looked up are read and written (CPU and CUDA
 kernels, the same bits). FP16/BF16 tables keep an FP32 master (state ``"master_param"``) with
-``master_weights=True``; the table holds its rounding. ``"stochastic"`` keeps a BF16 table
+``master_weights=True``; the table holds its rounding. ``"split"`` / ``"split8"`` keep a BF16
+table's int16 / int8 remainders (``"param_remainder"``) instead; ``"stochastic"`` keeps it
 alone, rounded stochastically (``rounding_seed``). This module owns the state, as torch's
 optimizers do, and relays it with the group's options.
 
@@ -52,11 +53,16 @@ ALGORITHMS = {
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+# The split modes' remainders beside a BF16 table (csrc/include/fusedamp/master_modes.h).
+_REMAINDERS = {"split": torch.int16, "split8": torch.int8}
+
+
 def check_master_option(group, who):
     mode = group.get("master_weights", True)
-    if mode not in (True, False, "stochastic"):
+    if mode not in (True, False, "stochastic", *_REMAINDERS):
         raise ValueError(f"{who}: master_weights={mode!r} is not supported for sparse tables "
                          "(True: an FP32 master; False: the table stepped in its own dtype; "
+                         "'split'/'split8': a bfloat16 table's int16/int8 remainders; "
                          "'stochastic': a bfloat16 table rounded stochastically, no master)")
 
 
@@ -92,7 +98,8 @@ def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found
             state = fresh[p] = make_state(p, group)
         states.append(state)
     flag = _C.sparse_step(
-        algorithm.name, [p for p, _ in entries], [s.get("master_param") for s in states],
+        algorithm.name, [p for p, _ in entries],
+        [s.get("master_param", s.get("param_remainder")) for s in states],
         [[s[key] for key, _ in algorithm.state if key in s] for s in states],
         [s["step"] for s in states],
         [table_options(algorithm, group, p, index[p]) for p, group in entries],
@@ -110,8 +117,10 @@ def new_state(p, group, algorithm, initial=0.0):
             continue
         size = p.shape if shape == "table" else p.shape[:1]
         state[key] = torch.full(size, initial, dtype=torch.float32, device=p.device)
-    if p.dtype in _LOW_PRECISION and group.get("master_weights", True) not in (False,
-                                                                                "stochastic"):
+    mode = group.get("master_weights", True)
+    if p.dtype in _LOW_PRECISION and mode in _REMAINDERS:  # weight + 0 is the weight exactly
+        state["param_remainder"] = torch.zeros(p.shape, dtype=_REMAINDERS[mode], device=p.device)
+    elif p.dtype in _LOW_PRECISION and mode not in (False, "stochastic"):
         state["master_param"] = p.detach().float()
     return state
 
@@ -124,7 +133,8 @@ def loaded_value(p, key, value):
         return value
     if value.is_sparse:  # torch.optim.SGD's momentum buffer
         value = value.to_dense()
-    return value.to(device=p.device, dtype=torch.float32).contiguous().clone()
+    dtype = value.dtype if key == "param_remainder" else torch.float32  # bits, not a value
+    return value.to(device=p.device, dtype=dtype).contiguous().clone()
 
 
 class SparseRowOptimizer(torch.optim.Optimizer):

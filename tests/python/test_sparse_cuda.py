@@ -28,7 +28,8 @@ BIT_CASES = dict(
                                                           maximize=True)),
 )
 STORAGE = [(torch.float32, True), (torch.float16, True), (torch.bfloat16, True),
-           (torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, "stochastic")]
+           (torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, "stochastic"),
+           (torch.bfloat16, "split"), (torch.bfloat16, "split8")]
 ROWS, DIM = 300, 37  # a row: one warp's 32 columns and a tail
 
 

@@ -195,8 +195,8 @@ print(",".join(out))
 def test_same_bits_on_every_instruction_set():
     """The row loops in vectors of 4 (DEFAULT), 8 (AVX2) or 16 (AVX-512) lanes, and a row of 37
     with its tail, under a loss scale of 3 (the unscale rounds, in the pass that sums the rows),
-    BF16 tables with masters and one rounded stochastically: the same bits (weights, state, the
-    unscaled gradient), FMAs written out and contraction off. The machine's best
+    BF16 tables with masters, split8 remainders or stochastic rounding: the same bits (weights,
+    state, the unscaled gradient), FMAs written out and contraction off. The machine's best
     instruction set runs here, each lesser one in a subprocess (ATEN_CPU_CAPABILITY)."""
     import contextlib
     import io
@@ -207,6 +207,7 @@ def test_same_bits_on_every_instruction_set():
     names = {k: (cls.__name__, kw) for k, (cls, kw) in SPARSE_OPTIMIZERS.items()}
     names["adagrad_stochastic"] = ("Adagrad", dict(lr=0.1, master_weights="stochastic",
                                                    rounding_seed=5))
+    names["sparse_adam_split8"] = ("SparseAdam", dict(lr=0.01, master_weights="split8"))
     script = _SAME_BITS_WORKER.format(names=repr(names))
     python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
     best = fusedamp._C.cpu_capability()

@@ -62,6 +62,22 @@ def test_bad_grads_modify_nothing(device, name, bad):
     assert all(unchanged(q, opt, s) for q, s in zip((good, p), snaps))
 
 
+@pytest.mark.parametrize("mode,message", [
+    ("stochastic", "stochastic.*bfloat16.*torch.float16"),
+    ("split", "int16/int8 .a bfloat16 table's split remainders")])
+def test_bf16_only_modes_refuse_an_fp16_table_before_anything_is_written(device, mode, message):
+    gen = torch.Generator().manual_seed(10)
+    bf16 = table(gen, torch.bfloat16, device)
+    fp16 = table(gen, torch.float16, device)
+    opt = fusedamp.optim.SparseAdam([bf16, fp16], lr=0.01, master_weights=mode)
+    bf16.grad = sparse_grad(gen, dtype=torch.bfloat16, device=device)
+    fp16.grad = sparse_grad(gen, dtype=torch.float16, device=device)
+    before = bf16.detach().clone()
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert torch.equal(bf16.detach(), before) and not opt.state.get(bf16)
+
+
 def test_adagrad_refuses_weight_decay():
     with pytest.raises(ValueError, match="weight_decay"):
         fusedamp.optim.Adagrad([nn.Parameter(torch.zeros(2, 2))], weight_decay=0.1)
@@ -70,10 +86,10 @@ def test_adagrad_refuses_weight_decay():
 def test_sgd_refuses_a_storage_mode_tables_do_not_have(device):
     gen = torch.Generator().manual_seed(8)
     p = table(gen, torch.bfloat16, device)
-    opt = fusedamp.optim.SGD([p], lr=0.1, momentum=0.9, master_weights="split")
+    opt = fusedamp.optim.SGD([p], lr=0.1, momentum=0.9, master_weights="kahan")
     p.grad = sparse_grad(gen, dtype=torch.bfloat16, device=device)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match="master_weights='split' is not supported for sparse"):
+    with pytest.raises(ValueError, match="master_weights='kahan' is not supported for sparse"):
         opt.step()
     assert torch.equal(p.detach(), before) and not opt.state[p]
 
