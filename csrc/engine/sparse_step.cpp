@@ -146,11 +146,18 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
                          first.options().dtype(at::kDouble));
       sum_sq = at::zeros({1}, first.options().dtype(at::kFloat));
     }
-    auto [rows, sums] = ops::sparse_rows_sum_(g._indices(), g._values(), t.param.size(0), found,
-                                              inv, slots, sum_sq);
+    // The op unscales the values in place, so they must be contiguous: other ones go through a
+    // contiguous copy and come back into the gradient.
+    const at::Tensor given = g._values();
+    const at::Tensor values = given.is_contiguous() ? given : given.contiguous();
+    auto [rows, sums] = ops::sparse_rows_sum_(g._indices(), values, t.param.size(0), found, inv,
+                                              slots, sum_sq);
+    if (inv && !values.is_same(given)) {
+      given.copy_(values);
+    }
     if (telemetry != nullptr) {
-      telemetry->add_pass({t.param}, {g._values()}, *slots, *sum_sq,
-                          static_cast<double>(g._values().numel()));
+      telemetry->add_pass({t.param}, {values}, *slots, *sum_sq,
+                          static_cast<double>(values.numel()));
     }
     lookups.push_back({std::move(rows), std::move(sums)});
   }

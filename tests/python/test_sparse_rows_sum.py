@@ -203,3 +203,30 @@ def test_a_scaler_records_the_tables_lookups():
     torch.testing.assert_close(row["grad_norm"], values.double().norm().item(), rtol=1e-5,
                                atol=0)
     assert row["underflow_fraction"] == 0.0 and not row["found_inf"]
+
+
+def test_non_contiguous_lookup_values_step_and_unscale_as_contiguous_ones():
+    """A COO gradient may hold strided values: the step (CPU tables: the op unscales in place)
+    goes through a contiguous copy, and .grad still ends unscaled, as with contiguous ones."""
+    import fusedamp
+
+    gen = torch.Generator().manual_seed(14)
+    start = torch.randn(ROWS, DIM, generator=gen)
+    runs = []
+    for contiguous in (True, False):
+        p = torch.nn.Parameter(start.half())
+        opt = fusedamp.optim.Adagrad([p], lr=0.1)
+        scaler = fusedamp.GradScaler("cpu", init_scale=3.0)
+        g = torch.Generator().manual_seed(15)
+        for _ in range(3):
+            idx, values = lookups(g, torch.float16)
+            unscaled = (values.float() * (1 / 3)).half()
+            strided = values if contiguous else values.t().contiguous().t()
+            assert strided.is_contiguous() == contiguous
+            p.grad = torch.sparse_coo_tensor(idx, strided, (ROWS, DIM))
+            scaler.scale(torch.ones(()))
+            scaler.step(opt)
+            scaler.update()
+            assert torch.equal(p.grad._values(), unscaled)
+        runs.append(p.detach())
+    assert torch.equal(runs[0], runs[1])
