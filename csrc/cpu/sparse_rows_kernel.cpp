@@ -146,7 +146,7 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
         if constexpr (kUnscale) {
           PairIO<TV>::store(v + i, n, math::unscale(v0, scale), math::unscale(v1, scale));
           if constexpr (!std::is_same_v<TV, float>) {
-            PairIO<TV>::load(v + i, n, v0, v1);  // the rounding the gradient now holds
+            PairIO<TV>::load(v + i, n, v0, v1);  // the rounding the gradient holds
           } else {
             v0 = math::unscale(v0, scale);
             v1 = math::unscale(v1, scale);

@@ -130,7 +130,7 @@ if available:
         # functionalising backend (aot_eager) hands it copies and afterwards copies them back
         # over the live tensors, which would undo the step unless the copies hold its result.
         if len(args) != len(live):
-            raise RuntimeError("fusedamp: the compiled step's tensors no longer match the "
+            raise RuntimeError("fusedamp: the compiled step's tensors do not match the "
                                "optimizer's parameters and gradients")
         if all(map(operator.is_, args, live)):
             return
