@@ -62,13 +62,12 @@ void check_table(SparseAlgorithm algorithm, const SparseTable& t, const std::str
   const size_t states = state_count(algorithm, t.hyper);
   TORCH_CHECK(t.state.size() == states, who, ": expected ", states,
               " state tensors for a table, got ", t.state.size());
-  TORCH_CHECK(!t.rounding_seed || (p.scalar_type() == at::kBFloat16 && !t.master), who,
-              ": master_weights='stochastic' rounds bfloat16 tables (kept without a master); "
-              "got a ", python_dtype(p.scalar_type()), " table of shape ",
-              python_shape(p.sizes()));
+  const bool has_master = t.master && t.master->defined();
+  kernels::check_sparse_seed(who.c_str(), p, has_master, t.rounding_seed.has_value());
+  // The group's seed, a user's option (the table's own is derived from it: any 64 bits).
   TORCH_CHECK(!t.rounding_seed || *t.rounding_seed >= 0, who, ": invalid rounding_seed ",
               t.rounding_seed.value_or(0));
-  if (t.master && t.master->defined()) {
+  if (has_master) {
     kernels::check_sparse_master(who.c_str(), p, *t.master);
   }
   const at::Tensor& g = p.grad();

@@ -73,6 +73,16 @@ inline void check_sparse_master(const char* op, const at::Tensor& t, const at::T
   TORCH_CHECK(!m.is_alias_of(t), op, ": master shares memory with the table");
 }
 
+// A table rounded stochastically (a rounding_seed: any 64 bits, the table's own stream) is a
+// bfloat16 one without a master. Checked by the operators and, before any table is written, by
+// the engine.
+inline void check_sparse_seed(const char* op, const at::Tensor& t, bool has_master, bool seeded) {
+  TORCH_CHECK(!seeded || (t.scalar_type() == at::kBFloat16 && !has_master), op,
+              ": rounding_seed (master_weights='stochastic') takes a bfloat16 table without a "
+              "master; got a torch.", c10::getDtypeNames(t.scalar_type()).first, " table",
+              has_master ? " with a master" : "");
+}
+
 struct SparseRowsOp {
   const char* op;
   SparseRowsAlgorithm algorithm;
@@ -187,13 +197,7 @@ inline void check_sparse_rows(const SparseRowsOp& a) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, a.op,
               ": table must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK(t.is_contiguous(), a.op, ": table must be contiguous");
-  if (a.rounding_seed) {
-    TORCH_CHECK(dt == at::kBFloat16 && !a.has_master(), a.op,
-                ": rounding_seed (stochastic rounding) takes a bfloat16 table without a master, "
-                "got a ", dt, " table", a.has_master() ? " with a master" : "");
-    TORCH_CHECK(*a.rounding_seed >= 0, a.op, ": rounding_seed must be >= 0, got ",
-                *a.rounding_seed);
-  }
+  check_sparse_seed(a.op, t, a.has_master(), a.rounding_seed.has_value());
   if (a.has_master()) {
     check_sparse_master(a.op, t, *a.master);
   }

@@ -69,10 +69,25 @@ def test_op_refuses_a_seed_with_a_master_or_another_dtype(device):
     values = torch.ones(2, DIM, device=device)
     step = torch.zeros((), device=device)
     op = torch.ops.fusedamp.sparse_sgd_step_
-    for t, master, seed, message in [
-            (table, table.float(), 1, "without a master"),
-            (table.half(), None, 1, "bfloat16 table"),
-            (table, None, -1, "rounding_seed must be >= 0")]:
+    for t, master, message in [(table, table.float(), "without a master"),
+                               (table.half(), None, "bfloat16 table")]:
         with pytest.raises(RuntimeError, match=message):
-            op(t, master, idx, values, None, step, lr=0.1, rounding_seed=seed)
+            op(t, master, idx, values, None, step, lr=0.1, rounding_seed=1)
         assert step.item() == 0 and not t.any()
+    # A table's seed is any 64 bits (derived from its group's seed and its index).
+    op(table, None, idx, values, None, step, lr=0.1, rounding_seed=-(2 ** 63))
+    assert step.item() == 1 and table.any()
+
+
+def test_every_group_seed_steps(device):
+    """The seeds the engine derives for tables are any 64 bits, negative ones included: the
+    default seed 0 and others step a table."""
+    for seed in range(8):
+        p = nn.Parameter(torch.ones(ROWS, DIM, device=device, dtype=torch.bfloat16))
+        opt = fusedamp.optim.Adagrad([p], lr=0.1, master_weights="stochastic",
+                                     rounding_seed=seed)
+        p.grad = sparse_grad(torch.Generator().manual_seed(seed), dtype=torch.bfloat16,
+                             device=device)
+        opt.step()
+        assert opt.state[p]["step"].item() == 1 and not torch.equal(p.detach(),
+                                                                    torch.ones_like(p))
