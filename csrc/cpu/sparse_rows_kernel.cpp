@@ -187,7 +187,8 @@ C10_ALWAYS_INLINE KeptElem<T, kStore>* kept_row(const SparseRowsStep& s, int64_t
 }
 
 // Walks one row in pairs of vectors: f(offset, count, p0, p1, g0, g1) with the weights as
-// kStore keeps them (step_weights.h: the table, or its FP32 master) and the gradient times
+// kStore keeps them (step_weights.h: the table, with its FP32 master or split remainders) and
+// the gradient times
 // grad_mult; the weights are written back the same way (rounded into an FP16/BF16 table, to
 // nearest or stochastically from the element's index in the table).
 template <typename T, WeightStore kStore, typename F>
@@ -333,18 +334,8 @@ void step_rows(const SparseRowsStep& s, const float* sums) {
   }
 }
 
-// f(T{}) for the element type of a checked FP32/FP16/BF16 tensor.
-template <typename F>
-void with_float_type(at::ScalarType dtype, const F& f) {
-  switch (dtype) {
-    case at::kHalf:
-      return f(c10::Half{});
-    case at::kBFloat16:
-      return f(c10::BFloat16{});
-    default:
-      return f(float{});
-  }
-}
+// The element types of a checked FP32/FP16/BF16 table or gradient.
+using FloatTypes = DtypeSwitch<float, c10::Half, c10::BFloat16>;
 
 }  // namespace sparse_rows
 
@@ -357,36 +348,36 @@ void sparse_rows_step(const SparseRowsStep& s) {
     sums = static_cast<const float*>(s.values);
   } else {
     float* scratch = summed_rows(s.num_slots * s.dim);
-    with_float_type(s.values_dtype, [&](auto v) {
-      using TV = decltype(v);
-      sum_lookups<TV, false, false>(static_cast<TV*>(const_cast<void*>(s.values)), s.nnz,
-                                    s.dim, s.slot_of, scratch, 1.f);
-    });
+    static_switch(
+        [&](auto v) {
+          using TV = decltype(v);
+          sum_lookups<TV, false, false>(static_cast<TV*>(const_cast<void*>(s.values)), s.nnz,
+                                        s.dim, s.slot_of, scratch, 1.f);
+        },
+        FloatTypes{s.values_dtype});
     sums = scratch;
   }
-  with_float_type(s.table_dtype, [&](auto t) {
-    using T = decltype(t);
-    kernels::SparseRowStores{s.store}.visit([&](auto store) {
-      if constexpr (kernels::sparse_store_fits<T>(decltype(store)::value)) {
-        step_rows<T, decltype(store)::value>(s, sums);
-      }
-    });
-  });
+  static_switch(
+      [&](auto t, auto store) {
+        using T = decltype(t);
+        if constexpr (kernels::sparse_store_fits<T>(decltype(store)::value)) {
+          step_rows<T, decltype(store)::value>(s, sums);
+        }
+      },
+      FloatTypes{s.table_dtype}, kernels::SparseRowStores{s.store});
 }
 
 SparseRowsSumResult sparse_rows_sum(const SparseRowsSum& s) {
   using namespace sparse_rows;
   SparseRowsSumResult out;
-  with_float_type(s.values_dtype, [&](auto v) {
-    using TV = decltype(v);
-    TV* values = static_cast<TV*>(s.values);
-    static_switch(
-        [&](auto unscale, auto stats) {
-          out = sum_lookups<TV, decltype(unscale)::value, decltype(stats)::value>(
-              values, s.nnz, s.dim, s.slot_of, s.sums, s.unscale ? s.inv_scale : 1.f);
-        },
-        BoolSwitch{s.unscale}, BoolSwitch{s.stats});
-  });
+  static_switch(
+      [&](auto v, auto unscale, auto stats) {
+        using TV = decltype(v);
+        out = sum_lookups<TV, decltype(unscale)::value, decltype(stats)::value>(
+            static_cast<TV*>(s.values), s.nnz, s.dim, s.slot_of, s.sums,
+            s.unscale ? s.inv_scale : 1.f);
+      },
+      FloatTypes{s.values_dtype}, BoolSwitch{s.unscale}, BoolSwitch{s.stats});
   return out;
 }
 
