@@ -47,6 +47,18 @@ def record_diff():
     return record
 
 
+def pytest_sessionfinish(session):
+    # Under pytest-xdist each worker holds its own records: hand them to the controller.
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fusedamp_diffs"] = dict(_DIFFS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for name, value in getattr(node, "workeroutput", {}).get("fusedamp_diffs", {}).items():
+        _DIFFS[name] = max(_DIFFS.get(name, 0.0), value)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _DIFFS:
         return
