@@ -11,7 +11,7 @@
 // If *found_inf != 0 every block returns before touching memory; the step counts are
 // advanced afterwards by advance_steps (bookkeeping.cu), which makes the same test.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/adam_math.h>
 

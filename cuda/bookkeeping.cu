@@ -3,7 +3,7 @@
 // or one thread per tensor) that keeps its values on the device; they share one file because
 // each costs a compile of torch's headers and little else.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/scale_math.h>
 #include <fusedamp/math/step_account_math.h>
@@ -37,7 +37,7 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
 }  // namespace
 
 void update_scale(const ops::UpdateScale& op, const math::ScaleHyper& h) {
-  update_scale_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       op.scale.data_ptr<float>(), op.growth_tracker.data_ptr<int32_t>(),
       op.hysteresis_tracker.data_ptr<int32_t>(), op.found_inf.const_data_ptr<float>(),
       input_or_null<double>(op.amax), h);
@@ -72,7 +72,7 @@ __global__ void account_step_kernel(float* step_applied, int64_t* skipped_steps,
 }  // namespace
 
 void account_step(const ops::AccountStep& op) {
-  account_step_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  account_step_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       op.step_applied.data_ptr<float>(), op.skipped_steps.data_ptr<int64_t>(),
       input_or_null<float>(op.found_inf), output_or_null<float>(op.found_inf_out),
       input_or_null<float>(op.grad_sum_sq), input_or_null<float>(op.inv_scale),
@@ -96,7 +96,7 @@ __global__ void record_telemetry_kernel(double* ring, int64_t rows, int64_t* pos
 }  // namespace
 
 void record_telemetry(const ops::RecordTelemetry& op) {
-  record_telemetry_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  record_telemetry_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       op.ring.data_ptr<double>(), op.ring.size(0), op.position.data_ptr<int64_t>(),
       op.scale.const_data_ptr<float>(), op.found_inf.const_data_ptr<float>(),
       op.measured.const_data_ptr<double>(), input_or_null<float>(op.pass_sum_sq));
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void advance_steps(at::TensorList steps, const float* found_inf) {
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   PtrBatch b;
   for (size_t first = 0; first < steps.size(); first += PtrBatch::kMax) {
     const size_t n = std::min<size_t>(PtrBatch::kMax, steps.size() - first);

@@ -27,7 +27,7 @@
 // Each kernel's file states its memory traffic per element; the scalars (found_inf, inv_scale,
 // lr, sum_sq, a step count) are read once per block.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/BFloat16.h>

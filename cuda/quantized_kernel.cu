@@ -25,7 +25,7 @@
 // before their math, ~6 registers per block: about 60 registers in all, 4 thread blocks per SM,
 // and enough bytes in flight to keep the memory busy.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/adam_math.h>
 #include <fusedamp/math/quantized_moments_math.h>
@@ -224,7 +224,7 @@ void launch(const Step<Hyper>& step, const StepScalarPointers& s) {
   constexpr int kLists = Algo::kLists;
   using Pos = QuantizedPositions<kLists, kStore>;
   const auto lists = step_lists_of<Pos>(step);
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   // Every list is written but the grads, which are written only when written back.
   const uint32_t all = (1u << Pos::kCount) - 1u;
   const bool write_back = step.shared->write_back_grads;

@@ -10,7 +10,7 @@
 // On a tensor's first step (step count 0) the momentum buffer is only written (buf = g), as
 // torch initialises it. If *found_inf != 0 every block returns before touching memory.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/sgd_math.h>
 

@@ -14,7 +14,7 @@
 // written, plus 4d read per lookup (twice for row-wise Adagrad, which sums its lookups once for
 // the row's sum of squares and again for the update), plus the sort of the nnz indices.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAException.h>
@@ -306,7 +306,7 @@ unsigned blocks_for(int64_t warps) {
 template <typename T, WeightStore kStore, Algorithm kAlgorithm>
 void launch_touched_rows(const RowsArgs& a, const RowCoefficients* c) {
   touched_rows_kernel<T, kStore, kAlgorithm>
-      <<<blocks_for(a.nnz), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, c);
+      <<<blocks_for(a.nnz), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a, c);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -318,7 +318,7 @@ void launch_rows(const RowsArgs& a, Algorithm algorithm, bool momentum,
   if (momentum) {
     if (a.num_rows > 0) {
       momentum_rows_kernel<T, kStore>
-          <<<blocks_for(a.num_rows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, c);
+          <<<blocks_for(a.num_rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a, c);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return;
@@ -355,7 +355,7 @@ void sparse_rows_step(const kernels::SparseRowsOp& op) {
                                             op.table.options().dtype(at::kByte));
   auto* c = reinterpret_cast<RowCoefficients*>(coefficients.data_ptr<uint8_t>());
   const SetupArgs setup{op.algorithm, h, nnz, num_rows};
-  sparse_rows_setup_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  sparse_rows_setup_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       c, op.step.data_ptr<float>(), input_or_null<float>(op.found_inf),
       input_or_null<float>(op.inv_scale), nnz > 0 ? sorted_rows.const_data_ptr<int64_t>() : nullptr,
       setup);

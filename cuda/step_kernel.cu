@@ -12,7 +12,7 @@
 // kernels of its own. If *found_inf != 0 every block returns before touching memory; the step
 // counts are advanced afterwards by advance_steps (bookkeeping.cu), which makes the same test.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "../csrc/ops/static_switch.h"

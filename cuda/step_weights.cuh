@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <array>
@@ -283,7 +283,7 @@ std::array<at::TensorList, Pos::kCount> step_lists_of(const StepLists& step) {
 template <typename Pos, typename TP, typename TG, typename TS, typename Hyper, typename Kernel>
 void launch_step(const Step<Hyper>& step, const StepScalarPointers& s, Kernel* kernel) {
   const bool write_back = step.shared->write_back_grads;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   const uint32_t all = (1u << Pos::kCount) - 1u;
   const uint32_t written = write_back ? all : all & ~(1u << Pos::kG);
   multi_tensor_apply<Pos::kCount, extra_slots_of(Pos::kWeights)>(

@@ -20,7 +20,7 @@
 // atomic_max_of_nonnegative), counts as sums of integers below 2^53 — exact, so the result
 // does not depend on the order the blocks finish in.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <fusedamp/math/telemetry_math.h>
@@ -283,7 +283,7 @@ void stats_pass(at::TensorList grads, const at::Tensor& found_inf, const at::Ten
   if (total == 0) {
     return;  // nothing to add; found_inf, the flags and the telemetry keep their values
   }
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   // Every block of every group writes its slot, so the workspace needs no initialisation.
   at::Tensor partials = at::empty({total}, found_inf.options());
   float* part = partials.data_ptr<float>();
@@ -328,7 +328,7 @@ void unscale_and_check(at::TensorList grads, const at::Tensor& found_inf,
     stats_pass(grads, found_inf, *sum_sq, std::nullopt, telemetry, is);
     return;
   }
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   float* fi = found_inf.data_ptr<float>();
   for (const auto& grp : group_by_dtype(grads)) {
     FUSEDAMP_DISPATCH_FLOAT_TYPES(grp.dtype, "fusedamp_unscale_and_check_cuda", [&] {

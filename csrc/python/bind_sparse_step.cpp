@@ -4,6 +4,7 @@
 // group's options as a dict of torch.optim's names.
 #include <ATen/record_function.h>
 #include <fusedamp/grad_scaler.h>
+#include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 #include <fusedamp/optim/sparse_step.h>
 #include <torch/extension.h>
@@ -24,19 +25,15 @@ using optim::SparseAlgorithm;
 using optim::SparseHyper;
 using optim::SparseTable;
 
-SparseAlgorithm algorithm_of(const std::string& name) {
-  if (name == "sgd") {
-    return SparseAlgorithm::kSgd;
+// The algorithm of the operator Python names (fusedamp/ops.h FUSEDAMP_SPARSE_ROW_OPS).
+SparseAlgorithm algorithm_of(const std::string& op_name) {
+#define FUSEDAMP_SPARSE_ALGORITHM_OF(Op, op, Algorithm) \
+  if (op_name == #op) {                                 \
+    return SparseAlgorithm::Algorithm;                  \
   }
-  if (name == "adagrad") {
-    return SparseAlgorithm::kAdagrad;
-  }
-  if (name == "sparse_adam") {
-    return SparseAlgorithm::kAdam;
-  }
-  TORCH_CHECK_VALUE(name == "rowwise_adagrad", "fusedamp: unknown sparse algorithm '", name,
-                    "'");
-  return SparseAlgorithm::kRowWiseAdagrad;
+  FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_SPARSE_ALGORITHM_OF)
+#undef FUSEDAMP_SPARSE_ALGORITHM_OF
+  TORCH_CHECK_VALUE(false, "fusedamp: no sparse step operator '", op_name, "'");
 }
 
 // A group's options, by torch.optim's names ("betas" a pair); those the algorithm does not take

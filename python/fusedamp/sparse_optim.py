@@ -32,28 +32,29 @@ __all__ = ["Adagrad", "SparseAdam", "RowWiseAdagrad", "SparseRowOptimizer", "ALG
 
 
 class Algorithm(NamedTuple):
-    """One row-wise sparse step: its name in the engine, its state (key, "table" for a tensor
-    of the table's shape or "rows" for one value per row) in the operator's order, and the
-    group options it takes."""
-    name: str
+    """One row-wise sparse step: its operator's name (torch.ops.fusedamp, the engine's
+    FUSEDAMP_SPARSE_ROW_OPS), its state (key, "table" for a tensor of the table's shape or
+    "rows" for one value per row) in the operator's order, and the group options it takes."""
+    op: str
     state: tuple
     options: tuple
 
 
 ALGORITHMS = {
-    "sgd": Algorithm("sgd", (("momentum_buffer", "table"),),
+    "sgd": Algorithm("sparse_sgd_step_", (("momentum_buffer", "table"),),
                      ("lr", "momentum", "dampening", "nesterov", "maximize")),
-    "adagrad": Algorithm("adagrad", (("sum", "table"),), ("lr", "lr_decay", "eps", "maximize")),
-    "sparse_adam": Algorithm("sparse_adam", (("exp_avg", "table"), ("exp_avg_sq", "table")),
+    "adagrad": Algorithm("sparse_adagrad_step_", (("sum", "table"),),
+                         ("lr", "lr_decay", "eps", "maximize")),
+    "sparse_adam": Algorithm("sparse_adam_step_", (("exp_avg", "table"), ("exp_avg_sq", "table")),
                              ("lr", "betas", "eps", "maximize")),
-    "rowwise_adagrad": Algorithm("rowwise_adagrad", (("sum", "rows"),),
+    "rowwise_adagrad": Algorithm("sparse_rowwise_adagrad_step_", (("sum", "rows"),),
                                  ("lr", "eps", "maximize")),
 }
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-
-# The split modes' remainders beside a BF16 table (csrc/include/fusedamp/master_modes.h).
+# The split modes' remainders beside a BF16 table (csrc/include/fusedamp/master_modes.h). An
+# FP16 table given one is refused by the engine before anything is written.
 _REMAINDERS = {"split": torch.int16, "split8": torch.int8}
 
 
@@ -98,7 +99,7 @@ def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found
             state = fresh[p] = make_state(p, group)
         states.append(state)
     flag = _C.sparse_step(
-        algorithm.name, [p for p, _ in entries],
+        algorithm.op, [p for p, _ in entries],
         [s.get("master_param", s.get("param_remainder")) for s in states],
         [[s[key] for key, _ in algorithm.state if key in s] for s in states],
         [s["step"] for s in states],
