@@ -1,7 +1,6 @@
 // Bindings of fusedamp::GradScaler: what fusedamp.GradScaler (python/fusedamp/grad_scaler.py)
 // relays. Python optimizers are identified by their id() within an iteration.
 #include <fusedamp/grad_scaler.h>
-#include <torch/extension.h>
 
 #include "bindings.h"
 

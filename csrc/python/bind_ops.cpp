@@ -20,7 +20,6 @@
 // missing, unknown or doubly given argument.
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
 
 #include <deque>
 #include <optional>

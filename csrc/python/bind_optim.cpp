@@ -7,7 +7,6 @@
 #include <fusedamp/optim/state_conversion.h>
 #include <fusedamp/grad_scaler.h>
 #include <ATen/record_function.h>
-#include <torch/extension.h>
 
 #include <optional>
 #include <string>

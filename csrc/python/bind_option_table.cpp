@@ -1,6 +1,5 @@
 // A kind's options as fusedamp.optim reads them (option_table_of, bindings.h).
 #include <fusedamp/optim/optimizer.h>
-#include <torch/extension.h>
 
 #include <cstdint>
 

@@ -7,7 +7,6 @@
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
 #include <fusedamp/optim/sparse_step.h>
-#include <torch/extension.h>
 
 #include <optional>
 #include <string>

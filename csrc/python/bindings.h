@@ -1,5 +1,6 @@
 #pragma once
-#include <torch/extension.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace fusedamp::python {
 // Each bind_*.cpp adds its classes; bind_all calls them in dependency order.

@@ -2,7 +2,6 @@
 // concept (bind_*.cpp) and are registered here.
 #include <ATen/Version.h>
 #include <fusedamp/math/quantized_moments_math.h>
-#include <torch/extension.h>
 
 #include "bindings.h"
 
