@@ -4,7 +4,6 @@
 #include <fusedamp/optim/sparse_step.h>
 
 #include <ATen/ops/aminmax.h>
-#include <ATen/ops/tensor.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/ScalarType.h>
@@ -17,7 +16,6 @@
 
 #include "../ops/sparse_rows_args.h"
 
-#include <limits>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -139,24 +137,27 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
     // Where no check is asked for, a flag that no step reads.
     const at::Tensor found = check ? flag : at::zeros({}, first.options().dtype(at::kFloat));
     const OptTensor inv = inv_scale.defined() ? OptTensor(inv_scale) : std::nullopt;
-    OptTensor slots, sum_sq;
-    if (telemetry != nullptr) {  // the values' statistics, gathered in the same read
-      slots = at::tensor({0.0, 0.0, 0.0, std::numeric_limits<double>::infinity()},
-                         first.options().dtype(at::kDouble));
-      sum_sq = at::zeros({1}, first.options().dtype(at::kFloat));
-    }
     // The op unscales the values in place, so they must be contiguous: other ones go through a
     // contiguous copy and come back into the gradient.
     const at::Tensor given = g._values();
     const at::Tensor values = given.is_contiguous() ? given : given.contiguous();
-    auto [rows, sums] = ops::sparse_rows_sum_(g._indices(), values, t.param.size(0), found, inv,
-                                              slots, sum_sq);
+    at::Tensor rows, sums;
+    const auto sum_rows = [&](const OptTensor& slots, const OptTensor& sum_sq) {
+      std::tie(rows, sums) = ops::sparse_rows_sum_(g._indices(), values, t.param.size(0), found,
+                                                   inv, slots, sum_sq);
+    };
+    if (telemetry != nullptr) {
+      // The values' statistics, gathered in the same read straight into the record's own
+      // slots (as a dense pass's are): no slots tensor of the table's to make and add.
+      const at::Tensor sum_sq = at::zeros({1}, first.options().dtype(at::kFloat));
+      telemetry->grad_stats_by({t.param}, {values}, found, sum_sq, [&](const OptTensor& slots) {
+        sum_rows(slots, slots ? OptTensor(sum_sq) : std::nullopt);
+      });
+    } else {
+      sum_rows(std::nullopt, std::nullopt);
+    }
     if (inv && !values.is_same(given)) {
       given.copy_(values);
-    }
-    if (telemetry != nullptr) {
-      telemetry->add_pass({t.param}, {values}, *slots, *sum_sq,
-                          static_cast<double>(values.numel()));
     }
     lookups.push_back({std::move(rows), std::move(sums)});
   }
