@@ -205,6 +205,34 @@ def test_a_scaler_records_the_tables_lookups():
     assert row["underflow_fraction"] == 0.0 and not row["found_inf"]
 
 
+def test_the_telemetry_names_the_table_whose_lookups_overflowed():
+    """Three tables recorded pass after pass into one row: an inf in the third (then in the
+    second) table's lookups is named as that table, the amax is the largest finite lookup of
+    all three, and a step without one names none."""
+    import fusedamp
+
+    gen = torch.Generator().manual_seed(16)
+    tables = torch.nn.ParameterDict({name: torch.nn.Parameter(
+        torch.randn(ROWS, DIM, generator=gen).half()) for name in ("user", "item", "query")})
+    opt = fusedamp.optim.Adagrad(tables.parameters(), lr=0.1)
+    scaler = fusedamp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for poisoned in ("query", "item", None):
+        scaler.scale(torch.ones(()))
+        largest = 0.0
+        for name, p in tables.items():
+            idx, values = lookups(gen, torch.float16)
+            if name == poisoned:
+                values[7, 3] = float("inf")
+            finite = values.float().abs()
+            largest = max(largest, finite[finite.isfinite()].max().item())
+            p.grad = torch.sparse_coo_tensor(idx, values, (ROWS, DIM))
+        scaler.step(opt)
+        scaler.update()
+        row = {k: v[-1] for k, v in scaler.telemetry(tables).items() if isinstance(v, list)}
+        assert row["first_nonfinite"] == poisoned and row["found_inf"] == (poisoned is not None)
+        assert row["amax"] == largest
+
+
 def test_non_contiguous_lookup_values_step_and_unscale_as_contiguous_ones():
     """A COO gradient may hold strided values: the step (CPU tables: the op unscales in place)
     goes through a contiguous copy, and .grad still ends unscaled, as with contiguous ones."""
