@@ -144,12 +144,14 @@ TORCH_LIBRARY(fusedamp, m) {
   // unscale_and_check_ leaves a gradient), the value written being the one added. found_inf
   // is set to 1 if a sum is not finite (an inf/NaN lookup, or FP32 overflow), else left as is.
   // telemetry (FP64[4]) and sum_sq (FP32[1]), where given, gather grad_stats_'s over the values
-  // as given (before unscaling) in the same read: combined into what they hold, this table its
-  // gradient list's position 0. An index outside [0, num_rows) is an error before anything is
-  // written.
+  // as given (before unscaling) in the same read: combined into what they hold, these values at
+  // `position` in the gradient list the telemetry counts (a non-finite one makes it the first
+  // non-finite position where it is below the one held). An index outside [0, num_rows) is an
+  // error before anything is written.
   m.def(
       "sparse_rows_sum_(Tensor indices, Tensor(a!) values, int num_rows, Tensor(b!) found_inf, "
-      "*, Tensor? inv_scale=None, Tensor(c!)? telemetry=None, Tensor(d!)? sum_sq=None) -> "
+      "*, Tensor? inv_scale=None, Tensor(c!)? telemetry=None, Tensor(d!)? sum_sq=None, "
+      "int position=0) -> "
       "(Tensor rows, Tensor sums)");
   // Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): row_sum [rows] += mean of g^2 over the
   // row; the row moves by -lr / (sqrt(row_sum) + eps) * g.

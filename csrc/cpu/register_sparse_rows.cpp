@@ -126,9 +126,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
                                                    const at::Tensor& found_inf,
                                                    const std::optional<at::Tensor>& inv_scale,
                                                    const std::optional<at::Tensor>& telemetry,
-                                                   const std::optional<at::Tensor>& sum_sq) {
+                                                   const std::optional<at::Tensor>& sum_sq,
+                                                   int64_t position) {
   kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale, telemetry,
                                  sum_sq);
+  TORCH_CHECK_VALUE(position >= 0, "fusedamp::sparse_rows_sum_: position must be >= 0, got ",
+                    position);
   const at::Tensor idx = indices.contiguous();
   const int64_t nnz = values.size(0);
   const int64_t dim = values.size(1);
@@ -151,8 +154,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
   if (r.nonfinite) {
     *found_inf.mutable_data_ptr<float>() = 1.f;
   }
-  if (s.stats) {  // this table is its list's position 0
-    const GradTelemetry stats{r.amax, r.n_small - r.n_zero, r.n_zero, r.nonfinite ? 0 : -1};
+  if (s.stats) {
+    const GradTelemetry stats{r.amax, r.n_small - r.n_zero, r.n_zero,
+                              r.nonfinite ? position : -1};
     write_stats(r.sum_sq, *sum_sq, kernels::given(telemetry) ? &stats : nullptr, telemetry);
   }
   return {rows, sums};

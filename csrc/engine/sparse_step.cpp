@@ -126,40 +126,56 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
                                    ? o.grad_scale.to(at::kDouble).reciprocal().to(at::kFloat)
                                    : at::Tensor();
   std::vector<at::Tensor> elsewhere, elsewhere_params;
-  for (const SparseTable& t : tables) {
+  // The CPU tables' values, as the op reads them: it unscales them in place, so they must be
+  // contiguous (other ones go through a contiguous copy that comes back into the gradient).
+  std::vector<size_t> on_cpu;
+  std::vector<at::Tensor> cpu_params, cpu_given, cpu_values;
+  lookups.resize(tables.size());
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const SparseTable& t = tables[i];
     const at::Tensor& g = t.param.grad();
     if (!t.param.is_cpu()) {
-      lookups.push_back({g._indices(), g._values()});
+      lookups[i] = {g._indices(), g._values()};
       elsewhere.push_back(g._values());
       elsewhere_params.push_back(t.param);
       continue;
     }
+    const at::Tensor given = g._values();
+    on_cpu.push_back(i);
+    cpu_params.push_back(t.param);
+    cpu_given.push_back(given);
+    cpu_values.push_back(given.is_contiguous() ? given : given.contiguous());
+  }
+  if (!on_cpu.empty()) {
     // Where no check is asked for, a flag that no step reads.
     const at::Tensor found = check ? flag : at::zeros({}, first.options().dtype(at::kFloat));
     const OptTensor inv = inv_scale.defined() ? OptTensor(inv_scale) : std::nullopt;
-    // The op unscales the values in place, so they must be contiguous: other ones go through a
-    // contiguous copy and come back into the gradient.
-    const at::Tensor given = g._values();
-    const at::Tensor values = given.is_contiguous() ? given : given.contiguous();
-    at::Tensor rows, sums;
+    // Every CPU table's op, each at its position in one telemetry pass over all their values.
     const auto sum_rows = [&](const OptTensor& slots, const OptTensor& sum_sq) {
-      std::tie(rows, sums) = ops::sparse_rows_sum_(g._indices(), values, t.param.size(0), found,
-                                                   inv, slots, sum_sq);
+      for (size_t k = 0; k < on_cpu.size(); ++k) {
+        const SparseTable& t = tables[on_cpu[k]];
+        auto [rows, sums] = ops::sparse_rows_sum_(t.param.grad()._indices(), cpu_values[k],
+                                                  t.param.size(0), found, inv, slots, sum_sq,
+                                                  static_cast<int64_t>(k));
+        lookups[on_cpu[k]] = {std::move(rows), std::move(sums)};
+      }
     };
     if (telemetry != nullptr) {
-      // The values' statistics, gathered in the same read straight into the record's own
-      // slots (as a dense pass's are): no slots tensor of the table's to make and add.
+      // The values' statistics, gathered in the same read straight into the record's slots.
       const at::Tensor sum_sq = at::zeros({1}, first.options().dtype(at::kFloat));
-      telemetry->grad_stats_by({t.param}, {values}, found, sum_sq, [&](const OptTensor& slots) {
+      telemetry->grad_stats_by(cpu_params, cpu_values, found, sum_sq, [&](const OptTensor& slots) {
         sum_rows(slots, slots ? OptTensor(sum_sq) : std::nullopt);
       });
     } else {
       sum_rows(std::nullopt, std::nullopt);
     }
-    if (inv && !values.is_same(given)) {
-      given.copy_(values);
+    if (inv) {
+      for (size_t k = 0; k < on_cpu.size(); ++k) {
+        if (!cpu_values[k].is_same(cpu_given[k])) {
+          cpu_given[k].copy_(cpu_values[k]);
+        }
+      }
     }
-    lookups.push_back({std::move(rows), std::move(sums)});
   }
   if (!check || elsewhere.empty()) {
     return flag;
@@ -276,7 +292,6 @@ at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepO
     check_with_dense(tables, *dense, options.who);
   }
   std::vector<Lookups> lookups;
-  lookups.reserve(tables.size());
   at::Tensor flag = check_values(tables, options, telemetry, lookups);
   if (dense != nullptr) {
     if (!flag.defined()) {

@@ -183,6 +183,27 @@ def test_statistics_in_the_same_read_are_grad_stats_over_the_values(dtype, dim):
             torch.testing.assert_close(sq, want_sq, rtol=1e-5, atol=0)
 
 
+def test_position_places_the_values_in_the_telemetrys_list():
+    """position: where these values stand in the gradient list the telemetry counts. A
+    non-finite lookup makes it the first non-finite position unless an earlier one is held; a
+    negative position is refused before anything is written."""
+    gen = torch.Generator().manual_seed(17)
+    idx, values = lookups(gen, torch.float16)
+    values[5, 0] = float("nan")
+    for held, want in ((float("inf"), 3.0), (1.0, 1.0)):
+        slots = torch.tensor([0.0, 0.0, 0.0, held], dtype=torch.float64)
+        sum_(idx, values.clone(), ROWS, torch.zeros(()), telemetry=slots, sum_sq=torch.zeros(1),
+             position=3)
+        assert slots[3] == want
+    slots = torch.tensor([0.0, 0.0, 0.0, float("inf")], dtype=torch.float64)
+    given, found = values.clone(), torch.zeros(())
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        sum_(idx, given, ROWS, found, inv_scale=torch.full((), 0.5), telemetry=slots,
+             sum_sq=torch.zeros(1), position=-1)
+    assert torch.equal(given.view(torch.int16), values.view(torch.int16))  # NaN included
+    assert found == 0 and slots[3] == float("inf")
+
+
 def test_a_scaler_records_the_tables_lookups():
     """fusedamp.GradScaler's telemetry row of a step of tables alone: the lookups' amax and
     norm (unscaled) and their underflow, where without them the row had no gradients."""

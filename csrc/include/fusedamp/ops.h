@@ -282,6 +282,7 @@ FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DECLARE_SPARSE_ROW_CALL)
 std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
                                             int64_t num_rows, const Tensor& found_inf,
                                             const OptTensor& inv_scale,
-                                            const OptTensor& telemetry, const OptTensor& sum_sq);
+                                            const OptTensor& telemetry, const OptTensor& sum_sq,
+                                            int64_t position = 0);
 
 }  // namespace fusedamp::ops
