@@ -89,7 +89,6 @@ inline void write_stats(double sq, const at::Tensor& sum_sq, const GradTelemetry
   }
 }
 
-
 // A step algorithm's kernel (its descriptor's Hyper): the rows' state addresses are its
 // state lists (state_lists of them, of state_dtype; FP32 where there are none), and with
 // 8-bit state (state_dtype int8) the one after them their block scales.

@@ -129,9 +129,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
                                                    const std::optional<at::Tensor>& sum_sq,
                                                    int64_t position) {
   kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale, telemetry,
-                                 sum_sq);
-  TORCH_CHECK_VALUE(position >= 0, "fusedamp::sparse_rows_sum_: position must be >= 0, got ",
-                    position);
+                                 sum_sq, position);
   const at::Tensor idx = indices.contiguous();
   const int64_t nnz = values.size(0);
   const int64_t dim = values.size(1);

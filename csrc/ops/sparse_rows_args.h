@@ -61,8 +61,7 @@ inline void check_sparse_master(const char* op, const at::Tensor& t, const at::T
   const MasterModeInfo* info = master_mode_keeping(m.scalar_type(), t.scalar_type());
   const bool kept = info != nullptr && t.scalar_type() != at::kFloat &&
                     master_mode_fits(*info, t.scalar_type()) &&
-                    (info->mode == MasterModes::kFp32 || info->mode == MasterModes::kSplit ||
-                     info->mode == MasterModes::kSplit8);
+                    SparseRowStores::holds(info->mode);
   TORCH_CHECK(kept, op, ": a ", t.scalar_type(), " table's master must be float32 (the master "
               "of a float16/bfloat16 table) or int16/int8 (a bfloat16 table's split remainders); "
               "got ", m.scalar_type());
@@ -163,7 +162,7 @@ inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& v
                                   int64_t num_rows, const at::Tensor& found_inf,
                                   const std::optional<at::Tensor>& inv_scale,
                                   const std::optional<at::Tensor>& telemetry,
-                                  const std::optional<at::Tensor>& sum_sq) {
+                                  const std::optional<at::Tensor>& sum_sq, int64_t position) {
   constexpr const char* op = "sparse_rows_sum_";
   check_lookups(op, indices, values, -1, values.device());
   TORCH_CHECK(values.is_contiguous(), op, ": values must be contiguous (unscaled in place)");
@@ -184,6 +183,7 @@ inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& v
     checks::rules::check_scalar(op, "sum_sq", *sum_sq, at::kFloat, values.device());
   }
   TORCH_CHECK(!given(telemetry) || given(sum_sq), op, ": telemetry is gathered with sum_sq");
+  TORCH_CHECK_VALUE(position >= 0, "fusedamp::", op, ": position must be >= 0, got ", position);
 }
 
 // Everything the kernels assume, checked before any of them runs. The index range is checked

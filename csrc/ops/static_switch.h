@@ -124,6 +124,9 @@ template <WeightStore... kStores>
 struct WeightStoreSwitchOf {
   WeightStore store;
 
+  // Whether kernels are instantiated for `mode`.
+  static constexpr bool holds(WeightStore mode) { return ((mode == kStores) || ...); }
+
   template <typename Fn>
   void visit(Fn&& fn) const {
     const bool found =
