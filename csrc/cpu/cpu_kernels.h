@@ -106,7 +106,7 @@ struct StepKernelsOf<ops::detail::TypeList<Algorithms...>> {
 using StepKernels = typename StepKernelsOf<ops::StepAlgorithms>::type;
 
 struct SparseRowsStep;  // sparse_rows.h: one row-wise sparse step, checked and bucketed
-struct SparseRowsSum;   // sparse_rows.h: a sparse gradient's lookups, bucketed, to sum per row
+struct SparseRowsSumPass;  // sparse_rows.h: a sparse gradient's lookups, bucketed, to sum per row
 struct SparseRowsSumResult;
 
 struct KernelTable {
@@ -126,7 +126,7 @@ struct KernelTable {
   void (*sparse_rows)(const SparseRowsStep& step);
   // A sparse gradient's lookups summed per row in FP32, unscaled first, with the values'
   // statistics where asked (sparse_rows_kernel.cpp).
-  SparseRowsSumResult (*sparse_rows_sum)(const SparseRowsSum& sum);
+  SparseRowsSumResult (*sparse_rows_sum)(const SparseRowsSumPass& sum);
 
   template <typename Algorithm>
   StepKernel<Algorithm> step() const {
@@ -154,7 +154,7 @@ struct KernelTable {
             const typename Algorithm::Hyper& h);                                             \
   FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_CPU_STEP_KERNEL)                                 \
   void sparse_rows_step(const SparseRowsStep& step);                                         \
-  SparseRowsSumResult sparse_rows_sum(const SparseRowsSum& sum);                             \
+  SparseRowsSumResult sparse_rows_sum(const SparseRowsSumPass& sum);                         \
   /* the table's entries, in the list's order */                                             \
   template <typename... Algorithms>                                                          \
   StepKernels step_kernels(ops::detail::TypeList<Algorithms...>) {                           \

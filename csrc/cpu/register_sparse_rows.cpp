@@ -8,9 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <optional>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -121,52 +119,51 @@ struct CpuSparseRows {
 };
 
 // sparse_rows_sum_: (the rows looked up, in first-lookup order; their lookups summed in FP32).
-std::tuple<at::Tensor, at::Tensor> sparse_rows_sum(const at::Tensor& indices,
-                                                   const at::Tensor& values, int64_t num_rows,
-                                                   const at::Tensor& found_inf,
-                                                   const std::optional<at::Tensor>& inv_scale,
-                                                   const std::optional<at::Tensor>& telemetry,
-                                                   const std::optional<at::Tensor>& sum_sq,
-                                                   int64_t position) {
-  kernels::check_sparse_rows_sum(indices, values, num_rows, found_inf, inv_scale, telemetry,
-                                 sum_sq, position);
-  const at::Tensor idx = indices.contiguous();
+ops::RowsAndSums sparse_rows_sum(const ops::SparseRowsSum& a) {
+  kernels::check_sparse_rows_sum(a);
+  const at::Tensor& values = a.values;
+  const at::Tensor idx = a.indices.contiguous();
   const int64_t nnz = values.size(0);
   const int64_t dim = values.size(1);
-  const RowBuckets buckets(idx.const_data_ptr<int64_t>(), nnz, num_rows, "sparse_rows_sum_");
+  const RowBuckets buckets(idx.const_data_ptr<int64_t>(), nnz, a.num_rows, a.kShortName);
   const auto num_slots = static_cast<int64_t>(buckets.rows.size());
   at::Tensor rows = at::empty({num_slots}, idx.options());
   std::copy(buckets.rows.begin(), buckets.rows.end(), rows.mutable_data_ptr<int64_t>());
   at::Tensor sums = at::empty({num_slots, dim}, values.options().dtype(at::kFloat));
-  SparseRowsSum s{};
+  SparseRowsSumPass s{};
   s.values_dtype = values.scalar_type();
   s.values = values.mutable_data_ptr();
   s.nnz = nnz;
   s.dim = dim;
   s.slot_of = buckets.slot_of.data();
   s.sums = sums.mutable_data_ptr<float>();
-  s.unscale = kernels::given(inv_scale);
-  s.inv_scale = s.unscale ? *inv_scale->const_data_ptr<float>() : 1.f;
-  s.stats = kernels::given(sum_sq);
+  s.unscale = kernels::given(a.inv_scale);
+  s.inv_scale = s.unscale ? *a.inv_scale->const_data_ptr<float>() : 1.f;
+  s.stats = kernels::given(a.sum_sq);
   const SparseRowsSumResult r = kernels().sparse_rows_sum(s);
   if (r.nonfinite) {
-    *found_inf.mutable_data_ptr<float>() = 1.f;
+    *a.found_inf.mutable_data_ptr<float>() = 1.f;
   }
   if (s.stats) {
     const GradTelemetry stats{r.amax, r.n_small - r.n_zero, r.n_zero,
-                              r.nonfinite ? position : -1};
-    write_stats(r.sum_sq, *sum_sq, kernels::given(telemetry) ? &stats : nullptr, telemetry);
+                              r.nonfinite ? a.position : -1};
+    write_stats(r.sum_sq, *a.sum_sq, kernels::given(a.telemetry) ? &stats : nullptr,
+                a.telemetry);
   }
   return {rows, sums};
 }
 
-static_assert(std::is_same_v<decltype(&sparse_rows_sum), decltype(&ops::sparse_rows_sum_)>,
-              "the kernel has the declaration's signature (fusedamp/ops.h)");
+// What the dispatcher's kernel (kernel_of.h) hands sparse_rows_sum_'s declaration to.
+struct SparseRowsSumEntry {
+  static ops::RowsAndSums run(const ops::SparseRowsSum& a) { return sparse_rows_sum(a); }
+};
 
 }  // namespace
 }  // namespace fusedamp::cpu
 
 TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {
   fusedamp::kernels::implement_sparse_row_ops<fusedamp::cpu::CpuSparseRows>(m);
-  m.impl("sparse_rows_sum_", &fusedamp::cpu::sparse_rows_sum);
+  m.impl(fusedamp::ops::SparseRowsSum::kShortName,
+         &fusedamp::kernels::KernelOf<fusedamp::ops::SparseRowsSum>::kernel<
+             fusedamp::cpu::SparseRowsSumEntry>);
 }

@@ -49,7 +49,7 @@ struct SparseRowsStep {
 // sparse_rows_sum_'s lookups, bucketed as for a step: each lookup's values unscaled in place
 // (where unscale) as unscale_and_check_ leaves a gradient, then added in FP32 into its slot's
 // row of sums ([num_slots, dim], slots in first-lookup order), lookups in the order given.
-struct SparseRowsSum {
+struct SparseRowsSumPass {
   c10::ScalarType values_dtype;
   void* values;  // [nnz, dim]
   int64_t nnz;

@@ -367,7 +367,7 @@ void sparse_rows_step(const SparseRowsStep& s) {
       FloatTypes{s.table_dtype}, kernels::SparseRowStores{s.store});
 }
 
-SparseRowsSumResult sparse_rows_sum(const SparseRowsSum& s) {
+SparseRowsSumResult sparse_rows_sum(const SparseRowsSumPass& s) {
   using namespace sparse_rows;
   SparseRowsSumResult out;
   static_switch(

@@ -154,9 +154,9 @@ at::Tensor check_values(const std::vector<SparseTable>& tables, const SparseStep
     const auto sum_rows = [&](const OptTensor& slots, const OptTensor& sum_sq) {
       for (size_t k = 0; k < on_cpu.size(); ++k) {
         const SparseTable& t = tables[on_cpu[k]];
-        auto [rows, sums] = ops::sparse_rows_sum_(t.param.grad()._indices(), cpu_values[k],
-                                                  t.param.size(0), found, inv, slots, sum_sq,
-                                                  static_cast<int64_t>(k));
+        auto [rows, sums] =
+            ops::sparse_rows_sum_({t.param.grad()._indices(), cpu_values[k], t.param.size(0),
+                                   found, inv, slots, sum_sq, static_cast<int64_t>(k)});
         lookups[on_cpu[k]] = {std::move(rows), std::move(sums)};
       }
     };

@@ -24,10 +24,12 @@ decltype(auto) with_arguments(const Op& args, F&& f) {
       [&](detail::Lead, const auto&... a) -> decltype(auto) { return f(handle<Op>(), a...); });
 }
 
-// The dispatcher's call of Op.
+// The dispatcher's call of Op: what the operator returns.
 template <typename Op>
-void call(const Op& args) {
-  with_arguments(args, [](const auto& op, const auto&... a) { op.call(a...); });
+decltype(auto) call(const Op& args) {
+  return with_arguments(args, [](const auto& op, const auto&... a) -> decltype(auto) {
+    return op.call(a...);
+  });
 }
 
 }  // namespace fusedamp::ops

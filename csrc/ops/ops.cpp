@@ -43,16 +43,7 @@ FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DEFINE_STEP_CALL)
 FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DEFINE_SPARSE_ROW_CALL)
 #undef FUSEDAMP_DEFINE_SPARSE_ROW_CALL
 
-std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
-                                            int64_t num_rows, const Tensor& found_inf,
-                                            const OptTensor& inv_scale,
-                                            const OptTensor& telemetry, const OptTensor& sum_sq,
-                                            int64_t position) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fusedamp::sparse_rows_sum_", "")
-                             .typed<decltype(sparse_rows_sum_)>();
-  return op.call(indices, values, num_rows, found_inf, inv_scale, telemetry, sum_sq, position);
-}
+RowsAndSums sparse_rows_sum_(const SparseRowsSum& args) { return call(args); }
 
 }  // namespace fusedamp::ops
 

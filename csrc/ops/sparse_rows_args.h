@@ -158,32 +158,30 @@ inline void check_lookups(const char* op, const at::Tensor& idx, const at::Tenso
 }
 
 // sparse_rows_sum_'s arguments (it writes the values in place: they must be contiguous).
-inline void check_sparse_rows_sum(const at::Tensor& indices, const at::Tensor& values,
-                                  int64_t num_rows, const at::Tensor& found_inf,
-                                  const std::optional<at::Tensor>& inv_scale,
-                                  const std::optional<at::Tensor>& telemetry,
-                                  const std::optional<at::Tensor>& sum_sq, int64_t position) {
-  constexpr const char* op = "sparse_rows_sum_";
-  check_lookups(op, indices, values, -1, values.device());
+inline void check_sparse_rows_sum(const ops::SparseRowsSum& a) {
+  const char* op = a.kShortName;
+  const at::Tensor& values = a.values;
+  check_lookups(op, a.indices, values, -1, values.device());
   TORCH_CHECK(values.is_contiguous(), op, ": values must be contiguous (unscaled in place)");
-  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
-  checks::rules::check_scalar(op, "found_inf", found_inf, at::kFloat, values.device());
-  if (given(inv_scale)) {
-    checks::rules::check_scalar(op, "inv_scale", *inv_scale, at::kFloat, values.device());
+  TORCH_CHECK(a.num_rows >= 0, op, ": num_rows must be >= 0, got ", a.num_rows);
+  checks::rules::check_scalar(op, "found_inf", a.found_inf, at::kFloat, values.device());
+  if (given(a.inv_scale)) {
+    checks::rules::check_scalar(op, "inv_scale", *a.inv_scale, at::kFloat, values.device());
   }
-  if (given(telemetry)) {
-    const at::Tensor& t = *telemetry;
+  if (given(a.telemetry)) {
+    const at::Tensor& t = *a.telemetry;
     TORCH_CHECK(t.layout() == at::kStrided && t.scalar_type() == at::kDouble &&
                     t.numel() == math::kTelemetrySlots && t.is_contiguous() &&
                     t.device() == values.device(),
                 op, ": telemetry must be a contiguous float64 tensor of ",
                 math::kTelemetrySlots, " elements on the values' device");
   }
-  if (given(sum_sq)) {
-    checks::rules::check_scalar(op, "sum_sq", *sum_sq, at::kFloat, values.device());
+  if (given(a.sum_sq)) {
+    checks::rules::check_scalar(op, "sum_sq", *a.sum_sq, at::kFloat, values.device());
   }
-  TORCH_CHECK(!given(telemetry) || given(sum_sq), op, ": telemetry is gathered with sum_sq");
-  TORCH_CHECK_VALUE(position >= 0, "fusedamp::", op, ": position must be >= 0, got ", position);
+  TORCH_CHECK(!given(a.telemetry) || given(a.sum_sq), op, ": telemetry is gathered with sum_sq");
+  TORCH_CHECK_VALUE(a.position >= 0, "fusedamp::", op, ": position must be >= 0, got ",
+                    a.position);
 }
 
 // Everything the kernels assume, checked before any of them runs. The index range is checked

@@ -70,6 +70,7 @@ TEST_CASE("each operator's declaration lists its schema's arguments in order", "
 #define FUSEDAMP_CHECK_SPARSE_ROW_OP(Op, op, Algorithm) check_declaration<fusedamp::ops::Op>();
   FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_CHECK_SPARSE_ROW_OP)
 #undef FUSEDAMP_CHECK_SPARSE_ROW_OP
+  check_declaration<fusedamp::ops::SparseRowsSum>();
 }
 
 namespace {

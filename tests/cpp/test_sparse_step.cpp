@@ -109,3 +109,23 @@ TEST_CASE("sparse_step refuses a bad table before writing any") {
   CHECK(same_bits(tables[0].param.detach(), before));
   CHECK(tables[0].step.item<float>() == 0.f);
 }
+
+TEST_CASE("sparse_rows_sum_ from C++: each row's lookups summed, in first-lookup order") {
+  const Tensor indices = at::tensor({3, 1, 3, 3}, at::kLong).unsqueeze(0);
+  const Tensor values = at::arange(8, at::kFloat).reshape({4, 2});
+  const Tensor found = at::zeros({}, at::kFloat);
+  fusedamp::ops::SparseRowsSum op;  // the declaration's defaults: no unscale, no statistics
+  CHECK(op.position == 0);
+  op.indices = indices[0];
+  op.values = values;
+  op.num_rows = 4;
+  op.found_inf = found;
+  const auto [rows, sums] = fusedamp::ops::sparse_rows_sum_(op);
+  CHECK(at::equal(rows, at::tensor({3, 1}, at::kLong)));
+  // Row 3: lookups 0, 2 and 3 ({0, 1} + {4, 5} + {6, 7}); row 1: lookup 1.
+  CHECK(at::equal(sums, at::tensor({10.f, 13.f, 2.f, 3.f}).reshape({2, 2})));
+  CHECK(found.item<float>() == 0.f);
+  op.num_rows = 3;  // row 3 out of range: refused, the values untouched
+  CHECK_THROWS_WITH(fusedamp::ops::sparse_rows_sum_(op), Catch::Contains("out of range"));
+  CHECK(at::equal(values, at::arange(8, at::kFloat).reshape({4, 2})));
+}

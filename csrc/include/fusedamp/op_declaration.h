@@ -130,20 +130,21 @@ auto params_of() {
 template <typename... A, typename... B>
 TypeList<A..., B...> operator+(TypeList<A...>, TypeList<B...>);
 
-template <typename L>
+template <typename Result, typename L>
 struct FunctionOf;
-template <typename... A>
-struct FunctionOf<TypeList<A...>> {
-  using type = void(A...);
+template <typename Result, typename... A>
+struct FunctionOf<Result, TypeList<A...>> {
+  using type = Result(A...);
 };
 
-// The dispatcher's function type of a comma-led parameter list: groups spread into their
-// fields' types.
-template <typename F>
+// The dispatcher's function type, returning Result, of a comma-led parameter list: groups
+// spread into their fields' types.
+template <typename Result, typename F>
 struct DropLead;
-template <typename... A>
-struct DropLead<void(Lead, A...)> {
-  using type = typename FunctionOf<decltype((TypeList<>{} + ... + params_of<A>()))>::type;
+template <typename Result, typename... A>
+struct DropLead<Result, void(Lead, A...)> {
+  using type =
+      typename FunctionOf<Result, decltype((TypeList<>{} + ... + params_of<A>()))>::type;
 };
 
 template <typename... A>
@@ -194,12 +195,15 @@ void visit_field(F& f, T& field, size_t& i, const char* name) {
   +::fusedamp::ops::detail::field_count<::fusedamp::ops::kind::K>()
 
 // struct Op for the operator fusedamp::<op> with the arguments ARGS(X) lists as X(kind, name).
-#define FUSEDAMP_DECLARE_OP(Op, op, ARGS)                                                    \
+#define FUSEDAMP_DECLARE_OP(Op, op, ARGS) FUSEDAMP_DECLARE_OP_RETURNING(Op, op, void, ARGS)
+
+// The same for an operator that returns Result (a type's name: its outputs, as the schema's).
+#define FUSEDAMP_DECLARE_OP_RETURNING(Op, op, Result, ARGS)                                  \
   struct Op {                                                                                \
     static constexpr const char* kName = "fusedamp::" #op;                                   \
     static constexpr const char* kShortName = #op;                                           \
     static constexpr size_t kArgCount = 0 ARGS(FUSEDAMP_OP_COUNT);                            \
-    using Signature = typename ::fusedamp::ops::detail::DropLead<void(                      \
+    using Signature = typename ::fusedamp::ops::detail::DropLead<Result, void(              \
         ::fusedamp::ops::detail::Lead ARGS(FUSEDAMP_OP_PARAM))>::type;                       \
     ARGS(FUSEDAMP_OP_FIELD)                                                                  \
     template <typename F>                                                                    \

@@ -207,6 +207,21 @@ FUSEDAMP_DECLARE_OP(SparseAdamStep, sparse_adam_step_, FUSEDAMP_SPARSE_ADAM_STEP
 FUSEDAMP_DECLARE_OP(SparseRowWiseAdagradStep, sparse_rowwise_adagrad_step_,
                     FUSEDAMP_SPARSE_ROWWISE_ADAGRAD_STEP_ARGS);
 
+// A sparse gradient's lookups summed per row (schemas.cpp; CPU): returns (rows, sums), whose
+// sizes are data.
+using RowsAndSums = std::tuple<Tensor, Tensor>;
+#define FUSEDAMP_SPARSE_ROWS_SUM_ARGS(X) \
+  X(Tensor, indices)                     \
+  X(Tensor, values)                      \
+  X(Int, num_rows)                       \
+  X(Tensor, found_inf)                   \
+  X(OptTensor, inv_scale)                \
+  X(OptTensor, telemetry)                \
+  X(OptTensor, sum_sq)                   \
+  X(Int, position)
+FUSEDAMP_DECLARE_OP_RETURNING(SparseRowsSum, sparse_rows_sum_, RowsAndSums,
+                              FUSEDAMP_SPARSE_ROWS_SUM_ARGS);
+
 // The row-wise step operators, one row each: X(Op, op, Algorithm), Algorithm the
 // math::SparseRowsAlgorithm it runs.
 #define FUSEDAMP_SPARSE_ROW_OPS(X)                                      \
@@ -277,12 +292,6 @@ FUSEDAMP_STEP_ALGORITHMS(FUSEDAMP_DECLARE_STEP_CALL)
 #define FUSEDAMP_DECLARE_SPARSE_ROW_CALL(Op, op, Algorithm) void op(const Op& args);
 FUSEDAMP_SPARSE_ROW_OPS(FUSEDAMP_DECLARE_SPARSE_ROW_CALL)
 #undef FUSEDAMP_DECLARE_SPARSE_ROW_CALL
-// sparse_rows_sum_ (schemas.cpp; CPU): (rows, sums). Its outputs' sizes are data, so it is
-// declared as the function the dispatcher knows rather than as an argument list.
-std::tuple<Tensor, Tensor> sparse_rows_sum_(const Tensor& indices, const Tensor& values,
-                                            int64_t num_rows, const Tensor& found_inf,
-                                            const OptTensor& inv_scale,
-                                            const OptTensor& telemetry, const OptTensor& sum_sq,
-                                            int64_t position = 0);
+RowsAndSums sparse_rows_sum_(const SparseRowsSum& args);
 
 }  // namespace fusedamp::ops
