@@ -44,9 +44,13 @@ test-cpp:
 # wait on each other (2-core Xeon, 2026-12-06: 2 min 11 s, against 2 min 40 s in one process on
 # one thread and 4 min 7 s on torch's default two). test_thread_count.py sets its own thread
 # counts: the multi-threaded kernels are checked there, bit for bit against one thread.
+# Each file's tests on one worker (--dist loadfile): a module's fixture that launches ranks
+# (test_zero, test_fsdp_checkpoint, ...) then runs once, not once per worker (same machine,
+# back to back: 2 min 18 s against 2 min 38 s).
 PYTEST_WORKERS ?= $(JOBS)
 test-python:
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) tests/python
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) \
+	  --dist loadfile tests/python
 
 # The C++ example and the packaging check, each a separate CMake project built against the
 # installed package (find_package(fusedamp)). PREFIX: where to install it.

@@ -24,13 +24,14 @@ def test_initialize_resnet18(device, dtype):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    # 4 images of 24x24 and a first scale of 2^10 (2^16 overflows the first steps' FP16
-    # gradients, each skipped step a whole pass): FP16 convolutions are slow on a CPU (on one
-    # thread of the 2-core Xeon these 5 steps take 8 s, 13 s with 8 images).
+    # 4 images of 16x16 (every stage still runs; the last ones on 1x1 maps) and a first scale
+    # of 2^10 (2^16 overflows the first steps' FP16 gradients, each skipped step a whole pass):
+    # FP16 convolutions are slow on a CPU (on one thread of the 2-core Xeon a pass takes ~40x
+    # BF16's; these 5 steps 6.5 s, 8.4 s on 24x24 images).
     model, opt, scaler = fusedamp.initialize(model, opt, dtype, init_scale=2.0 ** 10)
     assert _norms_fp32(model) > 0
     assert model.conv1.weight.dtype == dtype
-    x = torch.randn(4, 3, 24, 24, device=device)
+    x = torch.randn(4, 3, 16, 16, device=device)
     y = torch.randint(0, 10, (4,), device=device)
     losses = []
     for _ in range(5):
