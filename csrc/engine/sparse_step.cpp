@@ -10,9 +10,12 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <fusedamp/master_modes.h>
 #include <fusedamp/math/stochastic_rounding_math.h>
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
+#include <fusedamp/optim/param_state.h>
 
 #include "../ops/sparse_rows_args.h"
 
@@ -279,6 +282,40 @@ void check_sparse_tables(const std::vector<SparseTable>& tables,
   const at::Tensor& flag = options.found_inf;
   TORCH_CHECK(!flag.defined() || tables.empty() || flag.device() == tables.front().param.device(),
               options.who, ": found_inf must be on the tables' device");
+}
+
+void check_sparse_master_weights(const MasterWeights& mode, const std::string& who) {
+  if (kernels::SparseRowStores::holds(mode.kind())) {
+    return;
+  }
+  std::ostringstream taken;
+  for (const MasterModeInfo& info : kMasterModes) {
+    if (info.spelling != nullptr && kernels::SparseRowStores::holds(info.mode)) {
+      taken << (taken.tellp() > 0 ? ", " : "") << info.spelling << " (" << info.about << ")";
+    }
+  }
+  TORCH_CHECK_VALUE(false, who, ": master_weights=", master_mode_info(mode.kind()).spelling,
+                    " is not supported for sparse tables, which take ", taken.str());
+}
+
+std::optional<std::pair<const char*, at::Tensor>> new_sparse_master(const at::Tensor& table,
+                                                                    const MasterWeights& mode,
+                                                                    const std::string& who) {
+  check_sparse_master_weights(mode, who);
+  const MasterModeInfo& info = master_mode_info(mode.kind());
+  const at::ScalarType dtype = table.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return std::nullopt;
+  }
+  switch (info.kept) {
+    case MasterKept::kFp32Master:
+      return std::make_pair(kMasterParam, table.detach().to(at::kFloat));
+    case MasterKept::kRemainder:
+      return std::make_pair(kParamRemainder,
+                            at::zeros(table.sizes(), table.options().dtype(info.kept_dtype)));
+    default:
+      return std::nullopt;
+  }
 }
 
 at::Tensor sparse_step(const std::vector<SparseTable>& tables, const SparseStepOptions& options,

@@ -64,16 +64,6 @@ std::string group_name(size_t i) {
   return "param group " + std::to_string(i);
 }
 
-// A param group's master_weights: True / False, or a mode's name (numbers other than bools
-// would hide a typo).
-optim::MasterWeights master_weights_of(py::handle value, const std::string& where) {
-  TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
-                    where, ": master_weights must be ", optim::MasterWeights::choices(),
-                    "; got ", py::repr(value).cast<std::string>());
-  return py::isinstance<py::bool_>(value)
-             ? optim::MasterWeights(value.cast<bool>())
-             : optim::MasterWeights::from_name(value.cast<std::string>());
-}
 
 at::ScalarType state_dtype_of(py::handle value, const std::string& where) {
   TORCH_CHECK_VALUE(THPDtype_Check(value.ptr()), where,
@@ -252,6 +242,17 @@ void bind_kind(py::module_& m, const char* name) {
 }
 
 }  // namespace
+
+// A param group's master_weights: True / False, or a mode's name (numbers other than bools
+// would hide a typo).
+optim::MasterWeights master_weights_of(py::handle value, const std::string& where) {
+  TORCH_CHECK_VALUE(py::isinstance<py::bool_>(value) || py::isinstance<py::str>(value),
+                    where, ": master_weights must be ", optim::MasterWeights::choices(),
+                    "; got ", py::repr(value).cast<std::string>());
+  return py::isinstance<py::bool_>(value)
+             ? optim::MasterWeights(value.cast<bool>())
+             : optim::MasterWeights::from_name(value.cast<std::string>());
+}
 
 void bind_optim(py::module_& m) {
   py::class_<Optimizer>(m, "Optimizer")

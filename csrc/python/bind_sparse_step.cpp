@@ -1,11 +1,13 @@
 // Binding of fusedamp::optim::sparse_step (fusedamp/optim/sparse_step.h): what
 // python/fusedamp/sparse_optim.py and sparse_sgd.py relay. Python owns the tables' state dicts
-// and passes, per table, the parameter, its master, its state tensors, its step count and its
-// group's options as a dict of torch.optim's names.
+// (each table's master made by the engine, new_sparse_master) and passes, per table, the
+// parameter, its master, its state tensors, its step count and its group's options as a dict
+// of torch.optim's names.
 #include <ATen/record_function.h>
 #include <fusedamp/grad_scaler.h>
 #include <fusedamp/ops.h>
 #include <fusedamp/optim/optimizer.h>
+#include <fusedamp/optim/options.h>
 #include <fusedamp/optim/sparse_step.h>
 
 #include <optional>
@@ -140,6 +142,24 @@ void bind_sparse_step(py::module_& m) {
       py::arg("telemetry_of") = nullptr, py::arg("record_as") = py::none(),
       "One step of embedding tables with sparse gradients (fusedamp/optim/sparse_step.h); "
       "returns the inf/NaN flag it was decided by, or None.");
+  m.def(
+      "check_sparse_master_weights",
+      [](py::handle master_weights, const std::string& who) {
+        optim::check_sparse_master_weights(master_weights_of(master_weights, who), who);
+      },
+      py::arg("master_weights"), py::arg("who"),
+      "Raises ValueError where the sparse steps do not take this master_weights.");
+  m.def(
+      "new_sparse_master",
+      [](const at::Tensor& table, py::handle master_weights, const std::string& who) {
+        const auto kept =
+            optim::new_sparse_master(table, master_weights_of(master_weights, who), who);
+        return kept ? py::object(py::make_tuple(kept->first, kept->second))
+                    : py::object(py::none());
+      },
+      py::arg("table"), py::arg("master_weights"), py::arg("who"),
+      "A table's master for its first step under master_weights: (its state's name, the "
+      "tensor), or None where the table keeps none.");
 }
 
 }  // namespace fusedamp::python

@@ -53,18 +53,10 @@ ALGORITHMS = {
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# The split modes' remainders beside a BF16 table (csrc/include/fusedamp/master_modes.h). An
-# FP16 table given one is refused by the engine before anything is written.
-_REMAINDERS = {"split": torch.int16, "split8": torch.int8}
-
 
 def check_master_option(group, who):
-    mode = group.get("master_weights", True)
-    if mode not in (True, False, "stochastic", *_REMAINDERS):
-        raise ValueError(f"{who}: master_weights={mode!r} is not supported for sparse tables "
-                         "(True: an FP32 master; False: the table stepped in its own dtype; "
-                         "'split'/'split8': a bfloat16 table's int16/int8 remainders; "
-                         "'stochastic': a bfloat16 table rounded stochastically, no master)")
+    """Raises ValueError where the sparse steps do not take the group's master_weights."""
+    _C.check_sparse_master_weights(group.get("master_weights", True), who)
 
 
 def table_options(algorithm, group, p, index):
@@ -110,19 +102,19 @@ def engine_step(algorithm, entries, known, make_state, groups, grad_scale, found
     return flag
 
 
-def new_state(p, group, algorithm, initial=0.0):
-    """A table's state as the op takes it: FP32 tensors, the step count, the master."""
+def new_state(p, group, algorithm, who, initial=0.0):
+    """A table's state as the op takes it: FP32 tensors, the step count, the master (the
+    engine's, by the group's master_weights)."""
     state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
     for key, shape in algorithm.state:
         if key == "momentum_buffer" and group.get("momentum", 0) == 0:
             continue
         size = p.shape if shape == "table" else p.shape[:1]
         state[key] = torch.full(size, initial, dtype=torch.float32, device=p.device)
-    mode = group.get("master_weights", True)
-    if p.dtype in _LOW_PRECISION and mode in _REMAINDERS:  # weight + 0 is the weight exactly
-        state["param_remainder"] = torch.zeros(p.shape, dtype=_REMAINDERS[mode], device=p.device)
-    elif p.dtype in _LOW_PRECISION and mode not in (False, "stochastic"):
-        state["master_param"] = p.detach().float()
+    master = _C.new_sparse_master(p, group.get("master_weights", True), who)
+    if master is not None:
+        key, tensor = master
+        state[key] = tensor
     return state
 
 
@@ -152,7 +144,8 @@ class SparseRowOptimizer(torch.optim.Optimizer):
             check_master_option(group, type(self).__name__)
 
     def _new_state(self, p, group):
-        return new_state(p, group, self._algorithm, group.get(self._initial_accumulator, 0.0))
+        return new_state(p, group, self._algorithm, type(self).__name__,
+                         group.get(self._initial_accumulator, 0.0))
 
     def _state_of(self, p, group):
         state = self.state[p]

@@ -63,7 +63,7 @@ def step(optimizer, record_as, grad_scale, found_inf, telemetry):
     if any(p.grad is not None and not p.grad.is_sparse for g in groups for p in g["params"]):
         engine.sync_changed_options(groups, optimizer._synced_options)
     engine_step(ALGORITHMS["sgd"], entries, table_states(optimizer),
-                lambda p, group: new_state(p, group, ALGORITHMS["sgd"]), groups, grad_scale,
+                lambda p, group: new_state(p, group, ALGORITHMS["sgd"], _WHO), groups, grad_scale,
                 found_inf, _WHO, engine, telemetry, record_as)
 
 

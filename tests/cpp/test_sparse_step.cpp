@@ -5,6 +5,8 @@
 #include <fusedamp/fusedamp.h>
 
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -128,4 +130,27 @@ TEST_CASE("sparse_rows_sum_ from C++: each row's lookups summed, in first-lookup
   op.num_rows = 3;  // row 3 out of range: refused, the values untouched
   CHECK_THROWS_WITH(fusedamp::ops::sparse_rows_sum_(op), Catch::Contains("out of range"));
   CHECK(at::equal(values, at::arange(8, at::kFloat).reshape({4, 2})));
+}
+
+TEST_CASE("new_sparse_master: what each master-weight mode keeps beside a table") {
+  using fo::MasterWeights;
+  const Tensor bf16 = at::randn({kRows, kDim}).to(at::kBFloat16);
+  const auto fp32 = fo::new_sparse_master(bf16, MasterWeights(true), "test");
+  REQUIRE(fp32.has_value());
+  CHECK(std::string(fp32->first) == "master_param");
+  CHECK(at::equal(fp32->second, bf16.to(at::kFloat)));
+  for (const auto& [name, dtype] : {std::pair{"split", at::kShort}, {"split8", at::kChar}}) {
+    const auto kept = fo::new_sparse_master(bf16, MasterWeights::from_name(name), "test");
+    REQUIRE(kept.has_value());
+    CHECK(std::string(kept->first) == "param_remainder");
+    CHECK(kept->second.scalar_type() == dtype);
+    CHECK(!kept->second.any().item<bool>());  // weight + 0 is the weight
+  }
+  CHECK(!fo::new_sparse_master(bf16, MasterWeights(false), "test").has_value());
+  CHECK(!fo::new_sparse_master(bf16, MasterWeights::from_name("stochastic"), "test"));
+  CHECK(!fo::new_sparse_master(at::zeros({2, 2}), MasterWeights(true), "test"));  // its own
+  CHECK_THROWS_AS(fo::new_sparse_master(bf16, MasterWeights::from_name("kahan"), "test"),
+                  c10::ValueError);
+  CHECK_THROWS_WITH(fo::check_sparse_master_weights(MasterWeights::from_name("kahan"), "test"),
+                    Catch::Contains("not supported for sparse tables"));
 }

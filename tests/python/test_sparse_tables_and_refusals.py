@@ -89,7 +89,7 @@ def test_sgd_refuses_a_storage_mode_tables_do_not_have(device):
     opt = fusedamp.optim.SGD([p], lr=0.1, momentum=0.9, master_weights="kahan")
     p.grad = sparse_grad(gen, dtype=torch.bfloat16, device=device)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match="master_weights='kahan' is not supported for sparse"):
+    with pytest.raises(ValueError, match='master_weights="kahan" is not supported for sparse'):
         opt.step()
     assert torch.equal(p.detach(), before) and not opt.state[p]
 

@@ -23,10 +23,12 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fusedamp::optim {
 
+class MasterWeights;
 class Optimizer;
 
 using SparseAlgorithm = math::SparseRowsAlgorithm;
@@ -66,6 +68,21 @@ struct SparseStepOptions {
 // nothing. The operators check the rest of their arguments (state shapes, hyper-parameters).
 void check_sparse_tables(const std::vector<SparseTable>& tables,
                          const SparseStepOptions& options);
+
+// The sparse steps' master-weight modes (MasterWeights' names): True, an FP32 master; False,
+// the table stepped in its own dtype; "split" / "split8", a BF16 table's int16 / int8
+// remainders; "stochastic", a BF16 table rounded stochastically. Throws c10::ValueError naming
+// `who` for another mode.
+void check_sparse_master_weights(const MasterWeights& mode, const std::string& who);
+
+// A table's master for its first step under `mode`, with its name in the table's state
+// (param_state.h): an FP16/BF16 table's FP32 copy (master_param) or, in a split mode, its
+// remainders, zero (param_remainder: weight + 0 is the weight); none for the table alone,
+// stochastic rounding, and a float32 table in every mode (its own master). Checks `mode` as
+// above; the step checks the rest (a float16 table has no split remainders).
+std::optional<std::pair<const char*, at::Tensor>> new_sparse_master(const at::Tensor& table,
+                                                                    const MasterWeights& mode,
+                                                                    const std::string& who);
 
 // The whole step. `dense` (optional): an engine optimizer whose parameters with dense
 // gradients step between the check and the tables, seeded with the tables' flag; the tables'
