@@ -64,7 +64,7 @@ float* summed_rows(int64_t n) {
 }
 
 // What sum_lookups gathers for grad_stats_'s telemetry and sum of squares, in lanes, for a
-// block of lookups; add() takes a pair of the values as given (p: their memory, n of them).
+// chunk of values; add() takes a pair of the values as given (p: their memory, n of them).
 // 16-bit values are counted from their bit patterns (half_patterns.h: half the instructions
 // of the float forms); FP32 ones as floats. Two chains of squares, one per vector of a pair.
 template <typename TV>
@@ -112,25 +112,58 @@ struct LookupStats {
   }
 };
 
+// grad_stats_'s statistics of n values as given (`out` gathers them), read flat: whole pairs
+// but for the last, whatever the row width (a short row alone would leave most of a pair's
+// lanes idle). Counts stay in lanes for at most 2^13 pairs, exact in 16-bit and float lanes
+// alike, then go into doubles.
+template <typename TV>
+void flat_stats(const TV* v, int64_t n, SparseRowsSumResult& out) {
+  constexpr int64_t kMaxChunk = (int64_t{1} << 13) * kPair;
+  for (int64_t c0 = 0; c0 < n; c0 += kMaxChunk) {
+    const int64_t c1 = std::min(n, c0 + kMaxChunk);
+    LookupStats<TV> stats;
+    for (int64_t i = c0; i < c1; i += kPair) {
+      Vec v0, v1;
+      PairIO<TV>::load(v + i, c1 - i, v0, v1);
+      stats.add(v + i, c1 - i, v0, v1);
+    }
+    stats.into(out);
+    // The last pair loads zeros past the end: they counted as small and as zero.
+    const auto padding = static_cast<double>((kPair - (c1 - c0) % kPair) % kPair);
+    out.n_small -= padding;
+    out.n_zero -= padding;
+  }
+}
+
+// Lookups per block: ~4,096 values. Where the statistics read a block flat, the sums read it
+// again from the core's first-level cache.
+constexpr int64_t kBlockValues = 4096;
+
 // Slots are numbered in first-lookup order, so lookup k is its row's first exactly when its
 // slot is the next new one. With kUnscale each lookup is first multiplied by inv_scale and
 // written back into values (in its dtype), the value then added being the one written. The
 // result says whether any partial sum was non-finite: an inf or NaN lookup leaves its row's sum
 // so, and so does a sum that overflows FP32. With kStats it also holds grad_stats_'s telemetry
-// and sum of squares of the values as given (math/telemetry_math.h), in the same read.
+// and sum of squares of the values as given (math/telemetry_math.h), before they are unscaled:
+// in the same read, or, for rows shorter than a pair, flat block by block (such a row would
+// leave most lanes idle: 26 FP16 tables of 512 lookups of 16 on AVX-512, telemetry's cost
+// 1.12x the step -> 1.04x; with rows of 64 the reread cost more than it saved).
 template <typename TV, bool kUnscale, bool kStats>
 SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of,
                                 float* sums, float inv_scale) {
-  // Counts stay in lanes for a block of lookups, a lane taking one element per pair: at most
-  // 2^13 per block, exact in 16-bit and float lanes alike; then they go into doubles.
-  const int64_t block = std::max<int64_t>(1, 8192 / ((d + kPair - 1) / kPair));
+  const int64_t block = std::max<int64_t>(1, kBlockValues / std::max<int64_t>(d, 1));
   const Vec scale(inv_scale);
   Vec bad(0.f);
   SparseRowsSumResult out;
   int32_t next_new = 0;
+  const bool flat = d < kPair;
   for (int64_t k0 = 0; k0 < nnz; k0 += block) {
+    const int64_t k1 = std::min(nnz, k0 + block);
     LookupStats<TV> stats;
-    for (int64_t k = k0; k < std::min(nnz, k0 + block); ++k) {
+    if (kStats && flat) {
+      flat_stats<TV>(values + k0 * d, (k1 - k0) * d, out);
+    }
+    for (int64_t k = k0; k < k1; ++k) {
       const int32_t slot = slot_of[k];
       float* acc = sums + static_cast<int64_t>(slot) * d;
       TV* v = values + k * d;
@@ -140,7 +173,7 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
         const int64_t n = d - i;
         Vec a0, a1, v0, v1;
         PairIO<TV>::load(v + i, n, v0, v1);
-        if constexpr (kStats) {
+        if (kStats && !flat) {
           stats.add(v + i, n, v0, v1);
         }
         if constexpr (kUnscale) {
@@ -161,11 +194,11 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
         PairIO<float>::store(acc + i, n, v0, v1);
       }
     }
-    if constexpr (kStats) {
+    if (kStats && !flat) {
       stats.into(out);
     }
   }
-  if constexpr (kStats) {
+  if (kStats && !flat) {
     // A row's last pair loads zeros past its end: they counted as small and as zero.
     const auto padding = static_cast<double>((kPair - d % kPair) % kPair * nnz);
     out.n_small -= padding;

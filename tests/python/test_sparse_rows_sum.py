@@ -154,13 +154,15 @@ def test_optimizer_under_a_scaler_steps_as_its_op_given_the_lookups():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [DIM, 37, 5])  # a tail pair on every instruction set
-def test_statistics_in_the_same_read_are_grad_stats_over_the_values(dtype, dim):
+@pytest.mark.parametrize("nnz", [300, 2000])  # one block of ~4,096 values, and several
+def test_statistics_in_the_same_read_are_grad_stats_over_the_values(dtype, dim, nnz):
     """telemetry and sum_sq, gathered while summing, as grad_stats_ finds them over the values
     tensor (before unscaling): amax, counts below the smallest normal and of zeros (the zero
-    lanes past a row's end left out), the first non-finite position, the sum of squares."""
+    lanes past a row's or a block's end left out), the first non-finite position, the sum of
+    squares. Rows shorter than a pair are read flat, block by block; longer ones row by row."""
     gen = torch.Generator().manual_seed(12)
-    idx = (torch.rand(300, generator=gen) ** 2 * ROWS).long()[None]
-    values = torch.randn(300, dim, generator=gen) * 8
+    idx = (torch.rand(nnz, generator=gen) ** 2 * ROWS).long()[None]
+    values = torch.randn(nnz, dim, generator=gen) * 8
     values[::7] = 0.0
     values[3, :2] = 1e-39 if dtype != torch.float16 else 3e-6  # subnormal in its dtype
     values = values.to(dtype)
