@@ -23,11 +23,11 @@ const char* MasterWeights::name() const {
   return info().spelling != nullptr ? info().spelling : "(a kernel variant, no option)";
 }
 
-std::string MasterWeights::choices() {
+std::string MasterWeights::choices(bool (*taken)(Kind)) {
   std::vector<std::string> modes;
   std::string other_names;
   for (const auto& info : kMasterModes) {
-    if (info.spelling == nullptr) {
+    if (info.spelling == nullptr || (taken != nullptr && !taken(info.mode))) {
       continue;
     }
     modes.push_back(std::string(info.spelling) + " (" + info.about + ")");

@@ -285,24 +285,17 @@ void check_sparse_tables(const std::vector<SparseTable>& tables,
 }
 
 void check_sparse_master_weights(const MasterWeights& mode, const std::string& who) {
-  if (kernels::SparseRowStores::holds(mode.kind())) {
-    return;
-  }
-  std::ostringstream taken;
-  for (const MasterModeInfo& info : kMasterModes) {
-    if (info.spelling != nullptr && kernels::SparseRowStores::holds(info.mode)) {
-      taken << (taken.tellp() > 0 ? ", " : "") << info.spelling << " (" << info.about << ")";
-    }
-  }
-  TORCH_CHECK_VALUE(false, who, ": master_weights=", master_mode_info(mode.kind()).spelling,
-                    " is not supported for sparse tables, which take ", taken.str());
+  TORCH_CHECK_VALUE(kernels::SparseRowStores::holds(mode.kind()), who,
+                    ": master_weights=", mode.name(),
+                    " is not supported for sparse tables, which take ",
+                    MasterWeights::choices(&kernels::SparseRowStores::holds));
 }
 
 std::optional<std::pair<const char*, at::Tensor>> new_sparse_master(const at::Tensor& table,
                                                                     const MasterWeights& mode,
                                                                     const std::string& who) {
   check_sparse_master_weights(mode, who);
-  const MasterModeInfo& info = master_mode_info(mode.kind());
+  const MasterModeInfo& info = mode.info();
   const at::ScalarType dtype = table.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) {
     return std::nullopt;

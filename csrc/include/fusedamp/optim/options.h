@@ -49,8 +49,9 @@ class MasterWeights : public MasterModes {
   bool fits(at::ScalarType param_dtype) const;
   // Python's spelling: True, False, "split", ...
   const char* name() const;
-  // Every mode with its spelling and what it keeps, for messages.
-  static std::string choices();
+  // Every mode with its spelling and what it keeps, for messages; with `taken`, those it holds
+  // for.
+  static std::string choices(bool (*taken)(Kind) = nullptr);
   // From the number set_group_option and archives carry (the mode's code); throws
   // c10::ValueError.
   static MasterWeights from_code(double code);
