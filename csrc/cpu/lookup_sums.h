@@ -20,13 +20,14 @@ namespace sparse_rows {
 // What sum_lookups gathers for grad_stats_'s telemetry and sum of squares, in lanes, for a
 // chunk of values; add() takes a pair of the values as given (p: their memory, n of them).
 // 16-bit values are counted from their bit patterns (half_patterns.h: half the instructions
-// of the float forms); FP32 ones as floats. Two chains of squares, one per vector of a pair.
+// of the float forms); FP32 ones as floats. The squares go to the lanes of SquareSums (j: the
+// pair's place in its group), so every instruction set sums them in the same order.
 template <typename TV>
 struct LookupStats {
   static constexpr bool kHalf = !std::is_same_v<TV, float>;
   std::conditional_t<kHalf, HalfPatternLanes<TV, true, true>, math::TelemetryLanes<Vec>> lanes =
       {};
-  Vec squares[2] = {Vec(0.f), Vec(0.f)};
+  SquareSums squares;
 
   LookupStats() {
     if constexpr (!kHalf) {
@@ -34,7 +35,8 @@ struct LookupStats {
     }
   }
 
-  C10_ALWAYS_INLINE void add(const TV* p, int64_t n, const Vec& v0, const Vec& v1) {
+  template <typename Place>
+  C10_ALWAYS_INLINE void add(const TV* p, int64_t n, const Vec& v0, const Vec& v1, Place j) {
     if constexpr (kHalf) {
       if (n >= kPair) {
         lanes.add(p);
@@ -46,8 +48,7 @@ struct LookupStats {
       math::accumulate_telemetry(lanes, v0, smallest_normal);
       math::accumulate_telemetry(lanes, v1, smallest_normal);
     }
-    squares[0] = math::accumulate_square(squares[0], v0);
-    squares[1] = math::accumulate_square(squares[1], v1);
+    squares.add(j, v0, v1);
   }
 
   void into(SparseRowsSumResult& out) const {
@@ -62,7 +63,7 @@ struct LookupStats {
       out.n_small += lane_sum(lanes.n_small);
       out.n_zero += lane_sum(lanes.n_zero);
     }
-    out.sum_sq += static_cast<double>(lane_sum(squares[0])) + lane_sum(squares[1]);
+    out.sum_sq += static_cast<double>(squares.fold());
   }
 };
 
@@ -75,19 +76,21 @@ inline void uncount_padding(SparseRowsSumResult& out, int64_t count) {
 
 // grad_stats_'s statistics of n values as given (`out` gathers them), read flat: whole pairs
 // but for the last, whatever the row width (a short row alone would leave most of a pair's
-// lanes idle). Counts stay in lanes for at most 2^13 pairs, exact in 16-bit and float lanes
-// alike, then go into doubles.
+// lanes idle). Counts stay in lanes for at most 2^13 pairs (2^12 groups of kSumLanes values),
+// exact in 16-bit and float lanes alike, then go into doubles.
 template <typename TV>
 void flat_stats(const TV* v, int64_t n, SparseRowsSumResult& out) {
-  constexpr int64_t kMaxChunk = (int64_t{1} << 13) * kPair;
+  constexpr int64_t kMaxChunk = (int64_t{1} << 12) * kSumLanes;
   for (int64_t c0 = 0; c0 < n; c0 += kMaxChunk) {
     const int64_t c1 = std::min(n, c0 + kMaxChunk);
     LookupStats<TV> stats;
-    for (int64_t i = c0; i < c1; i += kPair) {
+    const TV* c = v + c0;
+    for_each_pair_in_groups(c1 - c0, [&](int64_t i, int64_t k, auto j)
+                                         __attribute__((always_inline)) {
       Vec v0, v1;
-      PairIO<TV>::load(v + i, c1 - i, v0, v1);
-      stats.add(v + i, c1 - i, v0, v1);
-    }
+      PairIO<TV>::load(c + i, k, v0, v1);
+      stats.add(c + i, k, v0, v1, j);
+    });
     stats.into(out);
     uncount_padding(out, (kPair - (c1 - c0) % kPair) % kPair);  // the last pair's
   }
@@ -103,9 +106,10 @@ constexpr int64_t kBlockValues = 4096;
 // result says whether any partial sum was non-finite: an inf or NaN lookup leaves its row's sum
 // so, and so does a sum that overflows FP32. With kStats it also holds grad_stats_'s telemetry
 // and sum of squares of the values as given (math/telemetry_math.h), before they are unscaled:
-// in the same read, or, for rows shorter than a pair, flat block by block (such a row would
+// in the same read, or, for rows shorter than kSumLanes, flat block by block (such a row would
 // leave most lanes idle: 26 FP16 tables of 512 lookups of 16 on AVX-512, telemetry's cost
-// 1.12x the step -> 1.04x; with rows of 64 the reread cost more than it saved).
+// 1.12x the step -> 1.04x; with rows of 64 the reread cost more than it saved). kSumLanes, not
+// a pair, is the bound so that every instruction set sums the squares in the same order.
 template <typename TV, bool kUnscale, bool kStats>
 SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_t* slot_of,
                                 float* sums, float inv_scale) {
@@ -114,7 +118,7 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
   Vec bad(0.f);
   SparseRowsSumResult out;
   int32_t next_new = 0;
-  const bool flat = d < kPair;
+  const bool flat = d < kSumLanes;
   for (int64_t k0 = 0; k0 < nnz; k0 += block) {
     const int64_t k1 = std::min(nnz, k0 + block);
     LookupStats<TV> stats;
@@ -127,12 +131,11 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
       TV* v = values + k * d;
       const bool first = slot == next_new;
       next_new += first ? 1 : 0;
-      for (int64_t i = 0; i < d; i += kPair) {
-        const int64_t n = d - i;
+      for_each_pair_in_groups(d, [&](int64_t i, int64_t n, auto j) __attribute__((always_inline)) {
         Vec a0, a1, v0, v1;
         PairIO<TV>::load(v + i, n, v0, v1);
         if (kStats && !flat) {
-          stats.add(v + i, n, v0, v1);
+          stats.add(v + i, n, v0, v1, j);
         }
         if constexpr (kUnscale) {
           PairIO<TV>::store(v + i, n, math::unscale(v0, scale), math::unscale(v1, scale));
@@ -150,7 +153,7 @@ SparseRowsSumResult sum_lookups(TV* values, int64_t nnz, int64_t d, const int32_
         }
         bad = math::accumulate_nonfinite(math::accumulate_nonfinite(bad, v0), v1);
         PairIO<float>::store(acc + i, n, v0, v1);
-      }
+      });
     }
     if (kStats && !flat) {
       stats.into(out);

@@ -73,27 +73,27 @@ bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry
   const Vec s(inv_scale);
   // The pair's halves accumulate apart: two dependency chains per accumulator instead of one
   // twice as long. Combined below (exact: a NaN stays a NaN, counts are integers, the maximum
-  // is a maximum).
-  Vec bad0(0.f), bad1(0.f), sq0(0.f), sq1(0.f);
+  // is a maximum). The squares go to their lanes of the sum (SquareSums).
+  Vec bad0(0.f), bad1(0.f);
+  SquareSums sq;
   auto tele = math::telemetry_zero<Vec>();
   auto tele1 = math::telemetry_zero<Vec>();
   const Vec smallest_normal(math::smallest_normal<T>());
-  for (int64_t i = 0; i < n; i += kPair) {
+  for_each_pair_in_groups(n, [&](int64_t i, int64_t k, auto j) __attribute__((always_inline)) {
     Vec a, b;
-    PairIO<T>::load(p + i, n - i, a, b);
+    PairIO<T>::load(p + i, k, a, b);
     bad0 = math::accumulate_nonfinite(bad0, a);
     bad1 = math::accumulate_nonfinite(bad1, b);
-    sq0 = math::accumulate_square(sq0, a);
-    sq1 = math::accumulate_square(sq1, b);
+    sq.add(j, a, b);
     if constexpr (kTelemetry) {
       math::accumulate_telemetry(tele, a, smallest_normal);
       math::accumulate_telemetry(tele1, b, smallest_normal);
     }
     if constexpr (kUnscale) {
-      PairIO<T>::store(p + i, n - i, math::unscale(a, s), math::unscale(b, s));
+      PairIO<T>::store(p + i, k, math::unscale(a, s), math::unscale(b, s));
     }
-  }
-  *sum_sq = lane_sum(sq0 + sq1);
+  });
+  *sum_sq = sq.fold();
   if constexpr (kTelemetry) {
     const float padding = static_cast<float>((kPair - n % kPair) % kPair);
     telemetry->amax =
@@ -105,17 +105,17 @@ bool stats_range(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry
 }
 
 // A chunk of FP16/BF16 gradients: the same results, the check and the telemetry taken from the
-// bit patterns (half_patterns.h) and only the sum of squares from the values. The squares are
-// summed as above, pair by pair with the padded last pair, so the sum has the same bits.
+// bit patterns (half_patterns.h) and only the sum of squares from the values, summed as above
+// (the same lanes, the padded last pair), so the sum has the same bits.
 template <typename T, bool kUnscale, bool kTelemetry>
 bool stats_range_16(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTelemetry* telemetry) {
   if (n <= Vec::size()) {
     return stats_one_vector<T, kUnscale, kTelemetry>(p, n, inv_scale, sum_sq, telemetry);
   }
   const Vec s(inv_scale);
-  Vec sq0(0.f), sq1(0.f);
+  SquareSums sq;
   HalfPatternLanes<T, kTelemetry, kUnscale && kTelemetry> lanes;
-  const auto pair = [&](int64_t i, int64_t k) __attribute__((always_inline)) {
+  for_each_pair_in_groups(n, [&](int64_t i, int64_t k, auto j) __attribute__((always_inline)) {
     Vec a, b;
     PairIO<T>::load(p + i, k, a, b);
     if (k == kPair) {
@@ -123,20 +123,12 @@ bool stats_range_16(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTeleme
     } else {
       lanes.add_partial(p + i, k);
     }
-    sq0 = math::accumulate_square(sq0, a);
-    sq1 = math::accumulate_square(sq1, b);
+    sq.add(j, a, b);
     if constexpr (kUnscale) {  // after the patterns were read
       PairIO<T>::store(p + i, k, math::unscale(a, s), math::unscale(b, s));
     }
-  };
-  int64_t i = 0;
-  for (; i + kPair <= n; i += kPair) {
-    pair(i, kPair);
-  }
-  if (i < n) {
-    pair(i, n - i);
-  }
-  *sum_sq = lane_sum(sq0 + sq1);
+  });
+  *sum_sq = sq.fold();
   const bool bad = lanes.nonfinite();
   if constexpr (kTelemetry) {
     const int64_t padding = (kPair - n % kPair) % kPair;

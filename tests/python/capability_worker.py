@@ -45,6 +45,32 @@ CASES = [
      dict(momentum=0.9, weight_decay=0.01, state_dtype=torch.int8, skip_nonfinite=False)),
 ]
 
+# Clipped steps: every clipped element depends on the global norm's sum of squares. The CPU
+# builds take it in the same order; CUDA in another (test_cuda_same_bits.py runs CASES only).
+CPU_ONLY_CASES = [
+    ("adamw_fp32_clipped", "AdamW", torch.float32, dict(weight_decay=0.1, max_grad_norm=0.05)),
+    ("adamw_fp16_master_clipped", "AdamW", torch.float16,
+     dict(master_weights=True, max_grad_norm=0.05)),
+    ("sgd_bf16_split_clipped", "SGD", torch.bfloat16,
+     dict(momentum=0.9, master_weights="split", max_grad_norm=0.05)),
+]
+# Sizes for the sum of squares alone: within one vector, one pair and one group of lanes, just
+# past each, and over several of the CPU's chunks of 16,384 elements.
+NORM_SIZES = (1, 7, 9, 15, 17, 20, 31, 33, 47, 100, 1000, 4097, 33153, 100003)
+
+
+def sums_of_squares():
+    """grad_stats_'s sum of squares of FP32, FP16 and BF16 gradients of NORM_SIZES."""
+    rng = np.random.default_rng(3)
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for n in NORM_SIZES:
+            g = torch.from_numpy(rng.standard_normal(n, dtype=np.float32)).to(dtype)
+            found, sum_sq = torch.zeros(1), torch.zeros(1)
+            torch.ops.fusedamp.grad_stats_([g], found, sum_sq)
+            out[f"{str(dtype)[6:]}.{n}"] = sum_sq
+    return out
+
 
 def run_case(name, cls, dtype, kwargs, device="cpu"):
     # numpy's generator, not torch's: torch.randn's vectorised path is itself compiled per
@@ -55,8 +81,8 @@ def run_case(name, cls, dtype, kwargs, device="cpu"):
         return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
 
     params = [torch.nn.Parameter((randn(s) * 0.1).to(dtype).to(device)) for s in SHAPES]
-    # No clipping: the global norm's sum is taken in vector-width partial sums, whose order
-    # (and so its last bits) is the instruction set's.
+    # Clipping (max_grad_norm) only in CPU_ONLY_CASES: CUDA sums the squares in its blocks'
+    # order, the CPU builds in one order of their own (cpu/lane_reduce.h SquareSums).
     opt = getattr(fusedamp.optim, cls)(params, lr=LR, **kwargs)
     scaler = fusedamp.GradScaler(device, init_scale=1024.0) if dtype == torch.float16 else None
     for step in range(3):
@@ -127,9 +153,10 @@ def split_edges(device="cpu"):
 def main(path):
     torch.set_num_threads(1)
     results = {"capability": fusedamp._C.cpu_capability()}
-    for name, cls, dtype, kwargs in CASES:
+    for name, cls, dtype, kwargs in CASES + CPU_ONLY_CASES:
         results[name] = run_case(name, cls, dtype, kwargs)
     results["split_edges"] = split_edges()
+    results["sums_of_squares"] = sums_of_squares()
     torch.save(results, path)
 
 

@@ -5,7 +5,9 @@ each (capability_worker.py: every optimizer and weight store, 8-bit states inclu
 sizes with partial vectors and blocks), against this process's results.
 
 Every instruction set gives the same bits, DEFAULT included, in every mode: weights, masters,
-moments, remainders, block scales. The formulas fuse a multiply-add only where they say so
+moments, remainders, block scales; and the sum of squares behind clipping (the lanes and their
+order are the same whatever the vector width: cpu/lane_reduce.h SquareSums), so clipped steps
+too. The formulas fuse a multiply-add only where they say so
 (LaneOps::fma: an FMA instruction on AVX2/AVX512, std::fma lane by lane on DEFAULT, fmaf on
 CUDA) and the library is compiled with contraction off, so no compiler turns a*b+c into one
 rounding in one build and two in another.
@@ -35,9 +37,10 @@ def best():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = {name: capability_worker.run_case(name, *rest)
-               for name, *rest in capability_worker.CASES}
+        cases = capability_worker.CASES + capability_worker.CPU_ONLY_CASES
+        out = {name: capability_worker.run_case(name, *rest) for name, *rest in cases}
         out["split_edges"] = capability_worker.split_edges()
+        out["sums_of_squares"] = capability_worker.sums_of_squares()
         return out
     finally:
         torch.set_num_threads(threads)

@@ -170,22 +170,23 @@ def test_state_dict_from_and_to_torch(device, name):
 
 # Inputs from numpy: torch's own random numbers differ between instruction sets.
 _SAME_BITS_WORKER = """
-import hashlib, numpy as np, torch, fusedamp
+import hashlib, itertools, numpy as np, torch, fusedamp
 out = []
-for name, (cls, kwargs) in {names}.items():
+for (name, (cls, kwargs)), d in itertools.product({names}.items(), (37, 20)):
     rng = np.random.default_rng(12)
-    p = torch.nn.Parameter(torch.from_numpy(rng.standard_normal((300, 37), np.float32))
+    p = torch.nn.Parameter(torch.from_numpy(rng.standard_normal((300, d), np.float32))
                            .to(torch.bfloat16))
     opt = getattr(fusedamp.optim, cls)([p], **kwargs)
     scaler = fusedamp.GradScaler("cpu", init_scale=3.0)  # an inexact inverse: rounding
     for _ in range(3):
         idx = torch.from_numpy((rng.random(500) ** 2 * 300).astype(np.int64))
-        values = torch.from_numpy(rng.standard_normal((500, 37), np.float32))
-        p.grad = torch.sparse_coo_tensor(idx[None], values, (300, 37)).to(torch.bfloat16)
+        values = torch.from_numpy(rng.standard_normal((500, d), np.float32))
+        p.grad = torch.sparse_coo_tensor(idx[None], values, (300, d)).to(torch.bfloat16)
         scaler.scale(torch.ones(()))
         scaler.step(opt)
         scaler.update()
-    state = [p.detach(), p.grad._values()] + [v for v in opt.state[p].values()]
+    norms = torch.tensor(scaler.telemetry()["grad_norm"], dtype=torch.float64)
+    state = [p.detach(), p.grad._values(), norms] + [v for v in opt.state[p].values()]
     out.append(hashlib.sha256(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
                                        for t in state)).hexdigest())
 print(",".join(out))
@@ -193,11 +194,13 @@ print(",".join(out))
 
 
 def test_same_bits_on_every_instruction_set():
-    """The row loops in vectors of 4 (DEFAULT), 8 (AVX2) or 16 (AVX-512) lanes, and a row of 37
-    with its tail, under a loss scale of 3 (the unscale rounds, in the pass that sums the rows),
-    BF16 tables with masters, split8 remainders or stochastic rounding: the same bits (weights,
-    state, the unscaled gradient), FMAs written out and contraction off. The machine's best
-    instruction set runs here, each lesser one in a subprocess (ATEN_CPU_CAPABILITY)."""
+    """The row loops in vectors of 8 (DEFAULT, AVX2) or 16 (AVX-512) lanes, rows of 37 (read
+    row by row, with a tail) and of 20 (read flat for the statistics), under a loss scale of 3
+    (the unscale rounds, in the pass that sums the rows), BF16 tables with masters, split8
+    remainders or stochastic rounding: the same bits (weights, state, the unscaled gradient,
+    the gradient norm the telemetry reports), FMAs written out and contraction off. The
+    machine's best instruction set runs here, each lesser one in a subprocess
+    (ATEN_CPU_CAPABILITY)."""
     import contextlib
     import io
     import os

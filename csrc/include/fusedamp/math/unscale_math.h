@@ -23,6 +23,22 @@ C10_HOST_DEVICE inline V accumulate_square(V acc, V x) {
   return LaneOps<V>::fma(x, x, acc);
 }
 
+// The order of a range's sum of squares (the global norm behind clipping, grad_stats_), the
+// same whatever a kernel's vector width: element i goes into partial sum i % kSquareSumLanes
+// (accumulate_square, in increasing i), then the partial sums fold as s[l] + s[l + half] for
+// l < half, those added in order from +0 (fold_square_sums). The CPU builds all follow it
+// (cpu/lane_reduce.h SquareSums); the CUDA kernels sum in their blocks' order.
+constexpr int kSquareSumLanes = 32;
+
+C10_HOST_DEVICE inline float fold_square_sums(const float* s) {
+  constexpr int half = kSquareSumLanes / 2;
+  float r = 0.f;
+  for (int l = 0; l < half; ++l) {
+    r += s[l] + s[l + half];
+  }
+  return r;
+}
+
 C10_HOST_DEVICE inline bool is_nonfinite_marker(float acc) {
   return acc != acc;  // NaN
 }
