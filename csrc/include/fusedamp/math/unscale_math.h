@@ -27,7 +27,8 @@ C10_HOST_DEVICE inline V accumulate_square(V acc, V x) {
 // same whatever a kernel's vector width: element i goes into partial sum i % kSquareSumLanes
 // (accumulate_square, in increasing i), then the partial sums fold as s[l] + s[l + half] for
 // l < half, those added in order from +0 (fold_square_sums). The CPU builds all follow it
-// (cpu/lane_reduce.h SquareSums); the CUDA kernels sum in their blocks' order.
+// (cpu/lane_reduce.h SquareSums); the CUDA kernels sum in their blocks' order. 32: the lanes of
+// an AVX-512 pair (that build's loop is one pair per group; AVX2's and DEFAULT's, two).
 constexpr int kSquareSumLanes = 32;
 
 C10_HOST_DEVICE inline float fold_square_sums(const float* s) {
