@@ -38,7 +38,31 @@ struct HalfPatternLanes {
   // The kPair elements at p.
   C10_ALWAYS_INLINE void add(const T* p) {
 #if defined(CPU_CAPABILITY_AVX512)
-    const __m512i m = _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi16(0x7FFF));
+    add_patterns(_mm512_loadu_si512(p));
+#else
+    add_patterns(V::loadu(p));
+#endif
+  }
+
+  // The first n < kPair elements at p; the lanes from n on count as zeros (the caller takes
+  // them off the counts). On AVX-512 a masked load: a copy through a zeroed buffer is read back
+  // by one wide load before its narrow stores retire, a stalled load per call, and there every
+  // row of 16 FP16 values is a partial pair.
+  void add_partial(const T* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+    add_patterns(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << n) - 1), p));
+#else
+    alignas(64) T lanes[kPair];
+    std::memset(lanes, 0, sizeof(lanes));
+    std::memcpy(lanes, p, static_cast<size_t>(n) * sizeof(T));
+    add(lanes);
+#endif
+  }
+
+  // One pair's bit patterns.
+  C10_ALWAYS_INLINE void add_patterns(const V& bits) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i m = _mm512_and_si512(bits, _mm512_set1_epi16(0x7FFF));
     top = _mm512_max_epi16(top, m);
     if constexpr (kCount) {
       const __m512i one = _mm512_set1_epi16(1);
@@ -52,7 +76,7 @@ struct HalfPatternLanes {
     }
 #else
     // A comparison's true lanes hold -1: subtracting it counts.
-    const V m = V::loadu(p) & V(0x7FFF);
+    const V m = bits & V(0x7FFF);
     top = at::vec::maximum(top, m);
     if constexpr (kCount) {
       n_small = n_small - (m < V(static_cast<int16_t>(P::kSmallestNormal)));
@@ -62,15 +86,6 @@ struct HalfPatternLanes {
       finite_top = at::vec::maximum(finite_top, m & (m < V(static_cast<int16_t>(P::kInf))));
     }
 #endif
-  }
-
-  // The first n < kPair elements at p; the lanes from n on count as zeros (the caller takes
-  // them off the counts).
-  void add_partial(const T* p, int64_t n) {
-    alignas(64) T lanes[kPair];
-    std::memset(lanes, 0, sizeof(lanes));
-    std::memcpy(lanes, p, static_cast<size_t>(n) * sizeof(T));
-    add(lanes);
   }
 
   bool nonfinite() const { return largest(top) >= P::kInf; }
