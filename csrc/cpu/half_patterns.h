@@ -44,6 +44,15 @@ struct HalfPatternLanes {
 #endif
   }
 
+  // The first min(n, kPair) elements at p: a whole pair, or the pair a range ends with.
+  C10_ALWAYS_INLINE void add(const T* p, int64_t n) {
+    if (n >= kPair) {
+      add(p);
+    } else {
+      add_partial(p, n);
+    }
+  }
+
   // The first n < kPair elements at p; the lanes from n on count as zeros (the caller takes
   // them off the counts). On AVX-512 a masked load: a copy through a zeroed buffer is read back
   // by one wide load before its narrow stores retire, a stalled load per call, and there every

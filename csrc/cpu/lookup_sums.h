@@ -38,11 +38,7 @@ struct LookupStats {
   template <typename Place>
   C10_ALWAYS_INLINE void add(const TV* p, int64_t n, const Vec& v0, const Vec& v1, Place j) {
     if constexpr (kHalf) {
-      if (n >= kPair) {
-        lanes.add(p);
-      } else {
-        lanes.add_partial(p, n);
-      }
+      lanes.add(p, n);
     } else {
       const Vec smallest_normal(math::smallest_normal<float>());
       math::accumulate_telemetry(lanes, v0, smallest_normal);
@@ -76,8 +72,9 @@ inline void uncount_padding(SparseRowsSumResult& out, int64_t count) {
 
 // grad_stats_'s statistics of n values as given (`out` gathers them), read flat: whole pairs
 // but for the last, whatever the row width (a short row alone would leave most of a pair's
-// lanes idle). Counts stay in lanes for at most 2^13 pairs (2^12 groups of kSumLanes values),
-// exact in 16-bit and float lanes alike, then go into doubles.
+// lanes idle). Counts stay in lanes for at most 2^12 groups of kSumLanes values (a lane takes
+// one per pair: at most 2^14 with the narrowest pairs, of 8), exact in 16-bit and float lanes
+// alike, then go into doubles. The chunks are the same on every instruction set.
 template <typename TV>
 void flat_stats(const TV* v, int64_t n, SparseRowsSumResult& out) {
   constexpr int64_t kMaxChunk = (int64_t{1} << 12) * kSumLanes;

@@ -118,11 +118,7 @@ bool stats_range_16(T* p, int64_t n, float inv_scale, float* sum_sq, ChunkTeleme
   for_each_pair_in_groups(n, [&](int64_t i, int64_t k, auto j) __attribute__((always_inline)) {
     Vec a, b;
     PairIO<T>::load(p + i, k, a, b);
-    if (k == kPair) {
-      lanes.add(p + i);
-    } else {
-      lanes.add_partial(p + i, k);
-    }
+    lanes.add(p + i, k);
     sq.add(j, a, b);
     if constexpr (kUnscale) {  // after the patterns were read
       PairIO<T>::store(p + i, k, math::unscale(a, s), math::unscale(b, s));

@@ -150,13 +150,17 @@ def split_edges(device="cpu"):
     return out
 
 
-def main(path):
-    torch.set_num_threads(1)
-    results = {"capability": fusedamp._C.cpu_capability()}
-    for name, cls, dtype, kwargs in CASES + CPU_ONLY_CASES:
-        results[name] = run_case(name, cls, dtype, kwargs)
+def cpu_results():
+    """Every case's results on the CPU, the split edges and the sums of squares, by name."""
+    results = {name: run_case(name, *rest) for name, *rest in CASES + CPU_ONLY_CASES}
     results["split_edges"] = split_edges()
     results["sums_of_squares"] = sums_of_squares()
+    return results
+
+
+def main(path):
+    torch.set_num_threads(1)
+    results = {"capability": fusedamp._C.cpu_capability(), **cpu_results()}
     torch.save(results, path)
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import fusedamp
 
-ROWS, DIM = 50, 20  # DIM: two full vector pairs and a tail on AVX-512 and AVX2
+ROWS, DIM = 50, 20  # DIM: one partial pair on AVX-512 (32 lanes), a whole pair and a tail on AVX2
 
 # Each algorithm: fusedamp's optimizer and torch's, with the same arguments.
 ALGORITHMS = {

@@ -37,11 +37,7 @@ def best():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cases = capability_worker.CASES + capability_worker.CPU_ONLY_CASES
-        out = {name: capability_worker.run_case(name, *rest) for name, *rest in cases}
-        out["split_edges"] = capability_worker.split_edges()
-        out["sums_of_squares"] = capability_worker.sums_of_squares()
-        return out
+        return capability_worker.cpu_results()
     finally:
         torch.set_num_threads(threads)
 

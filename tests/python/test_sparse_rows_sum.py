@@ -159,7 +159,7 @@ def test_statistics_in_the_same_read_are_grad_stats_over_the_values(dtype, dim, 
     """telemetry and sum_sq, gathered while summing, as grad_stats_ finds them over the values
     tensor (before unscaling): amax, counts below the smallest normal and of zeros (the zero
     lanes past a row's or a block's end left out), the first non-finite position, the sum of
-    squares. Rows shorter than a pair are read flat, block by block; longer ones row by row."""
+    squares. Rows shorter than 32 values are read flat, block by block; longer ones row by row."""
     gen = torch.Generator().manual_seed(12)
     idx = (torch.rand(nnz, generator=gen) ** 2 * ROWS).long()[None]
     values = torch.randn(nnz, dim, generator=gen) * 8
